@@ -1,0 +1,85 @@
+"""The FastAPI application: wiring only. Routes live in api/routes, state in api/deps."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+
+from api import errors
+from api.caches import AuthCache, RoutingCache
+from api.deps import AppState
+from api.events import EventHub
+from api.middleware import BodyLimitMiddleware, MetricsMiddleware
+from api.routes import health, jobs, models, tenants
+from sluice import broker as broker_mod
+from sluice.broker import Broker
+from sluice.registry.store import Registry
+from sluice.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    *, settings: Settings, redis: aioredis.Redis | None = None, registry: Registry | None = None
+) -> FastAPI:
+    """Build the app. Connections may be passed in (tests, embedders); otherwise they come from
+    the settings' URLs and are closed on shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        own_redis = redis is None
+        own_registry = registry is None
+        client = redis or broker_mod.connect(settings.require_redis_url())
+        reg = registry or Registry(url=settings.require_database_url())
+        routing = RoutingCache(registry=reg, refresh_s=settings.routing_refresh_s)
+        auth = AuthCache(registry=reg, ttl_s=settings.auth_cache_s)
+
+        async def on_control(event: dict[str, Any]) -> None:
+            kind = event.get("type")
+            if kind == "routing":
+                await routing.reload()
+            elif kind == "key.revoked":
+                auth.forget(str(event.get("key_hash")))
+            elif kind == "resync":
+                auth.forget()
+                await routing.reload()
+
+        hub = EventHub(redis=client, on_control=on_control)
+        state = AppState(settings=settings, broker=Broker(redis=client, result_ttl_s=settings.result_ttl_s),
+                         registry=reg, routing=routing, auth=auth, hub=hub)
+        app.state.sluice = state
+        await routing.reload()
+        tasks = [asyncio.create_task(hub.run(), name="events"),
+                 asyncio.create_task(routing.refresh_forever(), name="routing-refresh")]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            if own_redis:
+                await client.aclose()
+            if own_registry:
+                reg.dispose()
+
+    app = FastAPI(
+        title="Sluice",
+        version="1",
+        summary="Asynchronous inference: submit jobs, collect results by polling, SSE or webhook.",
+        lifespan=lifespan,
+    )
+    errors.install(app)
+    for module in (health, jobs, models, tenants):
+        app.include_router(module.router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(MetricsMiddleware)
+    return app

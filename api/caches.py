@@ -1,0 +1,113 @@
+"""The API's views of the registry: routing and API keys, cached so Postgres is off the hot path.
+
+Both keep serving their last good answer while Postgres is unreachable; the routing cache says
+so through `degraded`, which `/readyz` reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from anyio import to_thread
+
+from sluice.errors import RegistryError, ServiceUnavailable, Unauthenticated
+from sluice.registry import queries
+from sluice.registry.store import Registry
+from sluice.routing import RoutingSnapshot
+
+log = logging.getLogger(__name__)
+
+
+class RoutingCache:
+    def __init__(self, *, registry: Registry, refresh_s: float) -> None:
+        self.registry = registry
+        self.refresh_s = refresh_s
+        self.snapshot: RoutingSnapshot | None = None
+        self.loaded_at: float | None = None
+        self.degraded: str | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        return self.snapshot is not None
+
+    def current(self) -> RoutingSnapshot:
+        if self.snapshot is None:
+            raise ServiceUnavailable("the routing table has not been loaded yet")
+        return self.snapshot
+
+    async def reload(self) -> bool:
+        """Load a fresh snapshot; on failure keep the last one and mark the cache degraded."""
+        async with self._lock:
+            try:
+                snapshot = await to_thread.run_sync(self._read)
+            except RegistryError as exc:
+                if self.degraded is None:
+                    log.warning("routing reload failed, serving the cached table: %s", exc)
+                self.degraded = str(exc)
+                return False
+            self.snapshot = snapshot
+            self.loaded_at = time.time()
+            self.degraded = None
+            return True
+
+    def _read(self) -> RoutingSnapshot:
+        with self.registry.session() as session:
+            return queries.routing_snapshot(session)
+
+    async def refresh_forever(self) -> None:
+        """The safety net behind event-driven reloads: a missed event heals within refresh_s."""
+        while True:
+            # Retry sooner while degraded so recovery is noticed quickly.
+            await asyncio.sleep(min(self.refresh_s, 2.0) if self.degraded else self.refresh_s)
+            await self.reload()
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    key: queries.KeyInfo | None
+    expires_at: float
+
+
+class AuthCache:
+    """Key hash -> tenant, with positive and short negative caching."""
+
+    NEGATIVE_TTL_S = 5.0
+
+    def __init__(self, *, registry: Registry, ttl_s: float) -> None:
+        self.registry = registry
+        self.ttl_s = ttl_s
+        self._entries: dict[str, _Entry] = {}
+
+    def forget(self, key_hash: str | None = None) -> None:
+        if key_hash is None:
+            self._entries.clear()
+        else:
+            self._entries.pop(key_hash, None)
+
+    async def authenticate(self, raw_key: str) -> queries.KeyInfo:
+        digest = queries.hash_key(raw_key)
+        now = time.monotonic()
+        entry = self._entries.get(digest)
+        if entry is None or entry.expires_at <= now:
+            try:
+                found = await to_thread.run_sync(self._lookup, raw_key)
+            except RegistryError as exc:
+                if entry is not None and entry.key is not None:
+                    return entry.key  # Postgres is down: a key we knew stays valid until it is back.
+                raise ServiceUnavailable("the registry is unreachable and this key is not cached") from exc
+            ttl = self.ttl_s if found is not None else min(self.ttl_s, self.NEGATIVE_TTL_S)
+            entry = _Entry(found, now + ttl)
+            if len(self._entries) > 100_000:
+                self._entries.clear()
+            self._entries[digest] = entry
+        if entry.key is None:
+            raise Unauthenticated("the API key is not valid")
+        return entry.key
+
+    def _lookup(self, raw_key: str) -> queries.KeyInfo | None:
+        with self.registry.session() as session:
+            return queries.lookup_key(session, raw_key)

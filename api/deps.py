@@ -1,0 +1,58 @@
+"""Annotated dependencies: the whole of what a route may ask the framework for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from api.caches import AuthCache, RoutingCache
+from api.events import EventHub
+from sluice.broker import Broker
+from sluice.errors import Forbidden, Unauthenticated
+from sluice.registry.queries import KeyInfo
+from sluice.registry.store import Registry
+from sluice.settings import Settings
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    broker: Broker
+    registry: Registry
+    routing: RoutingCache
+    auth: AuthCache
+    hub: EventHub
+
+
+def get_state(request: Request) -> AppState:
+    state: AppState = request.app.state.sluice
+    return state
+
+
+StateDep = Annotated[AppState, Depends(get_state)]
+
+_bearer = HTTPBearer(auto_error=False, description="A tenant's API key: `Authorization: Bearer sk_...`")
+
+
+async def current_key(
+    state: StateDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> KeyInfo:
+    if credentials is None or not credentials.credentials:
+        raise Unauthenticated("missing 'Authorization: Bearer <key>' header",
+                              headers={"WWW-Authenticate": "Bearer"})
+    return await state.auth.authenticate(credentials.credentials)
+
+
+CurrentKey = Annotated[KeyInfo, Depends(current_key)]
+
+
+async def admin_key(key: CurrentKey) -> KeyInfo:
+    if not key.is_admin:
+        raise Forbidden("this action needs an admin key")
+    return key
+
+
+AdminKey = Annotated[KeyInfo, Depends(admin_key)]

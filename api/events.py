@@ -1,0 +1,88 @@
+"""One pub/sub subscription per API process, fanned out to long-polls, SSE streams and caches."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
+
+from sluice import keys
+
+log = logging.getLogger(__name__)
+
+EventHandler = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class EventHub:
+    def __init__(self, *, redis: aioredis.Redis, on_control: EventHandler) -> None:
+        self.redis = redis
+        self.on_control = on_control
+        self._waiters: dict[str, set[asyncio.Event]] = defaultdict(set)
+        self.connected = asyncio.Event()
+
+    def watch(self, job_id: str) -> asyncio.Event:
+        """Register before reading the job, so an event between the read and the wait is not lost."""
+        event = asyncio.Event()
+        self._waiters[job_id].add(event)
+        return event
+
+    def unwatch(self, job_id: str, event: asyncio.Event) -> None:
+        waiters = self._waiters.get(job_id)
+        if waiters is not None:
+            waiters.discard(event)
+            if not waiters:
+                del self._waiters[job_id]
+
+    async def _dispatch(self, message: dict[str, Any]) -> None:
+        if message.get("type") == "job":
+            for event in self._waiters.get(str(message.get("id")), ()):
+                event.set()
+        else:
+            await self.on_control(message)
+
+    async def run(self) -> None:
+        """Listen forever, reconnecting with capped, jittered backoff; never floods the log."""
+        delay = 0.1
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(keys.EVENTS_CHANNEL)
+                self.connected.set()
+                if delay > 0.1:
+                    log.info("event subscription restored")
+                    # Routing may have changed while we were deaf.
+                    await self.on_control({"type": "resync"})
+                delay = 0.1
+                while True:
+                    message = await pubsub.get_message(timeout=30.0)
+                    if message is None or message.get("type") != "message":
+                        continue
+                    try:
+                        payload = json.loads(message["data"])
+                    except (ValueError, TypeError):
+                        continue
+                    await self._dispatch(payload)
+            except asyncio.CancelledError:
+                raise
+            except (redis_errors.RedisError, OSError) as exc:
+                self.connected.clear()
+                if delay <= 0.1:
+                    log.warning("event subscription lost: %s", exc)
+                # Wake every waiter: they re-read the job and notice nothing changed.
+                for waiters in self._waiters.values():
+                    for event in waiters:
+                        event.set()
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, 5.0)
+            finally:
+                try:
+                    await pubsub.aclose()
+                except (redis_errors.RedisError, OSError):
+                    pass

@@ -1,0 +1,233 @@
+"""Submitting jobs, reading them (poll, long-poll, server-sent events) and cancelling them."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Header, Query, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
+
+from api.deps import AppState, CurrentKey, StateDep
+from sluice import keys
+from sluice.broker import translate_redis_errors
+from sluice.errors import Conflict, InvalidInput, PayloadTooLarge
+from sluice.jobs import JobRecord, JobStatus, new_job_id
+from sluice.kinds import ModelKind, validate_input
+from sluice.metrics import JOBS_REJECTED, JOBS_SUBMITTED
+from sluice.registry.queries import KeyInfo
+from sluice.routing import route
+
+router = APIRouter(prefix="/v1", tags=["jobs"])
+
+MetadataValue = str | int | float | bool | None
+
+
+class _JobOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: str | None = Field(default=None, min_length=1, max_length=64)
+    routing_key: str | None = Field(default=None, min_length=1, max_length=256)
+    callback_url: AnyHttpUrl | None = None
+    lane: Literal["online", "bulk"] = "online"
+    timeout_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
+    metadata: dict[str, MetadataValue] | None = Field(default=None, max_length=32)
+
+
+class SubmitJob(_JobOptions):
+    input: Any = Field(description="The model kind's input, e.g. {\"text\": \"...\"}")
+
+
+class SubmitBulk(_JobOptions):
+    inputs: list[Any] = Field(min_length=1)
+
+
+class BulkAccepted(BaseModel):
+    ids: list[str]
+    model: str
+    version: str
+    count: int
+
+
+def _request_hash(model: str, body: BaseModel) -> str:
+    canonical = json.dumps([model, body.model_dump(mode="json")], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+async def _replay(
+    state: AppState, key: KeyInfo, idempotency_key: str | None, request_hash: str
+) -> tuple[str, list[str] | None]:
+    """Claim the Idempotency-Key, or answer the job ids it already names (409 on another body)."""
+    if not idempotency_key:
+        return "", None
+    if len(idempotency_key) > 255:
+        raise InvalidInput("Idempotency-Key must be at most 255 characters")
+    redis_key = keys.idempotency(key.tenant, hashlib.sha256(idempotency_key.encode()).hexdigest())
+    with translate_redis_errors():
+        claimed = await state.broker.redis.set(
+            redis_key, json.dumps({"hash": request_hash, "ids": None}), nx=True,
+            ex=state.settings.idempotency_ttl_s,
+        )
+        if claimed:
+            return redis_key, None
+        stored = await state.broker.redis.get(redis_key)
+    previous = json.loads(stored) if stored else {"hash": request_hash, "ids": None}
+    if previous["hash"] != request_hash:
+        raise Conflict("this Idempotency-Key was already used with a different request body")
+    if previous["ids"] is None:
+        raise Conflict("a request with this Idempotency-Key is still being processed",
+                       headers={"Retry-After": "1"})
+    return redis_key, list(previous["ids"])
+
+
+async def _admit(
+    state: AppState, key: KeyInfo, model: str, options: _JobOptions, inputs: list[Any],
+    idempotency_key: str | None, request_hash: str,
+) -> tuple[list[JobRecord], bool]:
+    snapshot = state.routing.current()
+    info = snapshot.model(model)
+    kind = ModelKind(info.kind)
+    validated = []
+    for index, payload in enumerate(inputs):
+        try:
+            validated.append(validate_input(kind, payload, max_text_chars=state.settings.max_text_chars))
+        except InvalidInput as exc:
+            JOBS_REJECTED.labels(model, exc.code).inc()
+            where = f"inputs[{index}]" if len(inputs) > 1 or isinstance(options, SubmitBulk) else "input"
+            raise InvalidInput(exc.message.replace("input", where, 1)) from None
+    decision = route(snapshot, model=model, tenant=key.tenant, routing_key=options.routing_key,
+                     version=options.version)
+    redis_key, replayed = await _replay(state, key, idempotency_key, request_hash)
+    if replayed is not None:
+        records = [r for r in [await state.broker.get(i) for i in replayed] if r is not None]
+        return records, True
+    now = time.time()
+    records = [
+        JobRecord(
+            id=new_job_id(), tenant=key.tenant, model=model, version=decision.version.version,
+            lane=options.lane, status=JobStatus.queued, input=canonical, cost=cost, enqueued_at=now,
+            callback_url=str(options.callback_url) if options.callback_url else None,
+            deadline=now + options.timeout_s if options.timeout_s else None,
+            metadata=dict(options.metadata or {}),
+        )
+        for canonical, cost in validated
+    ]
+    try:
+        await state.broker.enqueue(records)
+    except BaseException:
+        if redis_key:
+            with translate_redis_errors():
+                await state.broker.redis.delete(redis_key)
+        raise
+    if redis_key:
+        with translate_redis_errors():
+            await state.broker.redis.set(
+                redis_key, json.dumps({"hash": request_hash, "ids": [r.id for r in records]}),
+                ex=state.settings.idempotency_ttl_s,
+            )
+    JOBS_SUBMITTED.labels(model, decision.version.version, options.lane).inc(len(records))
+    return records, False
+
+
+@router.post("/models/{model}/jobs", status_code=202, responses={202: {"description": "The queued job"}})
+async def submit_job(
+    model: str, body: SubmitJob, key: CurrentKey, state: StateDep,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+) -> JSONResponse:
+    records, replayed = await _admit(state, key, model, body, [body.input], idempotency_key,
+                                     _request_hash(model, body))
+    record = records[0]
+    headers = {"Location": f"/v1/jobs/{record.id}"}
+    if replayed:
+        headers["Idempotent-Replayed"] = "true"
+    return JSONResponse(record.resource(), status_code=202, headers=headers)
+
+
+@router.post("/models/{model}/jobs:bulk", status_code=202, response_model=BulkAccepted)
+async def submit_bulk(
+    model: str, body: SubmitBulk, key: CurrentKey, state: StateDep, response: Response,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+) -> BulkAccepted:
+    if len(body.inputs) > state.settings.max_bulk_items:
+        raise PayloadTooLarge(f"{len(body.inputs)} inputs; at most {state.settings.max_bulk_items} per request")
+    records, replayed = await _admit(state, key, model, body, body.inputs, idempotency_key,
+                                     _request_hash(model, body))
+    if replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    return BulkAccepted(ids=[r.id for r in records], model=model,
+                        version=records[0].version if records else "", count=len(records))
+
+
+@router.get("/jobs/{job_id}")
+async def get_job(
+    job_id: str, key: CurrentKey, state: StateDep,
+    wait: Annotated[float, Query(ge=0, description="Long-poll up to this many seconds for a final state")] = 0,
+) -> dict[str, Any]:
+    record = await state.broker.get_for_tenant(job_id, key.tenant)
+    deadline = time.monotonic() + min(wait, state.settings.max_wait_s)
+    while not record.is_final:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        event = state.hub.watch(job_id)
+        try:
+            record = await state.broker.get_for_tenant(job_id, key.tenant)
+            if record.is_final:
+                break
+            try:
+                await asyncio.wait_for(event.wait(), timeout=remaining)
+            except TimeoutError:
+                pass
+        finally:
+            state.hub.unwatch(job_id, event)
+        record = await state.broker.get_for_tenant(job_id, key.tenant)
+    return record.resource()
+
+
+@router.get("/jobs/{job_id}/events", response_class=StreamingResponse,
+            responses={200: {"content": {"text/event-stream": {}}}})
+async def job_events(job_id: str, key: CurrentKey, state: StateDep) -> StreamingResponse:
+    first = await state.broker.get_for_tenant(job_id, key.tenant)
+
+    async def stream() -> AsyncIterator[bytes]:
+        record: JobRecord | None = first
+        last_status: str | None = None
+        sequence = 0
+        while record is not None:
+            if record.status != last_status:
+                sequence += 1
+                last_status = record.status
+                data = json.dumps(record.resource(), separators=(",", ":"))
+                yield f"id: {sequence}\nevent: {record.status}\ndata: {data}\n\n".encode()
+            if record.is_final:
+                return
+            event = state.hub.watch(job_id)
+            try:
+                current = await state.broker.get(job_id)
+                if current is None or current.status == last_status:
+                    try:
+                        await asyncio.wait_for(event.wait(), timeout=15.0)
+                    except TimeoutError:
+                        yield b": keep-alive\n\n"
+                    current = await state.broker.get(job_id)
+            finally:
+                state.hub.unwatch(job_id, event)
+            record = current
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.delete("/jobs/{job_id}")
+async def cancel_job(job_id: str, key: CurrentKey, state: StateDep) -> dict[str, Any]:
+    record = await state.broker.get_for_tenant(job_id, key.tenant)
+    outcome = await state.broker.cancel(job_id)
+    if outcome != "cancelled":
+        raise Conflict(f"job '{job_id}' is {outcome}; only a queued job can be cancelled")
+    record = await state.broker.get_for_tenant(job_id, key.tenant)
+    return record.resource()

@@ -1,0 +1,122 @@
+"""The model registry over REST: models, versions, routing weights, rollback."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from anyio import to_thread
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.deps import AdminKey, AppState, CurrentKey, StateDep
+from sluice.registry import queries
+
+router = APIRouter(prefix="/v1/models", tags=["models"])
+
+Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+
+
+class CreateModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Name
+    kind: Literal["embedding", "classifier", "synthetic"]
+
+
+class Batching(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_batch_size: int = Field(default=32, ge=1, le=1024)
+    max_wait_ms: float = Field(default=10.0, ge=0, le=60_000)
+    isolate_tenants: bool = True
+
+
+class RegisterVersion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: Name
+    artifact: str = Field(min_length=1, max_length=1024)
+    sha256: str = Field(pattern=r"^[0-9a-fA-F]{64}$")
+    state: Literal["staged", "shadow", "canary", "stable"] = "staged"
+    batching: Batching = Field(default_factory=Batching)
+    min_replicas: int = Field(default=1, ge=0, le=64)
+    max_replicas: int = Field(default=4, ge=1, le=256)
+
+
+class SetRouting(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    weights: dict[str, Annotated[float, Field(ge=0, le=1e6)]] = Field(min_length=1, max_length=64)
+    reason: str | None = Field(default=None, max_length=500)
+
+
+async def announce_routing(state: AppState, model: str) -> None:
+    """Tell every API replica (and the scheduler) at once; the periodic reload is the safety net."""
+    await state.routing.reload()
+    await state.broker.publish({"type": "routing", "model": model})
+
+
+@router.get("")
+async def list_models(_: CurrentKey, state: StateDep) -> dict[str, Any]:
+    def read() -> list[dict[str, Any]]:
+        with state.registry.session() as session:
+            return queries.list_models(session)
+
+    return {"models": await to_thread.run_sync(read)}
+
+
+@router.post("", status_code=201)
+async def create_model(body: CreateModel, key: AdminKey, state: StateDep) -> dict[str, Any]:
+    def write() -> dict[str, Any]:
+        with state.registry.session() as session:
+            queries.create_model(session, name=body.name, kind=body.kind, actor=f"key:{key.key_id}")
+        with state.registry.session() as session:
+            return queries.model_resource(session, body.name)
+
+    resource = await to_thread.run_sync(write)
+    await announce_routing(state, body.name)
+    return resource
+
+
+@router.get("/{model}")
+async def get_model(model: str, _: CurrentKey, state: StateDep) -> dict[str, Any]:
+    def read() -> dict[str, Any]:
+        with state.registry.session() as session:
+            return queries.model_resource(session, model)
+
+    return await to_thread.run_sync(read)
+
+
+@router.post("/{model}/versions", status_code=201)
+async def register_version(model: str, body: RegisterVersion, key: AdminKey, state: StateDep) -> dict[str, Any]:
+    def write() -> dict[str, Any]:
+        with state.registry.session() as session:
+            row = queries.register_version(
+                session, model=model, version=body.version, artifact=body.artifact, sha256=body.sha256,
+                actor=f"key:{key.key_id}", state=body.state, max_batch_size=body.batching.max_batch_size,
+                max_wait_ms=body.batching.max_wait_ms, isolate_tenants=body.batching.isolate_tenants,
+                min_replicas=body.min_replicas, max_replicas=body.max_replicas,
+            )
+            return queries.version_resource(row)
+
+    resource = await to_thread.run_sync(write)
+    await announce_routing(state, model)
+    return resource
+
+
+@router.put("/{model}/routing")
+async def set_routing(model: str, body: SetRouting, key: AdminKey, state: StateDep) -> dict[str, Any]:
+    def write() -> dict[str, Any]:
+        with state.registry.session() as session:
+            entry = queries.set_routing(session, model=model, weights=body.weights,
+                                        actor=f"key:{key.key_id}", reason=body.reason)
+            return {"routing": queries.routing_weights(session, model), "audit": queries.audit_resource(entry)}
+
+    result = await to_thread.run_sync(write)
+    await announce_routing(state, model)
+    return result
+
+
+@router.get("/{model}/versions/{version}")
+async def get_version(model: str, version: str, _: CurrentKey, state: StateDep) -> dict[str, Any]:
+    def read() -> dict[str, Any]:
+        with state.registry.session() as session:
+            return queries.version_resource(queries.get_version(session, model, version))
+
+    return await to_thread.run_sync(read)

@@ -1,0 +1,102 @@
+"""Tenants, their API keys and their version pins (all admin)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from anyio import to_thread
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.deps import AdminKey, StateDep
+from api.routes.models import Name, announce_routing
+from sluice.registry import queries
+
+router = APIRouter(prefix="/v1", tags=["tenants"])
+
+
+class CreateTenant(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: Name
+    admin: bool = False
+    rate_limit_per_s: float = Field(default=200.0, gt=0, le=1e6)
+    max_queued: int = Field(default=100_000, ge=1, le=10**9)
+
+
+class IssueKey(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    admin: bool = False
+
+
+class SetPin(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: Annotated[str, Field(min_length=1, max_length=64)]
+
+
+def _key_body(key: queries.IssuedKey, tenant: str, admin: bool) -> dict[str, Any]:
+    return {"id": key.key_id, "tenant": tenant, "admin": admin, "secret": key.secret}
+
+
+@router.post("/tenants", status_code=201)
+async def create_tenant(body: CreateTenant, key: AdminKey, state: StateDep) -> dict[str, Any]:
+    def write() -> dict[str, Any]:
+        with state.registry.session() as session:
+            tenant, issued = queries.create_tenant(
+                session, tenant_id=body.id, actor=f"key:{key.key_id}", is_admin=body.admin,
+                rate_limit_per_s=body.rate_limit_per_s, max_queued=body.max_queued,
+            )
+            return {
+                "id": tenant.id,
+                "key": _key_body(issued, tenant.id, body.admin),
+                "webhook_secret": tenant.webhook_secret,
+            }
+
+    return await to_thread.run_sync(write)
+
+
+@router.post("/tenants/{tenant}/keys", status_code=201)
+async def issue_key(tenant: str, body: IssueKey, key: AdminKey, state: StateDep) -> dict[str, Any]:
+    def write() -> dict[str, Any]:
+        with state.registry.session() as session:
+            issued = queries.issue_key(session, tenant_id=tenant, actor=f"key:{key.key_id}", is_admin=body.admin)
+            return _key_body(issued, tenant, body.admin)
+
+    return await to_thread.run_sync(write)
+
+
+@router.delete("/keys/{key_id}")
+async def revoke_key(key_id: str, key: AdminKey, state: StateDep) -> dict[str, Any]:
+    def write() -> str:
+        with state.registry.session() as session:
+            return queries.revoke_key(session, key_id=key_id, actor=f"key:{key.key_id}")
+
+    key_hash = await to_thread.run_sync(write)
+    state.auth.forget(key_hash)
+    await state.broker.publish({"type": "key.revoked", "key_hash": key_hash})
+    return {"id": key_id, "revoked": True}
+
+
+@router.put("/tenants/{tenant}/pins/{model}")
+async def set_pin(tenant: str, model: str, body: SetPin, key: AdminKey, state: StateDep) -> dict[str, Any]:
+    def write() -> dict[str, Any]:
+        with state.registry.session() as session:
+            entry = queries.set_pin(session, tenant_id=tenant, model=model, version=body.version,
+                                    actor=f"key:{key.key_id}")
+            return {"tenant": tenant, "model": model, "version": body.version,
+                    "audit": queries.audit_resource(entry)}
+
+    result = await to_thread.run_sync(write)
+    await announce_routing(state, model)
+    return result
+
+
+@router.delete("/tenants/{tenant}/pins/{model}")
+async def delete_pin(tenant: str, model: str, key: AdminKey, state: StateDep) -> dict[str, Any]:
+    def write() -> dict[str, Any]:
+        with state.registry.session() as session:
+            entry = queries.delete_pin(session, tenant_id=tenant, model=model, actor=f"key:{key.key_id}")
+            return {"tenant": tenant, "model": model, "version": None, "audit": queries.audit_resource(entry)}
+
+    result = await to_thread.run_sync(write)
+    await announce_routing(state, model)
+    return result

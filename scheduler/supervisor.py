@@ -1,0 +1,141 @@
+"""The local actuator: one object that starts, checks, reaps, respawns and stops worker processes.
+
+It is told how many replicas each (model, version) should have and makes it so. A worker that
+dies is restarted with capped exponential backoff; one that refused its artifact (exit code 3)
+waits much longer, since restarting it cannot help until an operator fixes the version.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+VersionKey = tuple[str, str]
+CommandFactory = Callable[[str, str, int], list[str]]
+
+EXIT_ARTIFACT_REFUSED = 3
+
+
+@dataclass
+class _Replica:
+    process: subprocess.Popen[bytes]
+    started_at: float
+    log_path: Path
+
+
+@dataclass
+class _Pool:
+    replicas: list[_Replica] = field(default_factory=list)
+    desired: int = 0
+    failures: int = 0
+    next_start_at: float = 0.0
+
+
+class Supervisor:
+    def __init__(
+        self,
+        *,
+        command: CommandFactory,
+        log_dir: Path,
+        cores: int,
+        env: Mapping[str, str] | None = None,
+        stop_grace_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.command = command
+        self.log_dir = log_dir
+        self.cores = max(1, cores)
+        self.env = dict(env if env is not None else os.environ)
+        self.stop_grace_s = stop_grace_s
+        self.clock = clock
+        self.pools: dict[VersionKey, _Pool] = {}
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def threads_per_worker(self) -> int:
+        """Split the cores so the workers' torch threads never oversubscribe them."""
+        total = sum(pool.desired for pool in self.pools.values())
+        return max(1, self.cores // max(1, total))
+
+    def live(self, key: VersionKey) -> int:
+        pool = self.pools.get(key)
+        return sum(1 for r in pool.replicas if r.process.poll() is None) if pool else 0
+
+    def set_desired(self, desired: Mapping[VersionKey, int]) -> None:
+        for key, count in desired.items():
+            self.pools.setdefault(key, _Pool()).desired = count
+        for key, pool in self.pools.items():
+            if key not in desired:
+                pool.desired = 0
+        self.reconcile()
+
+    def reconcile(self) -> None:
+        now = self.clock()
+        for key, pool in self.pools.items():
+            self._reap(key, pool, now)
+            while len(pool.replicas) > pool.desired:
+                self._stop(pool.replicas.pop())
+            if len(pool.replicas) < pool.desired and now >= pool.next_start_at:
+                for _ in range(pool.desired - len(pool.replicas)):
+                    pool.replicas.append(self._start(key))
+
+    def _reap(self, key: VersionKey, pool: _Pool, now: float) -> None:
+        for replica in list(pool.replicas):
+            code = replica.process.poll()
+            if code is None:
+                if now - replica.started_at > 60:
+                    pool.failures = 0  # a replica that stayed up a minute resets the backoff
+                continue
+            pool.replicas.remove(replica)
+            pool.failures += 1
+            base = 60.0 if code == EXIT_ARTIFACT_REFUSED else 1.0
+            delay = min(300.0 if code == EXIT_ARTIFACT_REFUSED else 30.0, base * 2 ** (pool.failures - 1))
+            pool.next_start_at = now + delay
+            log.warning("worker %s/%s pid %d exited with %s; restarting in %.0fs (log: %s)",
+                        key[0], key[1], replica.process.pid, code, delay, replica.log_path)
+
+    def _start(self, key: VersionKey) -> _Replica:
+        model, version = key
+        threads = self.threads_per_worker()
+        argv = self.command(model, version, threads)
+        index = len(self.pools[key].replicas)
+        log_path = self.log_dir / f"worker-{model}-{version}-{index}.log"
+        env = dict(self.env, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        with log_path.open("ab") as sink:
+            process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)
+        log.info("started worker %s/%s pid %d (%d threads)", model, version, process.pid, threads)
+        return _Replica(process=process, started_at=self.clock(), log_path=log_path)
+
+    def _stop(self, replica: _Replica) -> None:
+        if replica.process.poll() is None:
+            replica.process.send_signal(signal.SIGTERM)
+        try:
+            replica.process.wait(timeout=self.stop_grace_s)
+        except subprocess.TimeoutExpired:
+            replica.process.kill()
+            replica.process.wait()
+
+    def stop_all(self) -> None:
+        """Drain every worker at once (SIGTERM to all, then wait), killing stragglers at the grace."""
+        replicas = [r for pool in self.pools.values() for r in pool.replicas]
+        for replica in replicas:
+            if replica.process.poll() is None:
+                replica.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace_s
+        for replica in replicas:
+            try:
+                replica.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                replica.process.kill()
+                replica.process.wait()
+        for pool in self.pools.values():
+            pool.replicas.clear()
+            pool.desired = 0

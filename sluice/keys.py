@@ -1,0 +1,52 @@
+"""The Redis key layout: the wire contract between the API, the workers and the scheduler.
+
+Every key of one model version carries the hash tag `{model:version}`, so all of a version's
+keys land in one Redis Cluster slot and no command ever spans two versions.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Lane = Literal["online", "bulk"]
+LANES: tuple[Lane, ...] = ("online", "bulk")
+
+GROUP = "workers"
+EVENTS_CHANNEL = "sluice:events"
+
+
+def tag(model: str, version: str) -> str:
+    return f"{{{model}:{version}}}"
+
+
+def stream(model: str, version: str, lane: Lane) -> str:
+    return f"sluice:{tag(model, version)}:{lane}"
+
+
+def dead_stream(model: str, version: str) -> str:
+    return f"sluice:{tag(model, version)}:dead"
+
+
+def job(job_id: str) -> str:
+    return f"sluice:job:{{{job_id}}}"
+
+
+def idempotency(tenant: str, key: str) -> str:
+    return f"sluice:idem:{tenant}:{key}"
+
+
+def cache(model: str, version: str, digest: str) -> str:
+    return f"sluice:cache:{tag(model, version)}:{digest}"
+
+
+def heartbeat(model: str, version: str, worker: str) -> str:
+    return f"sluice:hb:{tag(model, version)}:{worker}"
+
+
+def heartbeat_pattern(model: str, version: str) -> str:
+    return f"sluice:hb:{tag(model, version)}:*"
+
+
+def stats(model: str, version: str) -> str:
+    """Recent finished-job samples of one version (a capped stream), for exact percentiles."""
+    return f"sluice:{tag(model, version)}:samples"

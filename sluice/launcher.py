@@ -1,0 +1,146 @@
+"""`sluice up`: the whole platform on one machine, then a short demo.
+
+Child processes run in their own sessions, so Ctrl-C reaches only this process, which then
+stops them in order: scheduler (its workers drain), API, then the stores.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis as redis_sync
+
+from sluice import keys
+from sluice.client import SluiceClient
+from sluice.embedded import EmbeddedStores, start_embedded
+from sluice.migrate import upgrade
+from sluice.registry.store import Registry
+from sluice.seed import DEMO_VERSIONS, Seeded, seed
+from sluice.settings import Settings
+
+log = logging.getLogger(__name__)
+
+DEMO_TEXTS = (
+    "I lost my credit card yesterday, please block it",
+    "What time do you open on Saturdays?",
+    "How do I reset my password?",
+)
+
+
+class Platform:
+    def __init__(self, *, settings: Settings) -> None:
+        self.settings = settings
+        self.home = settings.home.resolve()
+        self.stores: EmbeddedStores | None = None
+        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{self.settings.api_host}:{self.settings.api_port}"
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        log_dir = self.home / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with (log_dir / f"{name}.log").open("ab") as sink:
+            process = subprocess.Popen([sys.executable, "-m", "sluice.cli", *args], env=env, stdout=sink,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+        self.children.append((name, process))
+
+    def start(self) -> Seeded:
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.stores = start_embedded(home=self.home, redis_url=self.settings.redis_url,
+                                     database_url=self.settings.database_url)
+        env = dict(os.environ, SLUICE_REDIS_URL=self.stores.redis_url,
+                   SLUICE_DATABASE_URL=self.stores.database_url, SLUICE_HOME=str(self.home))
+        upgrade(self.stores.database_url)
+        registry = Registry(url=self.stores.database_url, pool_size=1)
+        try:
+            admin = self.settings.bootstrap_admin_key
+            seeded = seed(registry, home=self.home, bootstrap_admin_key=admin.get_secret_value() if admin else None)
+        finally:
+            registry.dispose()
+        self._spawn("api", ["api"], env)
+        self._spawn("scheduler", ["scheduler", "--actuator", "local"], env)
+        return seeded
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Until the API is ready and every demo version has a warm worker."""
+        assert self.stores is not None
+        deadline = time.monotonic() + timeout_s
+        client = redis_sync.Redis.from_url(self.stores.redis_url)
+        try:
+            while time.monotonic() < deadline:
+                self._check_children()
+                if self._api_ready() and all(
+                    any(client.hget(k, "state") == b"ready"
+                        for k in client.scan_iter(keys.heartbeat_pattern(v.model, v.version)))
+                    for v in DEMO_VERSIONS
+                ):
+                    return
+                time.sleep(0.5)
+        finally:
+            client.close()
+        raise TimeoutError(f"the platform was not ready within {timeout_s:.0f}s; see {self.home / 'logs'}")
+
+    def _api_ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.api_url}/readyz", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _check_children(self) -> None:
+        for name, process in self.children:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode}; see {self.home / 'logs' / name}.log")
+
+    def stop(self) -> None:
+        for name, process in reversed(self.children):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=self.settings.shutdown_grace_s + 5)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time; killing it", name)
+                process.kill()
+                process.wait()
+        self.children.clear()
+        if self.stores is not None:
+            self.stores.stop()
+            self.stores = None
+
+
+def run_demo(api_url: str, demo_key: str) -> list[dict[str, Any]]:
+    """Submit a few texts to both demo models and wait for the answers."""
+    results = []
+    with SluiceClient(base_url=api_url, api_key=demo_key) as client:
+        submitted = [("minilm", client.submit("minilm", {"text": t})) for t in DEMO_TEXTS]
+        submitted += [("intent", client.submit("intent", {"text": t})) for t in DEMO_TEXTS]
+        for model, job in submitted:
+            results.append({"model": model, **client.wait(job["id"], timeout_s=60)})
+    return results
+
+
+def describe(result: dict[str, Any]) -> str:
+    if result["status"] != "succeeded":
+        return f"{result['status']}: {result.get('error')}"
+    output = result["output"]
+    if "embedding" in output:
+        head = ", ".join(f"{x:+.3f}" for x in output["embedding"][:4])
+        return f"embedding dim={output['dim']} [{head}, ...]"
+    top = output["scores"][output["label"]]
+    return f"label={output['label']} p={top:.2f}"
+
+
+def _printable_home(home: Path) -> str:
+    try:
+        return str(home.relative_to(Path.cwd()))
+    except ValueError:
+        return str(home)

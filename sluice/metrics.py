@@ -1,0 +1,33 @@
+"""Prometheus metric names, defined once. Labels are model, version, lane and outcomes only:
+never tenant input, never job ids (unbounded cardinality and user data)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+API_REQUESTS = Counter("sluice_api_requests_total", "HTTP requests", ["route", "method", "status"])
+API_LATENCY = Histogram("sluice_api_request_seconds", "HTTP request latency", ["route", "method"],
+                        buckets=_LATENCY_BUCKETS)
+JOBS_SUBMITTED = Counter("sluice_jobs_submitted_total", "Jobs accepted", ["model", "version", "lane"])
+JOBS_REJECTED = Counter("sluice_jobs_rejected_total", "Submissions refused", ["model", "code"])
+
+JOBS_FINISHED = Counter("sluice_jobs_finished_total", "Jobs reaching a final state",
+                        ["model", "version", "status"])
+QUEUE_WAIT = Histogram("sluice_queue_wait_seconds", "Enqueue to batch start", ["model", "version"],
+                       buckets=_LATENCY_BUCKETS)
+MODEL_TIME = Histogram("sluice_model_seconds", "Model time per batch", ["model", "version"],
+                       buckets=_LATENCY_BUCKETS)
+BATCH_SIZE = Histogram("sluice_batch_size", "Jobs per batch", ["model", "version"],
+                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+BATCH_CLOSED = Counter("sluice_batches_total", "Batches by close reason", ["model", "version", "reason"])
+PADDING_RATIO = Histogram("sluice_batch_padding_ratio", "Padded tokens / real tokens per batch",
+                          ["model", "version"], buckets=(1, 1.1, 1.25, 1.5, 2, 3, 5, 10))
+WORKER_STATE = Gauge("sluice_worker_ready", "1 when the worker's model is loaded and warm",
+                     ["model", "version"])
+COLD_START = Gauge("sluice_worker_cold_start_seconds", "Verify + load + warm-up time", ["model", "version"])
+
+DESIRED_REPLICAS = Gauge("sluice_desired_replicas", "Replicas the scheduler wants", ["model", "version"])
+LIVE_REPLICAS = Gauge("sluice_live_replicas", "Replicas alive", ["model", "version"])
+STREAM_LAG = Gauge("sluice_stream_lag", "Entries not yet acknowledged", ["model", "version", "lane"])

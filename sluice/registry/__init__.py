@@ -1,0 +1,1 @@
+"""The Postgres registry: versions, routing, pins, tenants and keys, audit, quality."""

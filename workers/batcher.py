@@ -1,0 +1,299 @@
+"""Length-aware micro-batcher shared by the inference worker and the simulator.
+
+A worker pulls requests off the stream one by one but the model wants them in
+batches: big enough to use the accelerator, small enough that nobody waits more
+than ``max_wait_ms``, and made of inputs of similar length so that a short input
+does not pay for a long one's padding. This module decides *which* items go
+together and *when* a batch closes; it never sleeps, reads a clock or touches
+I/O. The caller passes ``now`` (seconds, same clock as ``Item.enqueued_at``), so
+the exact same code runs in the asyncio worker and in a discrete-event
+simulator, and tests can assert exact deadlines.
+
+Items are grouped by ``(tenant, length bucket)`` (tenant is ``None`` when
+tenants are not isolated). A group closes
+
+* by **size** as soon as it holds ``max_batch_size`` items,
+* by **age** when its oldest item has waited ``max_wait_ms``,
+* by **drain** when the caller shuts down.
+
+The surprising parts:
+
+* When an age close would ship a partial batch, it is topped up with the
+  oldest items of the *shorter* buckets of the same tenant group. Those items
+  pay padding up to the closing bucket's bound; in exchange they ride a forward
+  pass that would otherwise run part empty, and leave before their own
+  deadline. Items of *longer* buckets are never pulled in: one long
+  item would multiply the padded cost of every short item in the batch. So a
+  batch's ``bucket`` is the bucket of its longest item, and every item in it has
+  ``cost <= bucket_bounds[bucket]``. This is a trade, not a free win: on a
+  steady 80/20 short/long mix it cut forward passes by about a quarter and
+  raised padded tokens by about a third, so ``top_up=False`` turns it off for
+  compute-bound models (and lets the simulator compare the two).
+* Size-ready batches are only handed out by ``poll`` (whatever ``now`` is), not
+  by ``add``, and ``next_deadline`` reports age deadlines only. Callers must
+  therefore ``poll`` after ``add``; in exchange ``remove`` can still cancel an
+  item that filled a group, since nothing has been handed out yet.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, insort
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["Batch", "CloseReason", "Item", "MicroBatcher"]
+
+CloseReason = Literal["size", "age", "drain"]
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One request as the batcher sees it; ``payload`` is carried, never read."""
+
+    id: str
+    tenant: str
+    cost: int
+    enqueued_at: float
+    # Payloads can be large tensors or bytes: keep them out of == and of logs.
+    payload: Any = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A closed batch, items oldest first."""
+
+    items: tuple[Item, ...]
+    close_reason: CloseReason
+    bucket: int
+    tenant: str | None
+    closed_at: float
+
+    def __post_init__(self) -> None:
+        if not self.items:
+            raise ValueError("a batch holds at least one item")
+
+    @property
+    def oldest_enqueued_at(self) -> float:
+        return min(item.enqueued_at for item in self.items)
+
+    @property
+    def max_cost(self) -> int:
+        return max(item.cost for item in self.items)
+
+
+_TenantKey = str | None
+# The sequence number breaks enqueued_at ties in add order, so the tuples sort
+# by arrival and Item itself (which has no ordering) is never compared.
+_Entry = tuple[float, int, Item]
+
+
+class MicroBatcher:
+    """Groups items by tenant and length bucket and closes batches by size or age.
+
+    See the module docstring for the rules. All methods are pure bookkeeping;
+    ``poll`` and ``next_deadline`` cost O(groups) plus the items they hand out.
+    """
+
+    __slots__ = (
+        "_bounds",
+        "_groups",
+        "_isolate",
+        "_max_batch_size",
+        "_max_wait_s",
+        "_next_seq",
+        "_top_up_enabled",
+        "_where",
+    )
+
+    def __init__(
+        self,
+        *,
+        max_batch_size: int,
+        max_wait_ms: float,
+        isolate_tenants: bool = True,
+        bucket_bounds: Sequence[int] = (16, 32, 64, 128, 256),
+        top_up: bool = True,
+    ) -> None:
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
+            raise ValueError(f"max_batch_size must be an int, got {max_batch_size!r}")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if not math.isfinite(max_wait_ms) or max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be finite and >= 0, got {max_wait_ms}")
+        bounds = tuple(bucket_bounds)
+        for bound in bounds:
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound <= 0:
+                raise ValueError(f"bucket_bounds must be positive ints, got {bounds}")
+        if any(lo >= hi for lo, hi in zip(bounds, bounds[1:], strict=False)):
+            raise ValueError(f"bucket_bounds must be strictly increasing, got {bounds}")
+
+        self._max_batch_size = max_batch_size
+        # Computed once: every deadline is enqueued_at + this exact float, so a
+        # caller polling at next_deadline() compares equal, never a ulp short.
+        self._max_wait_s = max_wait_ms / 1000
+        self._isolate = isolate_tenants
+        self._bounds = bounds
+        self._top_up_enabled = top_up
+        # tenant -> bucket -> entries sorted by (enqueued_at, seq). Nested by
+        # tenant so a top-up only looks at that tenant's few buckets. Empty
+        # groups are deleted so per-call scans stay proportional to live groups.
+        self._groups: dict[_TenantKey, dict[int, list[_Entry]]] = {}
+        self._where: dict[str, tuple[_TenantKey, int]] = {}
+        self._next_seq = 0
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._max_batch_size
+
+    @property
+    def bucket_bounds(self) -> tuple[int, ...]:
+        return self._bounds
+
+    def bucket_of(self, cost: int) -> int:
+        """Index of the first bound >= cost, or len(bucket_bounds) for overflow."""
+        return bisect_left(self._bounds, cost)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, item_id: object) -> bool:
+        return item_id in self._where
+
+    def add(self, item: Item) -> None:
+        # A duplicate id would make remove() ambiguous; a redelivered stream
+        # entry that is still held must be skipped by the caller (see `in`).
+        if item.id in self._where:
+            raise ValueError(f"item {item.id!r} is already held")
+        if item.cost < 0:
+            raise ValueError(f"item {item.id!r} has negative cost {item.cost}")
+        if not math.isfinite(item.enqueued_at):
+            raise ValueError(f"item {item.id!r} has non-finite enqueued_at")
+        tenant = item.tenant if self._isolate else None
+        bucket = self.bucket_of(item.cost)
+        entry: _Entry = (item.enqueued_at, self._next_seq, item)
+        self._next_seq += 1
+        group = self._groups.setdefault(tenant, {}).setdefault(bucket, [])
+        # Arrivals are nearly in order, so this is almost always an append.
+        insort(group, entry)
+        self._where[item.id] = (tenant, bucket)
+
+    def poll(self, now: float) -> list[Batch]:
+        """Close every batch that is ready at ``now``, most urgent first."""
+        batches: list[Batch] = []
+        # Size closes first: afterwards every group fits in one batch, so an
+        # age close below takes its whole group and nothing overdue is left.
+        for tenant, buckets in list(self._groups.items()):
+            for bucket, group in list(buckets.items()):
+                while len(group) >= self._max_batch_size:
+                    batches.append(self._close(tenant, bucket, "size", now))
+        while (key := self._oldest_group()) is not None:
+            tenant, bucket = key
+            if self._groups[tenant][bucket][0][0] + self._max_wait_s > now:
+                break
+            batches.append(self._close(tenant, bucket, "age", now))
+        batches.sort(key=lambda b: b.oldest_enqueued_at)
+        return batches
+
+    def next_deadline(self) -> float | None:
+        """Earliest age deadline among held items, or None when empty.
+
+        Size-ready groups are not reflected here: poll() after add() for those.
+        """
+        key = self._oldest_group()
+        if key is None:
+            return None
+        tenant, bucket = key
+        return self._groups[tenant][bucket][0][0] + self._max_wait_s
+
+    def drain(self, now: float) -> list[Batch]:
+        """Close everything held, oldest first, with the same top-up rule."""
+        batches: list[Batch] = []
+        while (key := self._oldest_group()) is not None:
+            batches.append(self._close(key[0], key[1], "drain", now))
+        batches.sort(key=lambda b: b.oldest_enqueued_at)
+        return batches
+
+    def remove(self, ids: Collection[str]) -> list[Item]:
+        """Drop held items (e.g. cancelled); unknown ids are ignored.
+
+        Unknown ids are expected: a cancel can race with the batch closing.
+        Returns the removed items oldest first.
+        """
+        if isinstance(ids, str):
+            # A str is a Collection[str]; iterating it would remove by character.
+            raise TypeError("remove() takes a collection of ids, not a single str")
+        doomed: dict[tuple[_TenantKey, int], set[str]] = {}
+        for item_id in ids:
+            key = self._where.pop(item_id, None)
+            if key is not None:
+                doomed.setdefault(key, set()).add(item_id)
+        removed: list[_Entry] = []
+        for (tenant, bucket), group_ids in doomed.items():
+            buckets = self._groups[tenant]
+            kept: list[_Entry] = []
+            for entry in buckets[bucket]:
+                (removed if entry[2].id in group_ids else kept).append(entry)
+            if kept:
+                buckets[bucket] = kept
+            else:
+                self._drop_group(tenant, bucket)
+        removed.sort()
+        return [entry[2] for entry in removed]
+
+    def _oldest_group(self) -> tuple[_TenantKey, int] | None:
+        best: tuple[_TenantKey, int] | None = None
+        best_head: tuple[float, int] | None = None
+        for tenant, buckets in self._groups.items():
+            for bucket, group in buckets.items():
+                head = (group[0][0], group[0][1])
+                if best_head is None or head < best_head:
+                    best, best_head = (tenant, bucket), head
+        return best
+
+    def _close(
+        self, tenant: _TenantKey, bucket: int, reason: CloseReason, now: float
+    ) -> Batch:
+        group = self._groups[tenant][bucket]
+        taken = group[: self._max_batch_size]
+        del group[: self._max_batch_size]
+        if not group:
+            self._drop_group(tenant, bucket)
+        room = self._max_batch_size - len(taken)
+        if room and self._top_up_enabled:
+            taken.extend(self._top_up(tenant, bucket, room))
+        taken.sort()
+        for entry in taken:
+            del self._where[entry[2].id]
+        return Batch(
+            items=tuple(entry[2] for entry in taken),
+            close_reason=reason,
+            bucket=bucket,
+            tenant=tenant,
+            closed_at=now,
+        )
+
+    def _top_up(self, tenant: _TenantKey, bucket: int, room: int) -> list[_Entry]:
+        """Take up to ``room`` oldest items from this tenant's shorter buckets."""
+        buckets = self._groups.get(tenant)
+        if not buckets:
+            return []
+        # Buckets are disjoint cost ranges, so "cost <= this bucket's bound" is
+        # exactly "bucket index below this one".
+        donors = [(b, group) for b, group in buckets.items() if b < bucket]
+        taken: list[_Entry] = []
+        while donors and len(taken) < room:
+            i = min(range(len(donors)), key=lambda j: donors[j][1][0][:2])
+            donor_bucket, group = donors[i]
+            taken.append(group.pop(0))
+            if not group:
+                self._drop_group(tenant, donor_bucket)
+                donors.pop(i)
+        return taken
+
+    def _drop_group(self, tenant: _TenantKey, bucket: int) -> None:
+        buckets = self._groups[tenant]
+        del buckets[bucket]
+        if not buckets:
+            del self._groups[tenant]

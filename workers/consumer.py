@@ -1,0 +1,378 @@
+"""The stream consumer: read a version's streams, form micro-batches, run them, store, ack.
+
+Reading and batch formation run in one task, the model in another (in a thread, since torch
+releases the GIL), so while batch k runs the next one is already being read and formed: the
+model never waits on a Redis round trip. An entry is acknowledged only after its outcome is
+stored; an entry left unacknowledged by a dead worker is taken over with XAUTOCLAIM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from sluice import keys
+from sluice.broker import ensure_groups, translate_redis_errors
+from sluice.errors import BrokerError
+from sluice.jobs import CLAIM_SCRIPT, FINISH_SCRIPT, NOTE_ERROR_SCRIPT
+from sluice.metrics import BATCH_CLOSED, BATCH_SIZE, JOBS_FINISHED, MODEL_TIME, PADDING_RATIO, QUEUE_WAIT
+from sluice.redact import scrub
+from workers.batcher import Batch, Item, MicroBatcher
+from workers.execution import Outcome, run_isolating
+from workers.models.handlers import ModelHandler
+
+log = logging.getLogger(__name__)
+
+SAMPLES_MAXLEN = 20_000
+
+Entry = tuple[str, bytes, dict[bytes, bytes]]  # (lane, stream entry id, fields)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """What the batcher carries as an item's payload."""
+
+    job_id: str
+    lane: str
+    input: dict[str, Any]
+    attempts: int
+
+
+def consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+class Worker:
+    def __init__(
+        self,
+        *,
+        redis: aioredis.Redis,
+        model: str,
+        version: str,
+        handler: ModelHandler,
+        max_batch_size: int,
+        max_wait_ms: float,
+        isolate_tenants: bool = True,
+        name: str | None = None,
+        result_ttl_s: int = 86_400,
+        claim_after_s: float = 30.0,
+        max_deliveries: int = 3,
+        prefetch_batches: int = 4,
+        shutdown_grace_s: float = 30.0,
+        cold_start_s: float = 0.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.redis = redis
+        self.model = model
+        self.version = version
+        self.handler = handler
+        self.max_batch_size = max_batch_size
+        self.name = name or consumer_name()
+        self.result_ttl_s = result_ttl_s
+        self.claim_after_s = claim_after_s
+        self.max_deliveries = max_deliveries
+        self.prefetch = prefetch_batches * max_batch_size
+        self.shutdown_grace_s = shutdown_grace_s
+        self.cold_start_s = cold_start_s
+        self.clock = clock
+        self.batcher = MicroBatcher(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
+                                    isolate_tenants=isolate_tenants)
+        self.streams = {lane: keys.stream(model, version, lane) for lane in keys.LANES}
+        self._ready: deque[Batch] = deque()
+        self._held: set[str] = set()  # entry ids read and not yet acknowledged
+        self._wake_runner = asyncio.Event()
+        self._space = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._writes: set[asyncio.Task[None]] = set()
+        self._claim = redis.register_script(CLAIM_SCRIPT)
+        self._finish = redis.register_script(FINISH_SCRIPT)
+        self._note_error = redis.register_script(NOTE_ERROR_SCRIPT)
+        self._last_claim = 0.0
+        self.state = "starting"
+        self.processed = 0
+        self.last_batch_size = 0
+        self._rate_window: deque[tuple[float, int]] = deque(maxlen=64)
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """First signal: stop reading, flush open batches (close reason `drain`), finish, ack."""
+        if not self._stopping.is_set():
+            log.info("worker %s draining", self.name)
+            self.state = "draining"
+            self._stopping.set()
+            self._wake_runner.set()
+            self._space.set()
+
+    async def run(self) -> None:
+        await ensure_groups(self.redis, self.model, self.version)
+        self.state = "ready"
+        reader = asyncio.create_task(self._read_loop(), name="reader")
+        runner = asyncio.create_task(self._run_loop(), name="runner")
+        beat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+        try:
+            await reader
+            # Reading has stopped: everything held is flushed and finished within the grace period.
+            for batch in self.batcher.drain(self.clock()):
+                self._ready.append(batch)
+            self._wake_runner.set()
+            await asyncio.wait_for(runner, timeout=self.shutdown_grace_s)
+            if self._writes:
+                await asyncio.wait_for(asyncio.gather(*self._writes), timeout=self.shutdown_grace_s)
+        finally:
+            for task in (reader, runner, beat):
+                task.cancel()
+            for task in (reader, runner, beat):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            self.state = "stopped"
+            with contextlib.suppress(BrokerError), translate_redis_errors():
+                await self.redis.delete(keys.heartbeat(self.model, self.version, self.name))
+
+    # --- reading and batch formation -----------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        backoff = 0.05
+        while not self._stopping.is_set():
+            try:
+                await self._read_once()
+                backoff = 0.05
+            except BrokerError as exc:
+                if backoff <= 0.05:
+                    log.warning("worker %s lost Redis, retrying with backoff: %s", self.name, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def _block_ms(self) -> int:
+        deadline = self.batcher.next_deadline()
+        if deadline is None:
+            return 250
+        return max(1, min(250, int((deadline - self.clock()) * 1000)))
+
+    async def _read_once(self) -> None:
+        room = self.prefetch - len(self._held)
+        if room <= 0:
+            self._space.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._space.wait(), timeout=self._block_ms() / 1000)
+            self._form_batches()
+            return
+        entries = await self._reclaim(room) if self._claim_due() else []
+        if not entries:
+            entries = await self._xread({self.streams["online"]: ">"}, room, block=None)
+        if not entries:
+            entries = await self._xread({self.streams["bulk"]: ">"}, min(room, self.max_batch_size), block=None)
+        if not entries:
+            entries = await self._xread(
+                {self.streams["online"]: ">", self.streams["bulk"]: ">"}, room, block=self._block_ms()
+            )
+        if entries:
+            await self._accept(entries)
+        self._form_batches()
+
+    def _claim_due(self) -> bool:
+        return self.clock() - self._last_claim >= self.claim_after_s / 2
+
+    async def _xread(self, streams: dict[str, str], count: int, block: int | None) -> list[Entry]:
+        with translate_redis_errors():
+            reply = await self.redis.xreadgroup(keys.GROUP, self.name, streams, count=count, block=block)  # type: ignore[arg-type]
+        found = []
+        for stream_name, messages in reply or []:
+            name = stream_name.decode() if isinstance(stream_name, bytes) else stream_name
+            lane = "online" if name == self.streams["online"] else "bulk"
+            for entry_id, fields in messages:
+                if fields:
+                    found.append((lane, entry_id, fields))
+        return found
+
+    async def _reclaim(self, room: int) -> list[Entry]:
+        """Take over entries a dead worker left pending for longer than claim_after_s."""
+        self._last_claim = self.clock()
+        found: list[Entry] = []
+        for lane, stream_name in self.streams.items():
+            with translate_redis_errors():
+                reply = await self.redis.xautoclaim(
+                    stream_name, keys.GROUP, self.name, min_idle_time=int(self.claim_after_s * 1000),
+                    start_id="0-0", count=max(1, room - len(found)),
+                )
+            for entry_id, fields in reply[1]:
+                if fields:
+                    found.append((lane, entry_id, fields))
+            # Entries trimmed from the stream come back as deleted ids: nothing to acknowledge.
+        if found:
+            log.info("worker %s took over %d pending entries", self.name, len(found))
+        return found
+
+    async def _accept(self, entries: Sequence[Entry]) -> None:
+        """Claim each job (queued -> running) and hand the runnable ones to the batcher."""
+        # XAUTOCLAIM can hand back an entry this worker still holds (a slow model): not twice.
+        entries = [e for e in entries if e[1].decode() not in self._held]
+        if not entries:
+            return
+        now = self.clock()
+        with translate_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for _, _, fields in entries:
+                await self._claim(keys=[keys.job(fields[b"id"].decode())],
+                                  args=[repr(now), self.name, self.max_deliveries], client=pipe)
+            replies = await pipe.execute()
+        settle: list[tuple[str, bytes]] = []
+        events: list[dict[str, Any]] = []
+        dead: list[tuple[str, str]] = []
+        for (lane, entry_id, fields), reply in zip(entries, replies, strict=True):
+            job_id = fields[b"id"].decode()
+            verdict = reply[0].decode()
+            if verdict == "run":
+                item = Item(
+                    id=entry_id.decode(), tenant=fields[b"tenant"].decode(), cost=int(fields[b"cost"]),
+                    enqueued_at=float(fields[b"t"]),
+                    payload=Delivery(job_id=job_id, lane=lane, input=json.loads(reply[1]), attempts=int(reply[2])),
+                )
+                self.batcher.add(item)
+                self._held.add(item.id)
+                events.append({"type": "job", "id": job_id, "status": "running"})
+                continue
+            settle.append((lane, entry_id))
+            if verdict == "expired":
+                JOBS_FINISHED.labels(self.model, self.version, "expired").inc()
+                events.append({"type": "job", "id": job_id, "status": "expired"})
+            elif verdict == "dead":
+                JOBS_FINISHED.labels(self.model, self.version, "failed").inc()
+                dead.append((job_id, reply[1].decode() if len(reply) > 1 else ""))
+                events.append({"type": "job", "id": job_id, "status": "failed"})
+        if settle or events:
+            with translate_redis_errors():
+                pipe = self.redis.pipeline(transaction=False)
+                for job_id, last_error in dead:
+                    pipe.xadd(keys.dead_stream(self.model, self.version),
+                              {"id": job_id, "error": last_error[:500], "t": repr(now)}, maxlen=100_000,
+                              approximate=True)
+                for event in events:
+                    pipe.publish(keys.EVENTS_CHANNEL, json.dumps(event, separators=(",", ":")))
+                self._ack(pipe, settle)
+                await pipe.execute()
+
+    def _ack(self, pipe: Any, entries: Sequence[tuple[str, bytes | str]]) -> None:
+        by_lane: dict[str, list[bytes | str]] = {}
+        for lane, entry_id in entries:
+            by_lane.setdefault(lane, []).append(entry_id)
+        for lane, ids in by_lane.items():
+            pipe.xack(self.streams[lane], keys.GROUP, *ids)
+            # Deleting acknowledged entries keeps XLEN equal to the backlog the scheduler reads.
+            pipe.xdel(self.streams[lane], *ids)
+
+    def _form_batches(self) -> None:
+        closed = self.batcher.poll(self.clock())
+        if closed:
+            self._ready.extend(closed)
+            self._wake_runner.set()
+
+    # --- running ---------------------------------------------------------------------------------
+
+    async def _run_loop(self) -> None:
+        while True:
+            if not self._ready:
+                if self._stopping.is_set() and len(self.batcher) == 0:
+                    return
+                self._wake_runner.clear()
+                await self._wake_runner.wait()
+                continue
+            batch = self._ready.popleft()
+            started = self.clock()
+            inputs = [item.payload.input for item in batch.items]
+            outcomes, model_s = await asyncio.to_thread(run_isolating, self.handler, inputs)
+            task = asyncio.create_task(self._complete(batch, outcomes, started, model_s))
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
+
+    async def _complete(self, batch: Batch, outcomes: list[Outcome], started: float, model_s: float) -> None:
+        """Store every outcome, then acknowledge: a job is never acked before its outcome exists."""
+        finished = self.clock()
+        size = len(batch.items)
+        model_ms = round(model_s * 1000.0, 3)
+        backoff = 0.05
+        while True:
+            try:
+                await self._store(batch, outcomes, started, finished, model_ms)
+                break
+            except BrokerError as exc:
+                # Keep the results and retry: the model's work is not thrown away on a Redis blip.
+                if backoff <= 0.05:
+                    log.warning("storing a batch failed, retrying: %s", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+        self._held.difference_update(item.id for item in batch.items)
+        self._space.set()
+        self.processed += size
+        self.last_batch_size = size
+        self._rate_window.append((finished, size))
+        labels = (self.model, self.version)
+        BATCH_SIZE.labels(*labels).observe(size)
+        BATCH_CLOSED.labels(*labels, batch.close_reason).inc()
+        MODEL_TIME.labels(*labels).observe(model_s)
+        real = sum(max(1, item.cost) for item in batch.items)
+        PADDING_RATIO.labels(*labels).observe(batch.max_cost * size / real if real else 1.0)
+        for item, outcome in zip(batch.items, outcomes, strict=True):
+            QUEUE_WAIT.labels(*labels).observe(max(0.0, started - item.enqueued_at))
+            JOBS_FINISHED.labels(*labels, "succeeded" if outcome.error is None else "failed").inc()
+
+    async def _store(self, batch: Batch, outcomes: list[Outcome], started: float, finished: float,
+                     model_ms: float) -> None:
+        size = str(len(batch.items))
+        with translate_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for item, outcome in zip(batch.items, outcomes, strict=True):
+                delivery: Delivery = item.payload
+                status = "succeeded" if outcome.error is None else "failed"
+                output = json.dumps(outcome.output, separators=(",", ":")) if outcome.output is not None else ""
+                error = json.dumps(outcome.error, separators=(",", ":")) if outcome.error is not None else ""
+                await self._finish(
+                    keys=[keys.job(delivery.job_id)],
+                    args=[status, output, error, repr(finished), repr(model_ms), size, batch.close_reason,
+                          self.result_ttl_s, repr(started)],
+                    client=pipe,
+                )
+                pipe.publish(keys.EVENTS_CHANNEL, json.dumps({"type": "job", "id": delivery.job_id, "status": status}))
+                pipe.xadd(keys.stats(self.model, self.version), {
+                    "s": status, "t": repr(finished), "qw": repr(round((started - item.enqueued_at) * 1000, 3)),
+                    "m": repr(model_ms), "tt": repr(round((finished - item.enqueued_at) * 1000, 3)),
+                    "b": size, "r": batch.close_reason,
+                }, maxlen=SAMPLES_MAXLEN, approximate=True)
+            self._ack(pipe, [(item.payload.lane, item.id) for item in batch.items])
+            await pipe.execute()
+
+    async def note_error(self, job_id: str, message: str) -> None:
+        with translate_redis_errors():
+            await self._note_error(keys=[keys.job(job_id)], args=[scrub(message)[:500]])
+
+    # --- heartbeat ---------------------------------------------------------------------------------
+
+    def items_per_s(self) -> float:
+        if len(self._rate_window) < 2:
+            return 0.0
+        span = self._rate_window[-1][0] - self._rate_window[0][0]
+        items = sum(n for _, n in list(self._rate_window)[1:])
+        return items / span if span > 0 else 0.0
+
+    async def _heartbeat_loop(self, every_s: float = 2.0) -> None:
+        key = keys.heartbeat(self.model, self.version, self.name)
+        while True:
+            with contextlib.suppress(BrokerError), translate_redis_errors():
+                await self.redis.hset(key, mapping={
+                    "state": self.state, "items_per_s": f"{self.items_per_s():.3f}",
+                    "batch_size": str(self.last_batch_size), "cold_start_s": f"{self.cold_start_s:.3f}",
+                    "processed": str(self.processed), "pid": str(os.getpid()), "at": repr(self.clock()),
+                })
+                await self.redis.expire(key, int(every_s * 5))
+            await asyncio.sleep(every_s)

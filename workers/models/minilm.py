@@ -1,0 +1,282 @@
+"""all-MiniLM-L6-v2 in plain torch: a 6-layer BERT encoder, mean pooling, L2 normalisation.
+
+Only ``torch``, ``tokenizers`` and ``safetensors`` are used, so the worker never imports
+``transformers``; the weights are read from ``model.safetensors`` (never a pickle).
+Every projection is a plain ``nn.Linear`` so ``torch.ao.quantization.quantize_dynamic`` can
+swap them for int8 kernels without touching this code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from torch import nn
+
+from sluice.errors import ArtifactError, ModelError
+
+WEIGHTS_FILE = "model.safetensors"
+DEFAULT_MAX_SEQ_LENGTH = 256
+
+
+@dataclass(frozen=True, slots=True)
+class BertConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    pad_token_id: int
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> BertConfig:
+        raw = _read_json(model_dir / "config.json")
+        if raw.get("model_type", "bert") != "bert":
+            raise ArtifactError(f"{model_dir}: model_type {raw.get('model_type')!r} is not bert")
+        if raw.get("hidden_act", "gelu") != "gelu":
+            raise ArtifactError(f"{model_dir}: hidden_act {raw.get('hidden_act')!r} unsupported")
+        if raw.get("position_embedding_type", "absolute") != "absolute":
+            raise ArtifactError(f"{model_dir}: only absolute position embeddings are supported")
+        try:
+            return cls(
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=int(raw["hidden_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=int(raw["num_attention_heads"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                max_position_embeddings=int(raw["max_position_embeddings"]),
+                type_vocab_size=int(raw.get("type_vocab_size", 2)),
+                layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
+                pad_token_id=int(raw.get("pad_token_id", 0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ArtifactError(f"{model_dir}/config.json is incomplete: {exc}") from exc
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ArtifactError(f"missing model file: {path}") from exc
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"unreadable model file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{path}: expected a JSON object")
+    return data
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.word = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
+        self.position = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.word(input_ids) + self.token_type(token_type_ids) + self.position(positions)
+        out: torch.Tensor = self.norm(x)
+        return out
+
+
+class BertLayer(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        if cfg.hidden_size % cfg.num_attention_heads:
+            raise ArtifactError("hidden_size is not a multiple of num_attention_heads")
+        h = cfg.hidden_size
+        self.heads = cfg.num_attention_heads
+        # Separate q/k/v projections (not one fused matrix) keep the checkpoint's layout and
+        # stay plain nn.Linear for dynamic quantisation.
+        self.query = nn.Linear(h, h)
+        self.key = nn.Linear(h, h)
+        self.value = nn.Linear(h, h)
+        self.attn_out = nn.Linear(h, h)
+        self.attn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.ffn_in = nn.Linear(h, cfg.intermediate_size)
+        self.ffn_out = nn.Linear(cfg.intermediate_size, h)
+        self.ffn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, h = x.shape
+        return x.view(b, n, self.heads, h // self.heads).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        b, n, h = x.shape
+        q, k, v = self._split(self.query(x)), self._split(self.key(x)), self._split(self.value(x))
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        ctx = ctx.transpose(1, 2).reshape(b, n, h)
+        x = self.attn_norm(x + self.attn_out(ctx))
+        # BERT's "gelu" is the exact erf form, which is F.gelu's default.
+        out: torch.Tensor = self.ffn_norm(x + self.ffn_out(F.gelu(self.ffn_in(x))))
+        return out
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.embeddings = BertEmbeddings(cfg)
+        self.layers = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor
+    ) -> torch.Tensor:
+        x: torch.Tensor = self.embeddings(input_ids, token_type_ids)
+        # Boolean mask, True = may attend; shape (B, 1, 1, N) broadcasts over heads and queries.
+        # Every row keeps its [CLS], so no query row is fully masked (which would yield NaN).
+        mask = attention_mask.bool()[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x
+
+
+# Checkpoint (Hugging Face BertModel) name fragments -> this module's names.
+_RENAMES: tuple[tuple[str, str], ...] = (
+    ("embeddings.word_embeddings.", "embeddings.word."),
+    ("embeddings.position_embeddings.", "embeddings.position."),
+    ("embeddings.token_type_embeddings.", "embeddings.token_type."),
+    ("embeddings.LayerNorm.", "embeddings.norm."),
+    ("encoder.layer.", "layers."),
+    (".attention.self.query.", ".query."),
+    (".attention.self.key.", ".key."),
+    (".attention.self.value.", ".value."),
+    (".attention.output.dense.", ".attn_out."),
+    (".attention.output.LayerNorm.", ".attn_norm."),
+    (".intermediate.dense.", ".ffn_in."),
+    (".output.dense.", ".ffn_out."),
+    (".output.LayerNorm.", ".ffn_norm."),
+)
+# Present in the checkpoint but unused by a sentence encoder.
+_IGNORED_PREFIXES = ("pooler.", "embeddings.position_ids")
+
+
+def _rename(key: str) -> str:
+    for old, new in _RENAMES:
+        key = key.replace(old, new)
+    return key
+
+
+def load_bert_weights(model: BertEncoder, weights: Path) -> None:
+    """Load a BertModel safetensors checkpoint into ``model``, strictly."""
+    try:
+        raw = load_file(str(weights), device="cpu")
+    except FileNotFoundError as exc:
+        raise ArtifactError(f"missing weights file: {weights}") from exc
+    except (SafetensorError, OSError) as exc:
+        raise ArtifactError(f"unreadable safetensors file {weights}: {exc}") from exc
+    state = {
+        _rename(k.removeprefix("bert.")): v
+        for k, v in raw.items()
+        if not k.removeprefix("bert.").startswith(_IGNORED_PREFIXES)
+    }
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ArtifactError(f"{weights} does not match the BERT config: {exc}") from exc
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` picks CUDA when present; an explicit ``"cuda"`` without a GPU is an error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"device {device!r} requested but CUDA is not available")
+    return dev
+
+
+class MiniLMEncoder:
+    """Sentence encoder with the same outputs as sentence-transformers' all-MiniLM-L6-v2.
+
+    ``encode`` pads each batch only to its own longest text, so callers that batch by length
+    pay for no padding beyond that; it returns float32 vectors on the CPU.
+    """
+
+    def __init__(
+        self, *, model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> None:
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise ArtifactError(f"model directory not found: {model_dir}")
+        self.model_dir = model_dir
+        self.device = resolve_device(device)
+        self.dtype = dtype
+        self.config = BertConfig.from_dir(model_dir)
+        self.max_seq_length = self._max_seq_length(model_dir, self.config)
+
+        self._tokenizer = self._load_tokenizer(model_dir, self.max_seq_length, pad=True)
+        # A second, unpadded tokenizer: ``token_lengths`` must not pay for padding and
+        # tokenizers' padding settings are per instance, not per call.
+        self._length_tokenizer = self._load_tokenizer(model_dir, self.max_seq_length, pad=False)
+
+        model = BertEncoder(self.config)
+        load_bert_weights(model, model_dir / WEIGHTS_FILE)
+        self.model: nn.Module = model.to(device=self.device, dtype=dtype).eval()
+
+    @property
+    def dim(self) -> int:
+        return self.config.hidden_size
+
+    @staticmethod
+    def _max_seq_length(model_dir: Path, cfg: BertConfig) -> int:
+        st_config = model_dir / "sentence_bert_config.json"
+        limit = DEFAULT_MAX_SEQ_LENGTH
+        if st_config.exists():
+            limit = int(_read_json(st_config).get("max_seq_length", limit))
+        return min(limit, cfg.max_position_embeddings)
+
+    def _load_tokenizer(self, model_dir: Path, max_length: int, *, pad: bool) -> Tokenizer:
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise ArtifactError(f"missing tokenizer file: {path}")
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception on a bad file
+            raise ArtifactError(f"unreadable tokenizer {path}: {exc}") from exc
+        # The shipped tokenizer.json pads/truncates to a fixed 128; sentence-transformers
+        # overrides that with max_seq_length and dynamic padding, and so do we.
+        tok.no_padding()
+        tok.enable_truncation(max_length=max_length)
+        if pad:
+            tok.enable_padding(pad_id=self.config.pad_token_id, pad_token="[PAD]")
+        return tok
+
+    def token_lengths(self, texts: Sequence[str]) -> list[int]:
+        """Token count of each text after truncation, [CLS] and [SEP] included."""
+        return [len(e.ids) for e in self._length_tokenizer.encode_batch(list(texts))]
+
+    def _tokenize(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        encs = self._tokenizer.encode_batch(list(texts))
+        ids = torch.tensor([e.ids for e in encs], dtype=torch.long)
+        mask = torch.tensor([e.attention_mask for e in encs], dtype=torch.long)
+        types = torch.tensor([e.type_ids for e in encs], dtype=torch.long)
+        return ids, mask, types
+
+    @torch.inference_mode()
+    def encode(self, texts: Sequence[str]) -> torch.Tensor:
+        """Return an (N, dim) float32 CPU tensor of unit-length sentence embeddings.
+
+        It is an inference-mode tensor: ``.clone()`` it before using it in autograd.
+        """
+        if len(texts) == 0:
+            return torch.empty((0, self.dim), dtype=torch.float32)
+        ids, mask, types = self._tokenize(texts)
+        ids, mask, types = (t.to(self.device) for t in (ids, mask, types))
+        hidden = self.model(ids, mask, types)
+        # Pool in float32: summing up to 256 bf16 vectors loses visible precision.
+        m = mask.unsqueeze(-1).to(torch.float32)
+        summed = (hidden.to(torch.float32) * m).sum(dim=1)
+        pooled = summed / m.sum(dim=1).clamp(min=1e-9)
+        return F.normalize(pooled, p=2.0, dim=1).cpu()
