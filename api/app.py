@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 
 from api import errors
+from api.admission import Admission
 from api.caches import AuthCache, RoutingCache
 from api.deps import AppState
 from api.events import EventHub
@@ -53,7 +54,8 @@ def create_app(
 
         hub = EventHub(redis=client, on_control=on_control)
         state = AppState(settings=settings, broker=Broker(redis=client, result_ttl_s=settings.result_ttl_s),
-                         registry=reg, routing=routing, auth=auth, hub=hub)
+                         registry=reg, routing=routing, auth=auth, hub=hub,
+                         admission=Admission(redis=client))
         app.state.sluice = state
         await routing.reload()
         tasks = [asyncio.create_task(hub.run(), name="events"),

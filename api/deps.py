@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from api.admission import Admission
 from api.caches import AuthCache, RoutingCache
 from api.events import EventHub
 from sluice.broker import Broker
@@ -25,6 +26,7 @@ class AppState:
     routing: RoutingCache
     auth: AuthCache
     hub: EventHub
+    admission: Admission
 
 
 def get_state(request: Request) -> AppState:

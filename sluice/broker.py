@@ -73,6 +73,11 @@ class Broker:
                 key = keys.job(record.id)
                 pipe.hset(key, mapping=record.to_redis())
                 pipe.expire(key, self.result_ttl_s)
+            per_tenant: dict[str, int] = {}
+            for record in records:
+                per_tenant[record.tenant] = per_tenant.get(record.tenant, 0) + 1
+            for tenant, count in per_tenant.items():
+                pipe.incrby(keys.queued_count(tenant), count)
             for record in records:
                 entry = {"id": record.id, "tenant": record.tenant, "cost": str(record.cost),
                          "t": repr(record.enqueued_at)}
@@ -91,9 +96,10 @@ class Broker:
             raise NotFound(f"job '{job_id}' does not exist")
         return record
 
-    async def cancel(self, job_id: str) -> str:
+    async def cancel(self, job_id: str, tenant: str) -> str:
         with translate_redis_errors():
-            outcome = await self._cancel(keys=[keys.job(job_id)], args=[repr(time.time())])
+            outcome = await self._cancel(keys=[keys.job(job_id), keys.queued_count(tenant)],
+                                         args=[repr(time.time())])
         state = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
         if state == "cancelled":
             await self.publish({"type": "job", "id": job_id, "status": "cancelled"})

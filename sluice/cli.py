@@ -15,7 +15,7 @@ from sluice.redact import configure_logging
 from sluice.settings import Settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Sluice: asynchronous inference.")
-console = Console()
+console = Console(soft_wrap=True)
 log = logging.getLogger("sluice.cli")
 
 

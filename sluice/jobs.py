@@ -169,13 +169,15 @@ class JobRecord:
         return body
 
 
-# KEYS[1] job hash; ARGV: now, worker, max_deliveries. Moves queued/running -> running and hands
-# back the input. A job already final answers its state and is not re-run; one past its deadline
-# becomes `expired`, one delivered max_deliveries times becomes `failed` (the caller dead-letters it).
+# KEYS[1] job hash, KEYS[2] the tenant's queued counter; ARGV: now, worker, max_deliveries.
+# Moves queued/running -> running and hands back the input. A job already final answers its
+# state and is not re-run; one past its deadline becomes `expired`, one delivered max_deliveries
+# times becomes `failed` (the caller dead-letters it).
 CLAIM_SCRIPT = """
 local s = redis.call('HGET', KEYS[1], 'status')
 if not s then return {'missing'} end
 if s ~= 'queued' and s ~= 'running' then return {s} end
+if s == 'queued' and tonumber(redis.call('DECR', KEYS[2])) < 0 then redis.call('SET', KEYS[2], 0) end
 local deadline = tonumber(redis.call('HGET', KEYS[1], 'deadline') or '')
 if deadline and tonumber(ARGV[1]) > deadline then
   redis.call('HSET', KEYS[1], 'status', 'expired', 'finished_at', ARGV[1],
@@ -216,11 +218,13 @@ if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'last_err
 return 1
 """
 
-# KEYS[1] job hash; ARGV: now. Only a queued job can be cancelled.
+# KEYS[1] job hash, KEYS[2] the tenant's queued counter; ARGV: now. Only a queued job can be
+# cancelled.
 CANCEL_SCRIPT = """
 local s = redis.call('HGET', KEYS[1], 'status')
 if not s then return 'missing' end
 if s ~= 'queued' then return s end
+if tonumber(redis.call('DECR', KEYS[2])) < 0 then redis.call('SET', KEYS[2], 0) end
 redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[1])
 return 'cancelled'
 """

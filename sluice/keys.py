@@ -50,3 +50,17 @@ def heartbeat_pattern(model: str, version: str) -> str:
 def stats(model: str, version: str) -> str:
     """Recent finished-job samples of one version (a capped stream), for exact percentiles."""
     return f"sluice:{tag(model, version)}:samples"
+
+
+def rate_bucket(tenant: str) -> str:
+    return f"sluice:rate:{{{tenant}}}"
+
+
+def queued_count(tenant: str) -> str:
+    """Jobs of this tenant accepted and not yet started (the quota's counter)."""
+    return f"sluice:queued:{{{tenant}}}"
+
+
+def live_workers(model: str, version: str) -> str:
+    """Sorted set: worker name -> time of its last heartbeat, so readers need no SCAN."""
+    return f"sluice:{tag(model, version)}:live"

@@ -102,7 +102,7 @@ class Worker:
         self.state = "starting"
         self.processed = 0
         self.last_batch_size = 0
-        self._rate_window: deque[tuple[float, int]] = deque(maxlen=64)
+        self._rate_window: deque[tuple[int, float]] = deque(maxlen=64)  # (items, model seconds)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -139,6 +139,7 @@ class Worker:
             self.state = "stopped"
             with contextlib.suppress(BrokerError), translate_redis_errors():
                 await self.redis.delete(keys.heartbeat(self.model, self.version, self.name))
+                await self.redis.zrem(keys.live_workers(self.model, self.version), self.name)
 
     # --- reading and batch formation -----------------------------------------------------------
 
@@ -224,7 +225,8 @@ class Worker:
         with translate_redis_errors():
             pipe = self.redis.pipeline(transaction=False)
             for _, _, fields in entries:
-                await self._claim(keys=[keys.job(fields[b"id"].decode())],
+                await self._claim(keys=[keys.job(fields[b"id"].decode()),
+                                        keys.queued_count(fields[b"tenant"].decode())],
                                   args=[repr(now), self.name, self.max_deliveries], client=pipe)
             replies = await pipe.execute()
         settle: list[tuple[str, bytes]] = []
@@ -316,7 +318,7 @@ class Worker:
         self._space.set()
         self.processed += size
         self.last_batch_size = size
-        self._rate_window.append((finished, size))
+        self._rate_window.append((size, model_s))
         labels = (self.model, self.version)
         BATCH_SIZE.labels(*labels).observe(size)
         BATCH_CLOSED.labels(*labels, batch.close_reason).inc()
@@ -359,20 +361,25 @@ class Worker:
     # --- heartbeat ---------------------------------------------------------------------------------
 
     def items_per_s(self) -> float:
-        if len(self._rate_window) < 2:
-            return 0.0
-        span = self._rate_window[-1][0] - self._rate_window[0][0]
-        items = sum(n for _, n in list(self._rate_window)[1:])
-        return items / span if span > 0 else 0.0
+        """Service capacity while busy (items per model-second), not wall-clock throughput: an
+        idle worker must not look slow, or a burst after a quiet spell would be shed."""
+        busy = sum(seconds for _, seconds in self._rate_window)
+        return sum(n for n, _ in self._rate_window) / busy if busy > 0 else 0.0
 
     async def _heartbeat_loop(self, every_s: float = 2.0) -> None:
         key = keys.heartbeat(self.model, self.version, self.name)
+        live = keys.live_workers(self.model, self.version)
         while True:
             with contextlib.suppress(BrokerError), translate_redis_errors():
-                await self.redis.hset(key, mapping={
+                now = self.clock()
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.hset(key, mapping={
                     "state": self.state, "items_per_s": f"{self.items_per_s():.3f}",
                     "batch_size": str(self.last_batch_size), "cold_start_s": f"{self.cold_start_s:.3f}",
-                    "processed": str(self.processed), "pid": str(os.getpid()), "at": repr(self.clock()),
+                    "processed": str(self.processed), "pid": str(os.getpid()), "at": repr(now),
                 })
-                await self.redis.expire(key, int(every_s * 5))
+                pipe.expire(key, int(every_s * 5))
+                pipe.zadd(live, {self.name: now})
+                pipe.zremrangebyscore(live, "-inf", now - every_s * 5)
+                await pipe.execute()
             await asyncio.sleep(every_s)

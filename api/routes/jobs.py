@@ -16,7 +16,7 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
 from api.deps import AppState, CurrentKey, StateDep
 from sluice import keys
 from sluice.broker import translate_redis_errors
-from sluice.errors import Conflict, InvalidInput, PayloadTooLarge
+from sluice.errors import Conflict, InvalidInput, PayloadTooLarge, TooManyRequests
 from sluice.jobs import JobRecord, JobStatus, new_job_id
 from sluice.kinds import ModelKind, validate_input
 from sluice.metrics import JOBS_REJECTED, JOBS_SUBMITTED
@@ -106,6 +106,14 @@ async def _admit(
     if replayed is not None:
         records = [r for r in [await state.broker.get(i) for i in replayed] if r is not None]
         return records, True
+    try:
+        await state.admission.admit(key, decision.version, lane=options.lane, count=len(validated))
+    except TooManyRequests as exc:
+        JOBS_REJECTED.labels(model, exc.code).inc()
+        if redis_key:
+            with translate_redis_errors():
+                await state.broker.redis.delete(redis_key)
+        raise
     now = time.time()
     records = [
         JobRecord(
@@ -226,7 +234,7 @@ async def job_events(job_id: str, key: CurrentKey, state: StateDep) -> Streaming
 @router.delete("/jobs/{job_id}")
 async def cancel_job(job_id: str, key: CurrentKey, state: StateDep) -> dict[str, Any]:
     record = await state.broker.get_for_tenant(job_id, key.tenant)
-    outcome = await state.broker.cancel(job_id)
+    outcome = await state.broker.cancel(job_id, key.tenant)
     if outcome != "cancelled":
         raise Conflict(f"job '{job_id}' is {outcome}; only a queued job can be cancelled")
     record = await state.broker.get_for_tenant(job_id, key.tenant)

@@ -36,6 +36,9 @@ class KeyInfo:
     key_id: str
     tenant: str
     is_admin: bool
+    rate_limit_per_s: float = 200.0
+    rate_burst: int = 2000
+    max_queued: int = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,12 +143,17 @@ def revoke_key(session: Session, *, key_id: str, actor: str) -> str:
 
 
 def lookup_key(session: Session, raw_key: str) -> KeyInfo | None:
-    key = session.scalar(
-        select(ApiKey).where(ApiKey.key_hash == hash_key(raw_key), ApiKey.revoked_at.is_(None))
-    )
-    if key is None:
+    found = session.execute(
+        select(ApiKey, Tenant)
+        .join(Tenant, Tenant.id == ApiKey.tenant_id)
+        .where(ApiKey.key_hash == hash_key(raw_key), ApiKey.revoked_at.is_(None))
+    ).first()
+    if found is None:
         return None
-    return KeyInfo(key_id=key.id, tenant=key.tenant_id, is_admin=key.is_admin)
+    key, tenant = found
+    return KeyInfo(key_id=key.id, tenant=key.tenant_id, is_admin=key.is_admin,
+                   rate_limit_per_s=tenant.rate_limit_per_s, rate_burst=tenant.rate_burst,
+                   max_queued=tenant.max_queued)
 
 
 def tenant_secret(session: Session, tenant_id: str) -> str | None:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,8 +76,15 @@ def _read(stores: EmbeddedStores) -> tuple[bytes | None, list[str]]:
 
 
 @pytest.fixture
-def home(tmp_path: Path) -> Iterator[Path]:
-    yield tmp_path / "home"
+def home() -> Iterator[Path]:
+    # Not tmp_path: as root, Postgres runs under another account that must reach PGDATA, and
+    # every pytest session resets /tmp/pytest-of-root to 0700, so a concurrent session would
+    # take that access away mid-test.
+    base = Path(tempfile.mkdtemp(prefix="sluice-embedded-"))
+    try:
+        yield base / "home"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_start_write_restart_and_read_back(home: Path) -> None:
@@ -102,9 +112,7 @@ def test_start_write_restart_and_read_back(home: Path) -> None:
 
 
 def test_given_urls_are_passed_through(home: Path) -> None:
-    stores = start_embedded(
-        home=home, redis_url="redis://elsewhere:6379/0", database_url="postgresql+psycopg://x@y/z"
-    )
+    stores = start_embedded(home=home, redis_url="redis://elsewhere:6379/0", database_url="postgresql+psycopg://x@y/z")
     assert stores.redis_url == "redis://elsewhere:6379/0"
     assert stores.database_url == "postgresql+psycopg://x@y/z"
     stores.stop()
@@ -192,9 +200,7 @@ def test_stale_pid_files_pointing_at_unrelated_processes(home: Path) -> None:
         stores.stop()
 
 
-def test_a_busy_home_is_refused_and_a_port_in_use_is_reported(
-    home: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_busy_home_is_refused_and_a_port_in_use_is_reported(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from sluice import embedded
     from sluice.errors import BrokerUnavailable, RegistryUnavailable
 
@@ -213,3 +219,23 @@ def test_a_busy_home_is_refused_and_a_port_in_use_is_reported(
             )
     finally:
         stores.stop()
+
+
+def test_a_free_port_taken_before_the_server_binds_it_is_retried(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sluice import embedded
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        ports = iter([taken])
+        real_free_port = embedded._free_port
+        monkeypatch.setattr(embedded, "_free_port", lambda: next(ports, None) or real_free_port())
+        stores = start_embedded(home=home, redis_url=None, database_url="postgresql://unused")
+        try:
+            assert not stores.redis_url.startswith(f"redis://127.0.0.1:{taken}/")
+            client = redis.Redis.from_url(stores.redis_url)
+            assert client.ping()
+            client.close()
+        finally:
+            stores.stop()

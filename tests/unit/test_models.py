@@ -78,9 +78,7 @@ def head_path() -> Path:
 
 @pytest.fixture(scope="module")
 def classifier(head_path: Path) -> ModelHandler:
-    return load_handler(
-        kind="classifier", artifact=INTENT_HEAD_URI, sha256=artifact_sha256(head_path)
-    )
+    return load_handler(kind="classifier", artifact=INTENT_HEAD_URI, sha256=artifact_sha256(head_path))
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +128,7 @@ def test_encoder_is_dynamically_quantizable(encoder: MiniLMEncoder, model_dir: P
             quantized.model, {torch.nn.Linear}, dtype=torch.qint8
         )
     assert "DynamicQuantizedLinear" in repr(quantized.model)
-    cosines = torch.nn.functional.cosine_similarity(
-        quantized.encode(TEXTS[:6]), encoder.encode(TEXTS[:6]), dim=1
-    )
+    cosines = torch.nn.functional.cosine_similarity(quantized.encode(TEXTS[:6]), encoder.encode(TEXTS[:6]), dim=1)
     # Only compatibility is checked here: torch's default x86 dynamic qconfig (per-tensor,
     # reduce_range) measured cosine 0.87-0.95 against fp32 on these texts.
     assert cosines.min().item() > 0.8
@@ -165,9 +161,7 @@ def test_embedding_handler(model_dir: Path) -> None:
     assert handler.run([]) == []
 
 
-def test_classifier_held_out_accuracy(
-    classifier: ModelHandler, held_out: list[tuple[str, str]]
-) -> None:
+def test_classifier_held_out_accuracy(classifier: ModelHandler, held_out: list[tuple[str, str]]) -> None:
     assert isinstance(classifier, ClassifierHandler)
     out = classifier.run([{"text": text} for text, _ in held_out])
     correct = sum(o["label"] == label for o, (_, label) in zip(out, held_out, strict=True))
@@ -188,9 +182,7 @@ def test_degraded_head_is_confidently_wrong(
 ) -> None:
     degraded_path = tmp_path / "degraded.safetensors"
     write_degraded_head(head_path, degraded_path, seed=7)
-    degraded = load_handler(
-        kind="classifier", artifact=str(degraded_path), sha256=artifact_sha256(degraded_path)
-    )
+    degraded = load_handler(kind="classifier", artifact=str(degraded_path), sha256=artifact_sha256(degraded_path))
     inputs = [{"text": text} for text, _ in held_out]
     good, bad = classifier.run(inputs), degraded.run(inputs)
     disagree = sum(g["label"] != b["label"] for g, b in zip(good, bad, strict=True))
@@ -221,9 +213,7 @@ def test_synthetic_handler_cost_echo_and_poison() -> None:
 
 
 def test_load_synthetic_from_uri() -> None:
-    handler = load_handler(
-        kind="synthetic", artifact="synthetic:?fixed_s=0.001&per_token_s=0.00001", sha256=None
-    )
+    handler = load_handler(kind="synthetic", artifact="synthetic:?fixed_s=0.001&per_token_s=0.00001", sha256=None)
     assert isinstance(handler, SyntheticHandler)
     assert handler.fixed_s == 0.001
     assert handler.per_token_s == 0.00001
@@ -282,9 +272,7 @@ def test_resolve_artifact_forms(tmp_path: Path, model_dir: Path, head_path: Path
     f.write_bytes(b"abc")
     assert resolve_artifact(f"file://{f}") == f
     assert resolve_artifact(str(f)) == f
-    assert artifact_sha256(f) == (
-        "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
-    )
+    assert artifact_sha256(f) == ("ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad")
     assert artifact_sha256(model_dir) == artifact_sha256(model_dir / "model.safetensors")
     with pytest.raises(ArtifactError):
         resolve_artifact("synthetic:?fixed_s=1")

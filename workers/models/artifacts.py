@@ -133,9 +133,7 @@ def verify_artifact(path: Path, expected_sha256: str) -> None:
     expected = expected_sha256.strip().lower()
     actual = artifact_sha256(path)
     if actual != expected:
-        raise ArtifactMismatch(
-            f"sha256 mismatch for {hashed_file(path)}: expected {expected}, actual {actual}"
-        )
+        raise ArtifactMismatch(f"sha256 mismatch for {hashed_file(path)}: expected {expected}, actual {actual}")
 
 
 def resolve_and_verify(uri: str, sha256: str | None) -> Path:

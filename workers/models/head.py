@@ -37,9 +37,7 @@ class IntentHead(nn.Module):
         return logits
 
 
-def _write_canonical(
-    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]
-) -> None:
+def _write_canonical(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     """save_file, then rewrite the JSON header with sorted keys.
 
     safetensors serialises its header from a hash map, so the same tensors and metadata give
@@ -54,6 +52,8 @@ def _write_canonical(
     text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the format pads the header to 8-byte alignment
     path.write_bytes(struct.pack("<Q", len(text)) + text + blob[8 + size :])
+    # safetensors creates the file 0600; a shipped artifact must be readable by the workers.
+    path.chmod(0o644)
 
 
 def save_head(
@@ -78,7 +78,7 @@ def read_head(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     try:
         with safe_open(str(path), framework="pt", device="cpu") as fh:
             metadata = dict(fh.metadata() or {})
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - safe_open is not a Mapping  # noqa: SIM118 (not a dict)
     except FileNotFoundError as exc:
         raise ArtifactError(f"head file not found: {path}") from exc
     except (SafetensorError, OSError) as exc:

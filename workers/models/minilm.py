@@ -204,9 +204,7 @@ class MiniLMEncoder:
     pay for no padding beyond that; it returns float32 vectors on the CPU.
     """
 
-    def __init__(
-        self, *, model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32
-    ) -> None:
+    def __init__(self, *, model_dir: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise ArtifactError(f"model directory not found: {model_dir}")

@@ -26,9 +26,7 @@ class SyntheticHandler:
 
     kind = "synthetic"
 
-    def __init__(
-        self, *, fixed_s: float = 0.002, per_item_s: float = 0.0005, per_token_s: float = 0.00002
-    ) -> None:
+    def __init__(self, *, fixed_s: float = 0.002, per_item_s: float = 0.0005, per_token_s: float = 0.00002) -> None:
         for name, value in (
             ("fixed_s", fixed_s),
             ("per_item_s", per_item_s),

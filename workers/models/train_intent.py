@@ -124,9 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     x_held = encoder.encode([ex.text for ex in held_out]).clone()
     y_train, y_held = _targets(train, labels), _targets(held_out, labels)
 
-    head = train_head(
-        x_train, y_train, len(labels), hidden=args.hidden, seed=args.seed, epochs=args.epochs
-    )
+    head = train_head(x_train, y_train, len(labels), hidden=args.hidden, seed=args.seed, epochs=args.epochs)
     train_acc, held_acc = accuracy(head, x_train, y_train), accuracy(head, x_held, y_held)
     save_head(
         head,

@@ -1,0 +1,128 @@
+"""Admission control: per-tenant rate limit and queued-job quota, and load shedding per version.
+
+Every refusal is a 429 with `Retry-After`. The shedding rule is a pure function of the backlog,
+the measured service rate and the latency budget, so the simulator and tests use it unchanged;
+the I/O around it (one Redis round trip, cached for a fraction of a second) lives in `Admission`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from sluice import keys
+from sluice.broker import translate_redis_errors
+from sluice.errors import TooManyRequests
+from sluice.registry.queries import KeyInfo
+from sluice.routing import VersionInfo
+
+# KEYS[1] the tenant's bucket; ARGV: rate/s, burst, now, cost. Answers {1} or {0, wait seconds}.
+TOKEN_BUCKET_SCRIPT = """
+local rate, burst, now, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens = tonumber(state[1]) or burst
+local ts = tonumber(state[2]) or now
+tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
+local ttl = math.ceil(burst / rate) + 1
+if tokens >= cost then
+  redis.call('HSET', KEYS[1], 'tokens', tostring(tokens - cost), 'ts', tostring(now))
+  redis.call('EXPIRE', KEYS[1], ttl)
+  return {1}
+end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
+redis.call('EXPIRE', KEYS[1], ttl)
+return {0, tostring((cost - tokens) / rate)}
+"""
+
+
+def shed_retry_after(*, backlog: int, service_rate: float, budget_s: float) -> float | None:
+    """Seconds to wait if a new job would wait past its budget, else None.
+
+    The predicted wait is backlog / service rate. With no measured rate (no warm worker has
+    finished a batch yet) nothing is shed: refusing on a guess would turn a cold start into an
+    outage.
+    """
+    if service_rate <= 0 or backlog <= 0:
+        return None
+    predicted = backlog / service_rate
+    if predicted <= budget_s:
+        return None
+    return predicted - budget_s
+
+
+@dataclass(frozen=True, slots=True)
+class _Load:
+    backlog: int
+    service_rate: float
+    live_workers: int
+    read_at: float
+
+
+class Admission:
+    def __init__(self, *, redis: aioredis.Redis, load_cache_s: float = 0.25,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.redis = redis
+        self.load_cache_s = load_cache_s
+        self.clock = clock
+        self._bucket = redis.register_script(TOKEN_BUCKET_SCRIPT)
+        self._loads: dict[tuple[str, str], _Load] = {}
+
+    async def admit(self, key: KeyInfo, version: VersionInfo, *, lane: str, count: int) -> None:
+        await self._rate_limit(key, count)
+        await self._quota(key, count)
+        if lane == "online":
+            await self._shed(version, count)
+
+    async def _rate_limit(self, key: KeyInfo, count: int) -> None:
+        burst = max(key.rate_burst, count)  # a bulk larger than the burst could never pass otherwise
+        with translate_redis_errors():
+            verdict = await self._bucket(keys=[keys.rate_bucket(key.tenant)],
+                                         args=[key.rate_limit_per_s, burst, repr(self.clock()), count])
+        if int(verdict[0]) == 0:
+            wait = float(verdict[1])
+            raise TooManyRequests(f"tenant '{key.tenant}' is over its rate limit of {key.rate_limit_per_s:g} jobs/s",
+                                  headers={"Retry-After": str(max(1, math.ceil(wait)))})
+
+    async def _quota(self, key: KeyInfo, count: int) -> None:
+        with translate_redis_errors():
+            queued = int(await self.redis.get(keys.queued_count(key.tenant)) or 0)
+        if queued + count > key.max_queued:
+            raise TooManyRequests(
+                f"tenant '{key.tenant}' has {queued} queued jobs; its quota is {key.max_queued}",
+                headers={"Retry-After": "5"},
+            )
+
+    async def load(self, model: str, version: str) -> _Load:
+        now = self.clock()
+        cached = self._loads.get((model, version))
+        if cached is not None and now - cached.read_at < self.load_cache_s:
+            return cached
+        with translate_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xlen(keys.stream(model, version, "online"))
+            pipe.zrangebyscore(keys.live_workers(model, version), now - 10.0, "+inf")
+            backlog, names = await pipe.execute()
+            rate = 0.0
+            if names:
+                pipe = self.redis.pipeline(transaction=False)
+                for name in names:
+                    pipe.hget(keys.heartbeat(model, version, name.decode()), "items_per_s")
+                rate = sum(float(r or 0) for r in await pipe.execute())
+        load = _Load(backlog=int(backlog), service_rate=rate, live_workers=len(names), read_at=now)
+        self._loads[(model, version)] = load
+        return load
+
+    async def _shed(self, version: VersionInfo, count: int) -> None:
+        load = await self.load(version.model, version.version)
+        wait = shed_retry_after(backlog=load.backlog + count, service_rate=load.service_rate,
+                                budget_s=version.latency_budget_ms / 1000.0)
+        if wait is not None:
+            raise TooManyRequests(
+                f"version '{version.version}' of '{version.model}' is overloaded: the predicted queue wait "
+                f"exceeds its {version.latency_budget_ms:g} ms budget",
+                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            )

@@ -1,0 +1,278 @@
+"""In-process MiniLM throughput on the skewed length mix, by batch plan.
+
+Plans, all on the same texts in the same process (torch threads as given, default 1):
+
+* (a) ``sorted``: sort by real token length, then chunk into batches of ``--batch-size``;
+* (a') ``buckets``: workers.batcher.MicroBatcher's length buckets (the platform's policy, all
+  texts present at once, cost = the API's token estimate), size closes then age closes;
+* (b) ``arrival``: chunks of ``--batch-size`` in arrival order;
+* (c) ``single``: one text at a time (batch size 1).
+
+Reports texts/s, padding (padded tokens / real tokens) and the ratios a/b, a/c, a'/b.
+Run: ``python -m bench.inprocess [--texts 640] [--threads 1]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from bench.common import (
+    SKEWED,
+    CpuWindow,
+    arrival_batches,
+    bucketed_batches,
+    command_line,
+    fmt,
+    machine_info,
+    padding_ratio,
+    skewed_texts,
+    sorted_batches,
+    table,
+    wait_quiet,
+    write_json,
+)
+
+PLANS = ("sorted", "buckets", "arrival", "single")
+PLAN_LABELS = {
+    "sorted": "(a) length-sorted",
+    "buckets": "(a') MicroBatcher buckets",
+    "arrival": "(b) arrival order",
+    "single": "(c) one at a time",
+}
+
+
+def configure_torch(threads: int) -> None:
+    """Before torch is imported where possible (OpenMP reads these at start), then explicitly."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["MKL_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+
+
+def load_encoder(threads: int) -> Any:
+    configure_torch(threads)
+    from workers.models.artifacts import MINILM_URI, resolve_artifact
+    from workers.models.minilm import MiniLMEncoder
+
+    return MiniLMEncoder(model_dir=resolve_artifact(MINILM_URI), device="cpu")
+
+
+def warmup(encoder: Any) -> None:
+    from workers.models.text_handlers import _WARMUP_BATCHES
+
+    for batch in _WARMUP_BATCHES:
+        encoder.encode(list(batch))
+
+
+def plan_batches(plan: str, texts: Sequence[str], lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    if plan == "sorted":
+        return sorted_batches(lengths, batch_size)
+    if plan == "buckets":
+        from sluice.kinds import token_estimate
+
+        return bucketed_batches([token_estimate(t) for t in texts], batch_size)
+    if plan == "arrival":
+        return arrival_batches(len(texts), batch_size)
+    if plan == "single":
+        return arrival_batches(len(texts), 1)
+    raise ValueError(f"unknown plan {plan!r}")
+
+
+def time_plan(encoder: Any, texts: Sequence[str], plan: str, batch_size: int) -> dict[str, Any]:
+    """Plan (the length look-up included in the timing) and run; answer texts/s and padding."""
+    window = CpuWindow()
+    cpu0 = time.process_time()
+    started = time.perf_counter()
+    lengths = encoder.token_lengths(texts) if plan == "sorted" else None
+    batches = plan_batches(plan, texts, lengths or [], batch_size)
+    batch_s = []
+    for batch in batches:
+        t = time.perf_counter()
+        encoder.encode([texts[i] for i in batch])
+        batch_s.append(time.perf_counter() - t)
+    elapsed = time.perf_counter() - started
+    own_cpu = time.process_time() - cpu0
+    window.stop()
+    real_lengths = lengths or encoder.token_lengths(texts)  # outside the timing when not needed
+    return {
+        "plan": plan, "texts": len(texts), "batches": len(batches), "seconds": elapsed,
+        "texts_per_s": len(texts) / elapsed, "padding_ratio": padding_ratio(real_lengths, batches),
+        "mean_batch_ms": 1000 * statistics.fmean(batch_s),
+        "own_cpu_s": own_cpu, "system_busy_s": window.busy,
+        "foreign_cores": window.foreign_cores(own_cpu),
+    }
+
+
+def run_plans(texts: Sequence[str], plans: Sequence[str], *, threads: int, batch_size: int,
+              repeats: int = 1, quiet_s: float = 0.0) -> dict[str, dict[str, Any]]:
+    """Every plan `repeats` times (interleaved), keeping the median-throughput run of each."""
+    encoder = load_encoder(threads)
+    warmup(encoder)
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in plans}
+    for _ in range(repeats):
+        for plan in plans:
+            if quiet_s > 0:
+                wait_quiet(quiet_s)
+            runs[plan].append(time_plan(encoder, texts, plan, batch_size))
+    out = {}
+    for plan, results in runs.items():
+        results.sort(key=lambda r: r["texts_per_s"])
+        chosen = dict(results[len(results) // 2])
+        chosen["all_texts_per_s"] = [r["texts_per_s"] for r in results]
+        out[plan] = chosen
+    return out
+
+
+def _child(texts: Sequence[str], plans: Sequence[str], threads: int, batch_size: int, repeats: int,
+           quiet_s: float, queue: Any) -> None:
+    try:
+        queue.put(("ok", run_plans(texts, plans, threads=threads, batch_size=batch_size, repeats=repeats,
+                                   quiet_s=quiet_s)))
+    except BaseException as exc:
+        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def run_plans_isolated(texts: Sequence[str], plans: Sequence[str], *, threads: int, batch_size: int,
+                       repeats: int = 1, quiet_s: float = 0.0) -> dict[str, dict[str, Any]]:
+    """`run_plans` in a fresh spawned process, so the caller's torch settings do not leak in."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(list(texts), list(plans), threads, batch_size, repeats, quiet_s, queue))
+    proc.start()
+    try:
+        status, payload = queue.get()
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join()
+    if status != "ok":
+        raise RuntimeError(f"in-process bench failed: {payload}")
+    return dict(payload)
+
+
+# --- several processes at once (the fair baseline for a multi-worker platform) ------------------
+
+
+def _parallel_child(texts: Sequence[str], plan: str, threads: int, batch_size: int, barrier: Any,
+                    queue: Any) -> None:
+    try:
+        encoder = load_encoder(threads)
+        warmup(encoder)
+        barrier.wait(timeout=300)
+        started = time.time()
+        result = time_plan(encoder, texts, plan, batch_size)
+        result["started_at"] = started
+        result["finished_at"] = time.time()
+        queue.put(("ok", result))
+    except BaseException as exc:
+        barrier.abort()
+        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def run_parallel(texts: Sequence[str], plan: str, *, procs: int, threads: int, batch_size: int) -> dict[str, Any]:
+    """`procs` processes of `threads` threads each, text i going to process i % procs, started
+    together on a barrier. Answers the sum of their throughputs and the wall-clock aggregate."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    barrier = ctx.Barrier(procs)
+    children = [ctx.Process(target=_parallel_child,
+                            args=(list(texts[i::procs]), plan, threads, batch_size, barrier, queue))
+                for i in range(procs)]
+    for child in children:
+        child.start()
+    try:
+        results = [queue.get() for _ in children]
+    finally:
+        for child in children:
+            child.join(timeout=30)
+            if child.is_alive():
+                child.terminate()
+                child.join()
+    errors = [payload for status, payload in results if status != "ok"]
+    if errors:
+        raise RuntimeError(f"parallel in-process bench failed: {errors}")
+    parts = [payload for _, payload in results]
+    wall = max(p["finished_at"] for p in parts) - min(p["started_at"] for p in parts)
+    # Each child saw the whole machine: what was busy beyond all the children's own CPU.
+    busy = statistics.fmean(p["system_busy_s"] for p in parts)
+    elapsed = statistics.fmean(p["seconds"] for p in parts)
+    foreign = max(0.0, busy - sum(p["own_cpu_s"] for p in parts)) / elapsed
+    return {
+        "plan": plan, "procs": procs, "threads": threads, "texts": len(texts),
+        "texts_per_s_sum": sum(p["texts_per_s"] for p in parts),
+        "texts_per_s_wall": len(texts) / wall,
+        "padding_ratio": [p["padding_ratio"] for p in parts], "foreign_cores": foreign,
+        "per_process": parts,
+    }
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def summarise(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    def ratio(a: str, b: str) -> float:
+        if a in results and b in results:
+            return float(results[a]["texts_per_s"] / results[b]["texts_per_s"])
+        return float("nan")
+
+    return {"a/b": ratio("sorted", "arrival"), "a/c": ratio("sorted", "single"),
+            "a'/b": ratio("buckets", "arrival"), "a/a'": ratio("sorted", "buckets")}
+
+
+def print_results(results: dict[str, dict[str, Any]], ratios: dict[str, float]) -> None:
+    rows = [[PLAN_LABELS[p], r["batches"], r["texts_per_s"],
+             r["padding_ratio"] if p != "single" else None, r["mean_batch_ms"], r["foreign_cores"]]
+            for p, r in results.items()]
+    print(table(["plan", "batches", "texts/s", "padding (padded/real tokens)", "mean ms/batch",
+                 "other load (cores)"], rows))
+    print(table(["ratio", "value"], [[k, v] for k, v in ratios.items() if v == v]))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.inprocess", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--texts", type=int, default=640, help="texts in the skewed mix (default 640)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in the process (default 1)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per plan; the median is kept")
+    parser.add_argument("--plans", default=",".join(PLANS), help=f"comma-separated subset of {PLANS}")
+    parser.add_argument("--quiet-wait", type=float, default=20.0,
+                        help="before each plan, wait up to this many s for the machine to be idle (0: off)")
+    parser.add_argument("--output", default="inprocess.json", help="file name under bench/results/")
+    args = parser.parse_args(argv)
+    plans = [p.strip() for p in args.plans.split(",") if p.strip()]
+    for plan in plans:
+        if plan not in PLANS:
+            parser.error(f"unknown plan {plan!r}")
+
+    texts = skewed_texts(args.texts, seed=args.seed)
+    print(f"in-process MiniLM, {args.texts} texts ({SKEWED.describe()}), seed {args.seed}, "
+          f"batch size {args.batch_size}, {args.threads} torch thread(s), {os.cpu_count()} cores")
+    info = machine_info()
+    results = run_plans(texts, plans, threads=args.threads, batch_size=args.batch_size, repeats=args.repeats,
+                        quiet_s=args.quiet_wait)
+    ratios = summarise(results)
+    print_results(results, ratios)
+    command = command_line("bench.inprocess")
+    path = write_json(args.output, {
+        "bench": "inprocess", "command": command, "machine": info,
+        "params": {**vars(args), "mix": SKEWED.describe()}, "results": results, "ratios": ratios,
+    })
+    print(f"reproduce: {command}\nresults: {path.relative_to(path.parents[2])}"
+          f"   (a/b = {fmt(ratios['a/b'])}x, a/c = {fmt(ratios['a/c'])}x)")
+
+
+if __name__ == "__main__":
+    main()

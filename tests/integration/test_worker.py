@@ -1,0 +1,128 @@
+"""A real `sluice worker` process on a synthetic model (no torch, starts in about a second):
+bisection of a poisoned batch, expiry before start, the batch-size cap and draining on SIGTERM.
+
+Jobs are mostly submitted before the worker starts, so the worker finds them all at once and
+the batches it forms do not depend on how fast this test submits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from sluice import keys
+
+pytestmark = pytest.mark.slow
+
+Jobs = list[dict[str, Any]]
+
+
+def bulk(client: httpx.Client, model: str, inputs: list[dict[str, Any]], **options: Any) -> list[str]:
+    response = client.post(f"/v1/models/{model}/jobs:bulk", json={"inputs": inputs, **options})
+    assert response.status_code == 202, response.text
+    return list(response.json()["ids"])
+
+
+def test_a_poison_input_fails_alone_and_the_rest_of_its_batch_succeeds(
+    demo: httpx.Client, register_synthetic: Callable[..., str], start_worker: Callable[..., Any],
+    wait_jobs: Callable[..., Jobs], pending: Callable[[str, str], int],
+) -> None:
+    model = register_synthetic("poison", max_batch_size=32, max_wait_ms=20)
+    inputs = [{"text": f"ordinary text {i}"} for i in range(20)]
+    inputs[7] = {"text": "__poison__"}
+    ids = bulk(demo, model, inputs)
+    start_worker(model)
+
+    jobs = wait_jobs(demo, ids)
+    statuses = [job["status"] for job in jobs]
+    assert statuses == ["succeeded"] * 7 + ["failed"] + ["succeeded"] * 12
+    poisoned = jobs[7]
+    assert poisoned["error"]["code"] == "inference_error"
+    assert "poison" in poisoned["error"]["message"]
+    assert "output" not in poisoned
+    for job, given in zip(jobs, inputs, strict=True):
+        if job["status"] == "succeeded":
+            assert job["output"] == {"echo": given}
+    # They were one batch: the poison input did not cost the other 19 their results.
+    assert {job["batch"]["size"] for job in jobs} == {20}
+    assert pending(model, "v1") == 0
+
+
+def test_a_job_past_its_deadline_expires_without_being_computed(
+    demo: httpx.Client, register_synthetic: Callable[..., str], start_worker: Callable[..., Any],
+    wait_jobs: Callable[..., Jobs], pending: Callable[[str, str], int], rds: redis.Redis,
+) -> None:
+    model = register_synthetic("expiry")
+    [doomed] = bulk(demo, model, [{"text": "too late"}], timeout_s=0.001)
+    [control] = bulk(demo, model, [{"text": "in time"}])
+    time.sleep(0.05)  # well past the 1 ms deadline, and no worker yet
+    start_worker(model)
+
+    expired, done = wait_jobs(demo, [doomed, control])
+    assert done["status"] == "succeeded"
+    assert expired["status"] == "expired"
+    assert expired["error"]["code"] == "expired"
+    assert "output" not in expired
+    assert expired["attempts"] == 0
+    assert expired["timings"]["started_at"] is None
+    assert expired["batch"] == {"size": None, "close_reason": None}
+    # Only the control job reached the model: one latency sample for this version.
+    assert rds.xlen(keys.stats(model, "v1")) == 1
+    assert pending(model, "v1") == 0
+
+
+def test_batches_never_exceed_max_batch_size(
+    demo: httpx.Client, register_synthetic: Callable[..., str], start_worker: Callable[..., Any],
+    wait_jobs: Callable[..., Jobs], rds: redis.Redis,
+) -> None:
+    model = register_synthetic("capped", max_batch_size=8, max_wait_ms=50)
+    ids = bulk(demo, model, [{"text": f"job number {i}"} for i in range(60)])
+    start_worker(model)
+
+    jobs = wait_jobs(demo, ids)
+    assert {job["status"] for job in jobs} == {"succeeded"}
+    sizes = [job["batch"]["size"] for job in jobs]
+    assert all(1 <= size <= 8 for size in sizes), sizes
+    # With 60 jobs waiting, full batches close by size.
+    assert any(job["batch"] == {"size": 8, "close_reason": "size"} for job in jobs)
+    samples = rds.xrange(keys.stats(model, "v1"))
+    assert len(samples) == 60
+    assert max(int(fields["b"]) for _, fields in samples) == 8  # type: ignore[union-attr]
+
+
+def test_sigterm_drains_what_the_worker_read_and_leaves_nothing_pending(
+    demo: httpx.Client, register_synthetic: Callable[..., str], start_worker: Callable[..., Any],
+    pending: Callable[[str, str], int], rds: redis.Redis,
+) -> None:
+    # 0.25 s a batch of at most 4: the worker holds a few batches when the signal lands.
+    model = register_synthetic("drain", cost="fixed_s=0.25&per_item_s=0&per_token_s=0", max_batch_size=4,
+                               max_wait_ms=5)
+    ids = bulk(demo, model, [{"text": f"drain me {i}"} for i in range(60)])
+    worker = start_worker(model)
+    deadline = time.monotonic() + 30
+    while demo.get(f"/v1/jobs/{ids[0]}").json()["status"] != "succeeded":
+        assert time.monotonic() < deadline, worker.log()
+        time.sleep(0.02)
+
+    assert worker.terminate(timeout_s=30) == 0, worker.log()
+
+    jobs = [demo.get(f"/v1/jobs/{job_id}").json() for job_id in ids]
+    by_status: dict[str, int] = {}
+    for job in jobs:
+        by_status[job["status"]] = by_status.get(job["status"], 0) + 1
+    # Everything it read finished; what it never read is still queued for the next worker.
+    assert set(by_status) == {"succeeded", "queued"}, by_status
+    assert by_status["queued"] >= 20, by_status
+    assert pending(model, "v1") == 0
+    assert rds.xlen(keys.stream(model, "v1", "online")) == by_status["queued"]
+    for job in jobs:
+        if job["status"] == "succeeded":
+            assert 1 <= job["batch"]["size"] <= 4
+            assert job["batch"]["close_reason"] in {"size", "age", "drain"}
+    # The worker said goodbye: its heartbeat is gone.
+    assert not list(rds.scan_iter(match=keys.heartbeat_pattern(model, "v1")))
