@@ -338,15 +338,24 @@ def fmt(value: Any, digits: int = 2) -> str:
     return str(value)
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+def _is_number(text: str) -> bool:
+    try:
+        float(text.rstrip("x%"))
+    except ValueError:
+        return False
+    return True
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], max_width: int = 90) -> str:
+    """A plain-text table: numbers right-aligned, text left-aligned, long cells cut."""
     cells = [[str(h) for h in headers]] + [[fmt(c) for c in row] for row in rows]
+    cells = [[c if len(c) <= max_width else c[: max_width - 3] + "..." for c in row] for row in cells]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     line = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
     out = [line, "| " + " | ".join(c.ljust(w) for c, w in zip(cells[0], widths, strict=True)) + " |", line]
     for row in cells[1:]:
-        # The first column names the row: left-aligned; the values: right-aligned.
-        out.append("| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                                     for i, (c, w) in enumerate(zip(row, widths, strict=True))) + " |")
+        out.append("| " + " | ".join(c.rjust(w) if _is_number(c) else c.ljust(w)
+                                     for c, w in zip(row, widths, strict=True)) + " |")
     out.append(line)
     return "\n".join(out)
 

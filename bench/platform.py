@@ -128,29 +128,32 @@ def batch_report(jobs: Sequence[dict[str, Any]], lengths: dict[str, int], t0: fl
     complete = [m for m in batches.values() if len(m) == m[0]["batch_size"]]  # no foreign job inside
     padded = sum(max(lengths[j["id"]] for j in m) * len(m) for m in complete)
     real = sum(lengths[j["id"]] for m in complete for j in m)
-    per_worker: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+    # Per worker: (started_at, model seconds) of each batch. Busy = model time; a gap is the
+    # time between one batch's model call ending and the next one's starting, i.e. the time
+    # the model sat idle (to_thread hand-offs, event-loop work, or an empty queue).
+    per_worker: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for (worker, started), members in batches.items():
-        per_worker[worker].append((started, members[0]["finished_at"], members[0]["model_ms"] / 1000))
+        per_worker[worker].append((started, members[0]["model_ms"] / 1000))
     workers = {}
     for worker, spans in sorted(per_worker.items()):
         spans.sort()
-        end = spans[-1][1]
-        busy = sum(f - s for s, f, _ in spans)
-        model = sum(m for _, _, m in spans)
-        gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:], strict=False)]
+        end = spans[-1][0] + spans[-1][1]
+        busy = sum(m for _, m in spans)
+        gaps = [b[0] - (a[0] + a[1]) for a, b in zip(spans, spans[1:], strict=False)]
         workers[worker] = {
-            "batches": len(spans), "jobs": sum(len(batches[(worker, s)]) for s, _, _ in spans),
-            "first_start_after_t0_s": spans[0][0] - t0, "last_finish_after_t0_s": end - t0,
-            "busy_s": busy, "model_s": model, "idle_s_since_t0": (end - t0) - busy,
+            "batches": len(spans), "jobs": sum(len(batches[(worker, s)]) for s, _ in spans),
+            "first_start_after_t0_s": spans[0][0] - t0, "last_model_end_after_t0_s": end - t0,
+            "model_s": busy, "idle_s_since_t0": (end - t0) - busy,
             "busy_fraction_since_t0": busy / (end - t0) if end > t0 else math.nan,
+            "busy_fraction_first_to_last_batch": busy / (end - spans[0][0]) if end > spans[0][0] else math.nan,
             "gap_between_batches_ms": percentiles([1000 * g for g in gaps], (50, 90)) if gaps else None,
             "sum_gaps_s": sum(gaps),
         }
     return {
         "batches": len(batches), "mean_batch_size": statistics.fmean(sizes) if sizes else math.nan,
         "batch_size_histogram": dict(sorted(Counter(sizes).items())), "close_reasons": dict(reasons),
-        "padding_ratio": padded / real if real else math.nan, "model_s_total": sum(
-            w["model_s"] for w in workers.values()), "workers": workers,
+        "padding_ratio": padded / real if real else math.nan,
+        "model_s_total": sum(w["model_s"] for w in workers.values()), "workers": workers,
     }
 
 
@@ -386,9 +389,11 @@ def print_details(name: str, result: dict[str, Any]) -> None:
             [f"[{lane} lane] padding (padded / real tokens)", bsat["padding_ratio"]],
         ]
         for worker, w in bsat["workers"].items():
-            rows.append([f"[{lane} lane] worker ..{worker[-6:]}: busy fraction, idle s, batch gap p50 ms",
+            rows.append([f"[{lane} lane] worker ..{worker[-6:]}: model busy fraction since first submit, "
+                         "idle s, gap between batches p50/p90 ms",
                          f"{w['busy_fraction_since_t0']:.3f}, {w['idle_s_since_t0']:.2f}, "
-                         f"{fmt((w['gap_between_batches_ms'] or {}).get('p50'), 1)}"])
+                         f"{fmt((w['gap_between_batches_ms'] or {}).get('p50'), 1)}/"
+                         f"{fmt((w['gap_between_batches_ms'] or {}).get('p90'), 1)}"])
         for proc, cores in sat["cpu"]["cores"].items():
             rows.append([f"[{lane} lane] CPU: {proc}",
                          f"{cores:.2f} cores, {sat['cpu']['cpu_ms_per_job'][proc]:.2f} ms/job"])
@@ -408,7 +413,7 @@ def print_details(name: str, result: dict[str, Any]) -> None:
     for part, pct in load["breakdown_ms"].items():
         rows.append([f"open loop: {part} p50 / p99 (ms)", f"{fmt(pct['p50'], 1)} / {fmt(pct['p99'], 1)}"])
     for worker, w in bload["workers"].items():
-        rows.append([f"open loop: worker ..{worker[-6:]} busy fraction", w["busy_fraction_since_t0"]])
+        rows.append([f"open loop: worker ..{worker[-6:]} model busy fraction", w["busy_fraction_since_t0"]])
     for proc, cores in load["cpu"]["cores"].items():
         rows.append([f"open loop: CPU: {proc}", f"{cores:.2f} cores, {load['cpu']['cpu_ms_per_job'][proc]:.2f} ms/job"])
     rows.append(["open loop: CPU: everything else on the machine", f"{load['cpu']['foreign_cores']:.2f} cores"])

@@ -71,7 +71,7 @@ class Broker:
             pipe = self.redis.pipeline(transaction=False)
             for record in records:
                 key = keys.job(record.id)
-                pipe.hset(key, mapping=record.to_redis())
+                pipe.hset(key, mapping=record.to_redis())  # type: ignore[arg-type]
                 pipe.expire(key, self.result_ttl_s)
             per_tenant: dict[str, int] = {}
             for record in records:

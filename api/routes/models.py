@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from anyio import to_thread
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import AdminKey, AppState, CurrentKey, StateDep
 from sluice.registry import queries
+from sluice.stats import read_samples, summarise
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
@@ -38,6 +39,20 @@ class RegisterVersion(BaseModel):
     batching: Batching = Field(default_factory=Batching)
     min_replicas: int = Field(default=1, ge=0, le=64)
     max_replicas: int = Field(default=4, ge=1, le=256)
+
+
+class UpdateVersion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    state: Literal["staged", "shadow", "canary", "stable", "retired"] | None = None
+    batching: Batching | None = None
+    min_replicas: int | None = Field(default=None, ge=0, le=64)
+    max_replicas: int | None = Field(default=None, ge=1, le=256)
+    reason: str | None = Field(default=None, max_length=500)
+
+
+class Rollback(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: str | None = Field(default=None, max_length=500)
 
 
 class SetRouting(BaseModel):
@@ -120,3 +135,48 @@ async def get_version(model: str, version: str, _: CurrentKey, state: StateDep) 
             return queries.version_resource(queries.get_version(session, model, version))
 
     return await to_thread.run_sync(read)
+
+
+@router.patch("/{model}/versions/{version}")
+async def update_version(model: str, version: str, body: UpdateVersion, key: AdminKey,
+                         state: StateDep) -> dict[str, Any]:
+    batching = body.batching
+
+    def write() -> dict[str, Any]:
+        with state.registry.session() as session:
+            row, entry = queries.update_version(
+                session, model=model, version=version, actor=f"key:{key.key_id}", reason=body.reason,
+                state=body.state, min_replicas=body.min_replicas, max_replicas=body.max_replicas,
+                max_batch_size=batching.max_batch_size if batching else None,
+                max_wait_ms=batching.max_wait_ms if batching else None,
+                isolate_tenants=batching.isolate_tenants if batching else None,
+            )
+            return {**queries.version_resource(row), "audit": queries.audit_resource(entry)}
+
+    result = await to_thread.run_sync(write)
+    await announce_routing(state, model)
+    return result
+
+
+@router.post("/{model}/rollback")
+async def rollback(model: str, key: AdminKey, state: StateDep, body: Rollback | None = None) -> dict[str, Any]:
+    def write() -> dict[str, Any]:
+        with state.registry.session() as session:
+            entry = queries.rollback(session, model=model, actor=f"key:{key.key_id}",
+                                     reason=body.reason if body else None)
+            return {"routing": queries.routing_weights(session, model), "audit": queries.audit_resource(entry)}
+
+    result = await to_thread.run_sync(write)
+    await announce_routing(state, model)
+    return result
+
+
+@router.get("/{model}/versions/{version}/stats")
+async def version_stats(
+    model: str, version: str, _: CurrentKey, state: StateDep,
+    window_s: Annotated[float, Query(gt=0, le=86_400)] = 300.0,
+) -> dict[str, Any]:
+    """Exact percentiles over the finished jobs of one version in the window (never blended)."""
+    state.routing.current().model(model)
+    samples = await read_samples(state.broker.redis, model, version, window_s=window_s)
+    return {"model": model, "version": version, **summarise(samples, window_s=window_s)}

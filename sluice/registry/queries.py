@@ -339,3 +339,45 @@ def routing_snapshot(session: Session) -> RoutingSnapshot:
         },
         pins=pins,
     )
+
+
+def update_version(
+    session: Session, *, model: str, version: str, actor: str, reason: str | None, state: str | None = None,
+    max_batch_size: int | None = None, max_wait_ms: float | None = None, isolate_tenants: bool | None = None,
+    min_replicas: int | None = None, max_replicas: int | None = None,
+) -> tuple[ModelVersion, AuditEntry]:
+    """Change a version's state or batching. Retiring also takes its routing weight away."""
+    row = get_version(session, model, version)
+    before = version_resource(row)
+    if state is not None:
+        if state not in VERSION_STATES:
+            raise BadRequest(f"state must be one of {', '.join(VERSION_STATES)}")
+        row.state = state
+        if state == "retired":
+            session.execute(delete(RoutingWeight).where(RoutingWeight.model == model,
+                                                        RoutingWeight.version == version))
+            session.execute(delete(Pin).where(Pin.model == model, Pin.version == version))
+    for name, value in (("max_batch_size", max_batch_size), ("max_wait_ms", max_wait_ms),
+                        ("isolate_tenants", isolate_tenants), ("min_replicas", min_replicas),
+                        ("max_replicas", max_replicas)):
+        if value is not None:
+            setattr(row, name, value)
+    if row.max_replicas < row.min_replicas:
+        raise BadRequest("max_replicas must be >= min_replicas")
+    session.flush()
+    entry = _audit(session, actor=actor, action="version.update", model=model, before=before,
+                   after=version_resource(row), reason=reason)
+    return row, entry
+
+
+def rollback(session: Session, *, model: str, actor: str, reason: str | None) -> AuditEntry:
+    """All unpinned traffic to the most recently promoted stable version, in one audited change."""
+    stable = session.scalars(
+        select(ModelVersion)
+        .where(ModelVersion.model == model, ModelVersion.state == "stable")
+        .order_by(ModelVersion.updated_at.desc())
+    ).first()
+    if stable is None:
+        raise Conflict(f"model '{model}' has no stable version to roll back to")
+    return set_routing(session, model=model, weights={stable.version: 100.0}, actor=actor,
+                       reason=reason or "rollback")

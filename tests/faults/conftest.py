@@ -1,0 +1,116 @@
+"""Fixtures of the fault tests: stores a test may stop, and APIs and workers bound to them.
+
+The shared fixtures (tests/conftest.py) serve the session's Redis and Postgres; a test that kills
+a store gets its own from here, so nothing else in the session notices.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
+
+from sluice.migrate import upgrade
+from sluice.registry.store import normalise_url
+from sluice.settings import Settings
+
+from ._support import ApiServer, PostgresServer, RedisServer, WorkerProcess, spawn_worker
+
+DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+def make_settings(*, redis_url: str, database_url: str, home: Path, **overrides: Any) -> Settings:
+    """The shape of the session's settings (tests/conftest.py), on other stores."""
+    values: dict[str, Any] = {
+        "redis_url": redis_url, "database_url": database_url, "home": home, "claim_after_s": 5.0,
+        "max_deliveries": 3, "routing_refresh_s": 30.0, "auth_cache_s": 60.0, "max_body_bytes": 128 * 1024,
+        "max_text_chars": 5_000, "max_bulk_items": 500, "max_wait_s": 30.0, "shutdown_grace_s": 15.0,
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of this test's own: free port, own directory, appendonly + fsync always."""
+    directory = tmp_path / "redis"
+    directory.mkdir()
+    server = RedisServer(directory=directory)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def private_postgres() -> Iterator[PostgresServer]:
+    """A Postgres cluster of this test's own (initdb, migrated to head), which it may stop."""
+    server = PostgresServer.create()
+    try:
+        server.start()
+        upgrade(server.url)
+        yield server
+    finally:
+        server.destroy()
+
+
+@pytest.fixture
+def scratch_database() -> Iterator[str]:
+    """A database of its own in the shared Postgres, migrated to head, dropped afterwards."""
+    base = make_url(normalise_url(os.environ.get("SLUICE_TEST_DATABASE_URL", DEFAULT_DATABASE_URL)))
+    name = f"sluice_f_{secrets.token_hex(6)}"
+    admin = create_engine(base, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    url = base.set(database=name).render_as_string(hide_password=False)
+    try:
+        upgrade(url)
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+@pytest.fixture
+def start_api() -> Iterator[Callable[[Settings], ApiServer]]:
+    """Serve `create_app(settings)` in process; stopped (and checked for errors) at teardown."""
+    from api.app import create_app
+
+    started: list[ApiServer] = []
+
+    def start(settings: Settings) -> ApiServer:
+        server = ApiServer(app=create_app(settings=settings))
+        server.start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+    for server in started:
+        assert not server.error, server.error
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    """`sluice worker` subprocesses on any stores; SIGTERMed at teardown."""
+    started: list[WorkerProcess] = []
+
+    def start(*, redis_url: str, database_url: str, model: str, version: str = "v1",
+              env: dict[str, str] | None = None, ready_timeout_s: float = 60.0) -> WorkerProcess:
+        log_path = tmp_path / f"worker-{model}-{version}-{len(started)}.log"
+        worker = spawn_worker(redis_url=redis_url, database_url=database_url, home=tmp_path, log_path=log_path,
+                              model=model, version=version, env=env, ready_timeout_s=ready_timeout_s)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.terminate()

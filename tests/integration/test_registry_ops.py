@@ -1,0 +1,65 @@
+"""Version changes, rollback and per-version stats through the REST API."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import WorkerProcess
+
+
+def test_patch_retires_a_version_and_rollback_restores_stable(
+    admin: httpx.Client, demo: httpx.Client, register_synthetic: Callable[..., str]
+) -> None:
+    model = register_synthetic("ops", versions=("v1", "v2"), weights={"v1": 50, "v2": 50})
+    patched = admin.patch(f"/v1/models/{model}/versions/v2", json={"state": "canary", "reason": "try v2"})
+    assert patched.status_code == 200, patched.text
+    assert patched.json()["state"] == "canary"
+    assert patched.json()["audit"]["before"]["state"] == "stable"
+
+    rolled = admin.post(f"/v1/models/{model}/rollback", json={"reason": "canary misbehaves"})
+    assert rolled.status_code == 200, rolled.text
+    assert rolled.json()["routing"] == {"v1": 100.0}
+    assert rolled.json()["audit"]["before"] == {"v1": 50.0, "v2": 50.0}
+
+    retired = admin.patch(f"/v1/models/{model}/versions/v2", json={"state": "retired"})
+    assert retired.status_code == 200
+    explicit = demo.post(f"/v1/models/{model}/jobs", json={"input": {"text": "x"}, "version": "v2"})
+    assert explicit.status_code == 409, explicit.text
+    assert admin.patch(f"/v1/models/{model}/versions/v2", json={"state": "bogus"}).status_code == 422
+    assert demo.patch(f"/v1/models/{model}/versions/v1", json={"state": "retired"}).status_code == 403
+
+
+def test_rollback_without_a_stable_version_is_a_conflict(
+    admin: httpx.Client, register_synthetic: Callable[..., str]
+) -> None:
+    model = register_synthetic("nostable")
+    assert admin.patch(f"/v1/models/{model}/versions/v1", json={"state": "canary"}).status_code == 200
+    response = admin.post(f"/v1/models/{model}/rollback")
+    assert response.status_code == 409
+    assert response.json()["error"]["code"] == "conflict"
+
+
+@pytest.mark.slow
+def test_stats_are_exact_per_version(
+    demo: httpx.Client, register_synthetic: Callable[..., str], start_worker: Callable[..., WorkerProcess],
+    wait_jobs: Callable[..., list[dict[str, Any]]],
+) -> None:
+    model = register_synthetic("stats", max_batch_size=8)
+    start_worker(model)
+    inputs = [{"text": f"item {i}"} for i in range(40)] + [{"text": "__poison__"}]
+    ids = demo.post(f"/v1/models/{model}/jobs:bulk", json={"inputs": inputs}).json()["ids"]
+    jobs = wait_jobs(demo, ids)
+    stats = demo.get(f"/v1/models/{model}/versions/v1/stats", params={"window_s": 600}).json()
+    assert stats["count"] == 41
+    assert stats["errors"] == 1 == sum(1 for j in jobs if j["status"] == "failed")
+    assert stats["error_rate"] == pytest.approx(1 / 41, abs=1e-6)
+    waits = sorted(j["timings"]["queue_wait_ms"] for j in jobs)
+    assert stats["queue_wait_ms"]["p50"] == pytest.approx((waits[19] + waits[20]) / 2, abs=0.01)
+    assert max(int(size) for size in stats["batch_size"]["histogram"]) <= 8
+    assert sum(stats["close_reasons"].values()) == sum(stats["batch_size"]["histogram"].values())
+    other = demo.get(f"/v1/models/{model}/versions/v2/stats").json()
+    assert other["count"] == 0
