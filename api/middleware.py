@@ -17,12 +17,10 @@ async def _send_error(send: Send, status: int, code: str, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-class _TooLarge(Exception):
-    pass
-
-
 class BodyLimitMiddleware:
-    """Refuse bodies over `max_bytes` with 413, by header and, for chunked bodies, as they stream."""
+    """Refuse bodies over `max_bytes` with 413: by Content-Length, and for chunked bodies by
+    reading them (bounded) before the app sees them. Raising from `receive` instead would be
+    swallowed by FastAPI's body parser and come out as a 400."""
 
     def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
         self.app = app
@@ -32,6 +30,7 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        declared: int | None = None
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
@@ -39,33 +38,41 @@ class BodyLimitMiddleware:
                 except ValueError:
                     await _send_error(send, 400, "bad_request", "invalid Content-Length")
                     return
-                if declared > self.max_bytes:
-                    await _send_error(send, 413, "payload_too_large",
-                                      f"the body is {declared} bytes; the limit is {self.max_bytes}")
-                    return
-        received = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal received
+        if declared is not None:
+            if declared > self.max_bytes:
+                await _send_error(send, 413, "payload_too_large",
+                                  f"the body is {declared} bytes; the limit is {self.max_bytes}")
+                return
+            await self.app(scope, receive, send)
+            return
+        if scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _TooLarge
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
-            if not started:
+            if message["type"] != "http.request":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
                 await _send_error(send, 413, "payload_too_large", f"the body exceeds {self.max_bytes} bytes")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 class MetricsMiddleware:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import statistics
 import time
 from collections.abc import Sequence
@@ -150,13 +151,7 @@ def run_plans_isolated(texts: Sequence[str], plans: Sequence[str], *, threads: i
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(list(texts), list(plans), threads, batch_size, repeats, quiet_s, queue))
     proc.start()
-    try:
-        status, payload = queue.get()
-    finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join()
+    [(status, payload)] = _gather(queue, [proc])
     if status != "ok":
         raise RuntimeError(f"in-process bench failed: {payload}")
     return dict(payload)
@@ -192,14 +187,7 @@ def run_parallel(texts: Sequence[str], plan: str, *, procs: int, threads: int, b
                 for i in range(procs)]
     for child in children:
         child.start()
-    try:
-        results = [queue.get() for _ in children]
-    finally:
-        for child in children:
-            child.join(timeout=30)
-            if child.is_alive():
-                child.terminate()
-                child.join()
+    results = _gather(queue, children)
     errors = [payload for status, payload in results if status != "ok"]
     if errors:
         raise RuntimeError(f"parallel in-process bench failed: {errors}")
@@ -216,6 +204,31 @@ def run_parallel(texts: Sequence[str], plan: str, *, procs: int, threads: int, b
         "padding_ratio": [p["padding_ratio"] for p in parts], "foreign_cores": foreign,
         "per_process": parts,
     }
+
+
+def _gather(queue: Any, children: Sequence[Any]) -> list[tuple[str, Any]]:
+    """One message per child. On any error or interrupt the children are terminated at once."""
+    results: list[tuple[str, Any]] = []
+    try:
+        while len(results) < len(children):
+            try:
+                results.append(queue.get(timeout=1.0))
+            except queue_mod.Empty:
+                crashed = [c.exitcode for c in children if not c.is_alive() and c.exitcode not in (0, None)]
+                if crashed:
+                    raise RuntimeError(f"an in-process bench child died (exit codes {crashed})") from None
+    except BaseException:
+        for child in children:
+            if child.is_alive():
+                child.terminate()
+        raise
+    finally:
+        for child in children:
+            child.join(timeout=30)
+            if child.is_alive():
+                child.kill()
+                child.join()
+    return results
 
 
 # --- command line ------------------------------------------------------------------------------

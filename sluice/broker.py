@@ -96,14 +96,16 @@ class Broker:
             raise NotFound(f"job '{job_id}' does not exist")
         return record
 
-    async def cancel(self, job_id: str, tenant: str) -> str:
+    async def cancel(self, job_id: str, tenant: str) -> str | None:
+        """Cancel a queued job; answer None when done, else the state that prevents it."""
         with translate_redis_errors():
             outcome = await self._cancel(keys=[keys.job(job_id), keys.queued_count(tenant)],
                                          args=[repr(time.time())])
         state = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
-        if state == "cancelled":
-            await self.publish({"type": "job", "id": job_id, "status": "cancelled"})
-        return state
+        if state != "ok":
+            return state
+        await self.publish({"type": "job", "id": job_id, "status": "cancelled"})
+        return None
 
     async def publish(self, event: dict[str, Any]) -> None:
         with translate_redis_errors():

@@ -219,12 +219,12 @@ return 1
 """
 
 # KEYS[1] job hash, KEYS[2] the tenant's queued counter; ARGV: now. Only a queued job can be
-# cancelled.
+# cancelled: answers 'ok', or the state that prevents it (an already cancelled job included).
 CANCEL_SCRIPT = """
 local s = redis.call('HGET', KEYS[1], 'status')
 if not s then return 'missing' end
 if s ~= 'queued' then return s end
 if tonumber(redis.call('DECR', KEYS[2])) < 0 then redis.call('SET', KEYS[2], 0) end
 redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[1])
-return 'cancelled'
+return 'ok'
 """

@@ -234,8 +234,8 @@ async def job_events(job_id: str, key: CurrentKey, state: StateDep) -> Streaming
 @router.delete("/jobs/{job_id}")
 async def cancel_job(job_id: str, key: CurrentKey, state: StateDep) -> dict[str, Any]:
     record = await state.broker.get_for_tenant(job_id, key.tenant)
-    outcome = await state.broker.cancel(job_id, key.tenant)
-    if outcome != "cancelled":
-        raise Conflict(f"job '{job_id}' is {outcome}; only a queued job can be cancelled")
+    blocking = await state.broker.cancel(job_id, key.tenant)
+    if blocking is not None:
+        raise Conflict(f"job '{job_id}' is {blocking}; only a queued job can be cancelled")
     record = await state.broker.get_for_tenant(job_id, key.tenant)
     return record.resource()

@@ -30,6 +30,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from sluice import keys
+from sluice.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 FINAL = frozenset({"succeeded", "failed", "expired", "cancelled"})
@@ -61,6 +62,17 @@ def _stop_process(proc: subprocess.Popen[bytes] | None, sig: int, timeout_s: flo
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def make_settings(*, redis_url: str, database_url: str, home: Path, **overrides: Any) -> Settings:
+    """The shape of the session's settings (tests/conftest.py), on other stores."""
+    values: dict[str, Any] = {
+        "redis_url": redis_url, "database_url": database_url, "home": home, "claim_after_s": 5.0,
+        "max_deliveries": 3, "routing_refresh_s": 30.0, "auth_cache_s": 60.0, "max_body_bytes": 128 * 1024,
+        "max_text_chars": 5_000, "max_bulk_items": 500, "max_wait_s": 30.0, "shutdown_grace_s": 15.0,
+    }
+    values.update(overrides)
+    return Settings(**values)
 
 
 # --- a Redis of our own -----------------------------------------------------------------------------
@@ -224,7 +236,9 @@ class ApiServer:
     error: list[BaseException] = field(default_factory=list)
 
     def start(self) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
+        # and with proto 0 every keep-alive response waits ~40 ms on Nagle + delayed ACK.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"

@@ -24,17 +24,39 @@ from sluice.settings import Settings
 from ._support import ApiServer, PostgresServer, RedisServer, WorkerProcess, spawn_worker
 
 DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+_FIGURES: list[tuple[str, list[tuple[str, object]]]] = []
 
 
-def make_settings(*, redis_url: str, database_url: str, home: Path, **overrides: Any) -> Settings:
-    """The shape of the session's settings (tests/conftest.py), on other stores."""
-    values: dict[str, Any] = {
-        "redis_url": redis_url, "database_url": database_url, "home": home, "claim_after_s": 5.0,
-        "max_deliveries": 3, "routing_refresh_s": 30.0, "auth_cache_s": 60.0, "max_body_bytes": 128 * 1024,
-        "max_text_chars": 5_000, "max_bulk_items": 500, "max_wait_s": 30.0, "shutdown_grace_s": 15.0,
-    }
-    values.update(overrides)
-    return Settings(**values)
+# --- figures: what a fault test measured, shown in the terminal summary and in junit properties ---------
+
+
+@pytest.fixture
+def figure(request: pytest.FixtureRequest) -> Callable[[str, object], None]:
+    """Record one measured figure (name, value) of this test.
+
+    Written to the node's user_properties (so `--junitxml` carries them, in any junit family,
+    which `record_property` does not) and listed in the terminal summary.
+    """
+
+    def record(name: str, value: object) -> None:
+        request.node.user_properties.append((name, value))
+
+    return record
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and report.user_properties:
+        _FIGURES.append((report.nodeid, list(report.user_properties)))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _FIGURES:
+        return
+    terminalreporter.section("fault test figures")
+    for nodeid, properties in _FIGURES:
+        terminalreporter.write_line(nodeid)
+        for name, value in properties:
+            terminalreporter.write_line(f"    {name} = {value}")
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ COST = "fixed_s=0.002&per_item_s=0.01&per_token_s=0.00002"
 
 def test_sigkill_mid_batch_loses_no_job(
     new_tenant: Callable[..., tuple[str, httpx.Client]], register_synthetic: Callable[..., str],
-    start_worker: Callable[..., Any], rds: redis.Redis, record_property: Callable[[str, object], None],
+    start_worker: Callable[..., Any], rds: redis.Redis, figure: Callable[[str, object], None],
 ) -> None:
     model = register_synthetic("kill", cost=COST, max_batch_size=32, max_wait_ms=10)
     _, client = new_tenant("kill")
@@ -75,7 +75,7 @@ def test_sigkill_mid_batch_loses_no_job(
         "statuses_at_kill": at_kill, "final_statuses": by_status, "outcomes_stored": samples, "dead_lettered": dead,
     }
     for name, value in figures.items():
-        record_property(name, value)
+        figure(name, value)
     summary = json.dumps(figures, sort_keys=True)
 
     assert lost == 0, f"jobs lost or failed: {summary}"

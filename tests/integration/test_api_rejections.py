@@ -214,9 +214,6 @@ def test_413_for_a_body_over_the_limit(
         assert_error(response, 413, "payload_too_large")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: BodyLimitMiddleware raises _TooLarge from receive(); FastAPI's body reader catches every "
-    "exception while reading the body and answers 400 'There was an error parsing the body'"))
 def test_413_for_a_chunked_body_over_the_limit(
     demo: httpx.Client, model: str, settings: Settings, nothing_queued: Callable[..., Any]
 ) -> None:
@@ -395,9 +392,6 @@ def test_cancel_a_queued_job(demo: httpx.Client, model: str, rds: Any) -> None:
     assert rds.hget(f"sluice:job:{{{job['id']}}}", "status") == "cancelled"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: CANCEL_SCRIPT answers the current state when the job is not queued; for an already "
-    "cancelled job that is 'cancelled', which cancel_job treats as success (200, not 409)"))
 def test_cancelling_twice_is_409(demo: httpx.Client, model: str) -> None:
     job = submit(demo, model, {"input": {"text": "cancel me twice"}}).json()
     assert demo.delete(f"/v1/jobs/{job['id']}").status_code == 200
