@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
 
@@ -120,9 +120,13 @@ class Admission:
         load = await self.load(version.model, version.version)
         wait = shed_retry_after(backlog=load.backlog + count, service_rate=load.service_rate,
                                 budget_s=version.latency_budget_ms / 1000.0)
-        if wait is not None:
-            raise TooManyRequests(
-                f"version '{version.version}' of '{version.model}' is overloaded: the predicted queue wait "
-                f"exceeds its {version.latency_budget_ms:g} ms budget",
-                headers={"Retry-After": str(max(1, math.ceil(wait)))},
-            )
+        if wait is None:
+            # Count what this replica admits until the next read, so a burst between two reads
+            # cannot slip in on a stale backlog.
+            self._loads[(version.model, version.version)] = replace(load, backlog=load.backlog + count)
+            return
+        raise TooManyRequests(
+            f"version '{version.version}' of '{version.model}' is overloaded: the predicted queue wait "
+            f"exceeds its {version.latency_budget_ms:g} ms budget",
+            headers={"Retry-After": str(max(1, math.ceil(wait)))},
+        )

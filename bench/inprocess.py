@@ -202,6 +202,7 @@ def run_parallel(texts: Sequence[str], plan: str, *, procs: int, threads: int, b
         "texts_per_s_sum": sum(p["texts_per_s"] for p in parts),
         "texts_per_s_wall": len(texts) / wall,
         "padding_ratio": [p["padding_ratio"] for p in parts], "foreign_cores": foreign,
+        "cpu_ms_per_text": 1000 * sum(p["own_cpu_s"] for p in parts) / len(texts),
         "per_process": parts,
     }
 

@@ -32,15 +32,18 @@ def translate_redis_errors(what: str = "Redis") -> Iterator[None]:
 
 
 def connect(url: str, *, max_connections: int = 64, socket_timeout_s: float = 5.0) -> aioredis.Redis:
-    return aioredis.Redis.from_url(
+    # A blocking pool makes a burst of requests wait for a free connection; the default pool
+    # raises "Too many connections", which would turn a busy moment into 503s.
+    pool = aioredis.BlockingConnectionPool.from_url(
         url,
         max_connections=max_connections,
+        timeout=socket_timeout_s,
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=2.0,
         health_check_interval=15,
         retry_on_timeout=False,
-        decode_responses=False,
     )
+    return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() disconnects it
 
 
 async def ensure_groups(redis: aioredis.Redis, model: str, version: str) -> None:

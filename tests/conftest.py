@@ -2,8 +2,10 @@
 session, the real API served by uvicorn in a thread, and real `sluice worker` subprocesses.
 
 Nothing here mocks Redis or Postgres. Keys are fixed `sluice:` names, so isolation from other
-sessions is by Redis DB index (`SLUICE_TEST_REDIS_DB`, default 11) and by database name; within
-a session, tests isolate themselves by registering models under unique names.
+sessions is by Redis DB index and by database name: each session takes the first free DB from 11
+up (a lock key in the base DB says who holds it, so two sessions at once never share or flush
+each other's), or exactly `SLUICE_TEST_REDIS_DB`. Within a session, tests isolate themselves by
+registering models under unique names.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from sluice.settings import Settings
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-TEST_REDIS_DB = int(os.environ.get("SLUICE_TEST_REDIS_DB", "11"))
+# Tried in this order; SLUICE_TEST_REDIS_DB pins one (unlocked).
+TEST_REDIS_DBS = (11, 12, 13, 14, 15, *range(1, 11))
 FINAL = frozenset({"succeeded", "failed", "expired", "cancelled"})
 # Any 64-hex string: the synthetic kind has no file, so its sha256 is never checked.
 SYNTHETIC_SHA = "0" * 64
@@ -75,16 +78,33 @@ def database_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def redis_url() -> str:
-    """SLUICE_TEST_REDIS_URL on a dedicated DB index, flushed at session start."""
+def redis_url() -> Iterator[str]:
+    """SLUICE_TEST_REDIS_URL on a DB index of this session's own, flushed at session start."""
     parts = urlsplit(os.environ.get("SLUICE_TEST_REDIS_URL", DEFAULT_REDIS_URL))
-    url = urlunsplit(parts._replace(path=f"/{TEST_REDIS_DB}"))
-    client = redis.Redis.from_url(url)
+    base = redis.Redis.from_url(urlunsplit(parts))
+    base_db = int(parts.path.strip("/") or 0)
+    token = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+    pinned = os.environ.get("SLUICE_TEST_REDIS_DB")
+    lock: str | None = None
     try:
-        client.flushdb()
+        if pinned:
+            db = int(pinned)
+        else:
+            for db in (d for d in TEST_REDIS_DBS if d != base_db):
+                # Expires on its own if a session dies without releasing it.
+                if base.set(f"sluice-test:redis-db:{db}", token, nx=True, ex=6 * 3600):
+                    lock = f"sluice-test:redis-db:{db}"
+                    break
+            else:
+                raise RuntimeError("every test Redis DB is held by another session")
+        url = urlunsplit(parts._replace(path=f"/{db}"))
+        with redis.Redis.from_url(url) as client:
+            client.flushdb()
+        yield url
     finally:
-        client.close()
-    return url
+        if lock is not None and base.get(lock) == token.encode():
+            base.delete(lock)
+        base.close()
 
 
 @pytest.fixture(scope="session")
@@ -254,7 +274,9 @@ def unique(prefix: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def new_tenant(admin: httpx.Client, client_for: Callable[[str], httpx.Client]) -> Callable[..., tuple[str, httpx.Client]]:
+def new_tenant(
+    admin: httpx.Client, client_for: Callable[[str], httpx.Client]
+) -> Callable[..., tuple[str, httpx.Client]]:
     """Create a tenant through the admin API; answer its id and a client holding its first key."""
 
     def make(prefix: str = "tenant") -> tuple[str, httpx.Client]:

@@ -15,10 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import update
 
-from sluice.registry.store import Registry
-from sluice.registry.tables import ModelVersion
 from sluice.settings import Settings
 
 Snapshot = Callable[[str, str], Any]
@@ -149,6 +146,15 @@ def test_404_for_an_unknown_explicit_version(
         assert_error(submit(demo, model, {"input": {"text": "x"}, "version": "v3"}), 404, "not_found")
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: GET /v1/models/{model}/versions/{version}/stats checks the model but not the version: "
+    "an unknown version answers 200 with zero counts instead of 404"))
+def test_404_for_stats_of_an_unknown_version(demo: httpx.Client, model: str) -> None:
+    assert demo.get(f"/v1/models/{model}/versions/v1/stats").status_code == 200
+    assert_error(demo.get(f"/v1/models/{unique('missing')}/versions/v1/stats"), 404, "not_found")
+    assert_error(demo.get(f"/v1/models/{model}/versions/v9/stats"), 404, "not_found")
+
+
 @pytest.mark.parametrize("job_id", ["job_AAAAAAAAAAAAAAAAAAAAAA", "not-a-job-id"])
 def test_404_for_an_unknown_job(demo: httpx.Client, job_id: str) -> None:
     assert_error(demo.get(f"/v1/jobs/{job_id}"), 404, "not_found")
@@ -190,17 +196,15 @@ def test_409_for_an_idempotency_key_reused_with_another_body(
 
 
 def test_409_for_an_explicit_retired_version(
-    api: Any, registry: Registry, demo: httpx.Client, register_synthetic: Callable[..., str],
+    admin: httpx.Client, demo: httpx.Client, register_synthetic: Callable[..., str],
     nothing_queued: Callable[..., Any],
 ) -> None:
     name = register_synthetic("retiring", versions=("v1", "v2"), weights={"v1": 100.0})
-    # No PATCH endpoint for a version's state yet: retire it in the registry, then reload.
-    with registry.session() as session:
-        session.execute(update(ModelVersion).where(ModelVersion.model == name, ModelVersion.version == "v2")
-                        .values(state="retired"))
-    api.reload_routing()
+    retired = admin.patch(f"/v1/models/{name}/versions/v2", json={"state": "retired", "reason": "test"})
+    assert retired.status_code == 200, retired.text
     with nothing_queued(name):
-        assert_error(submit(demo, name, {"input": {"text": "x"}, "version": "v2"}), 409, "conflict")
+        error = assert_error(submit(demo, name, {"input": {"text": "x"}, "version": "v2"}), 409, "conflict")
+    assert "retired" in error["message"]
 
 
 # --- 413 ------------------------------------------------------------------------------------------
@@ -405,4 +409,5 @@ def test_healthz_and_readyz(anon: httpx.Client) -> None:
     assert ready.status_code == 200
     body = ready.json()
     assert body["status"] == "ok"
-    assert body["checks"] == {"redis": "ok", "postgres": "ok", "routing": "ok", "events": "ok"}
+    assert {"redis", "postgres", "routing", "events"} <= set(body["checks"])
+    assert all(value == "ok" for value in body["checks"].values()), body
