@@ -346,7 +346,7 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], max_width: int = 90) -> str:
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], max_width: int = 110) -> str:
     """A plain-text table: numbers right-aligned, text left-aligned, long cells cut."""
     cells = [[str(h) for h in headers]] + [[fmt(c) for c in row] for row in rows]
     cells = [[c if len(c) <= max_width else c[: max_width - 3] + "..." for c in row] for row in cells]

@@ -110,7 +110,7 @@ def time_plan(encoder: Any, texts: Sequence[str], plan: str, batch_size: int) ->
         "plan": plan, "texts": len(texts), "batches": len(batches), "seconds": elapsed,
         "texts_per_s": len(texts) / elapsed, "padding_ratio": padding_ratio(real_lengths, batches),
         "mean_batch_ms": 1000 * statistics.fmean(batch_s),
-        "own_cpu_s": own_cpu, "system_busy_s": window.busy,
+        "own_cpu_s": own_cpu, "cpu_ms_per_text": 1000 * own_cpu / len(texts), "system_busy_s": window.busy,
         "foreign_cores": window.foreign_cores(own_cpu),
     }
 
@@ -236,22 +236,30 @@ def _gather(queue: Any, children: Sequence[Any]) -> list[tuple[str, Any]]:
 
 
 def summarise(results: dict[str, dict[str, Any]]) -> dict[str, float]:
-    def ratio(a: str, b: str) -> float:
-        if a in results and b in results:
-            return float(results[a]["texts_per_s"] / results[b]["texts_per_s"])
-        return float("nan")
+    """Wall-clock ratios, and CPU-normalised ones (CPU ms per text, inverted): the latter hold up
+    when other tenants of the machine take a varying share of the cores during the run."""
 
-    return {"a/b": ratio("sorted", "arrival"), "a/c": ratio("sorted", "single"),
-            "a'/b": ratio("buckets", "arrival"), "a/a'": ratio("sorted", "buckets")}
+    def ratio(a: str, b: str, cpu: bool = False) -> float:
+        if a not in results or b not in results:
+            return float("nan")
+        if cpu:
+            return float(results[b]["cpu_ms_per_text"] / results[a]["cpu_ms_per_text"])
+        return float(results[a]["texts_per_s"] / results[b]["texts_per_s"])
+
+    pairs = {"a/b": ("sorted", "arrival"), "a/c": ("sorted", "single"), "a'/b": ("buckets", "arrival"),
+             "a/a'": ("sorted", "buckets")}
+    out = {name: ratio(a, b) for name, (a, b) in pairs.items()}
+    out.update({f"{name} (CPU-normalised)": ratio(a, b, cpu=True) for name, (a, b) in pairs.items()})
+    return out
 
 
 def print_results(results: dict[str, dict[str, Any]], ratios: dict[str, float]) -> None:
-    rows = [[PLAN_LABELS[p], r["batches"], r["texts_per_s"],
+    rows = [[PLAN_LABELS[p], r["batches"], r["texts_per_s"], r["cpu_ms_per_text"],
              r["padding_ratio"] if p != "single" else None, r["mean_batch_ms"], r["foreign_cores"]]
             for p, r in results.items()]
-    print(table(["plan", "batches", "texts/s", "padding (padded/real tokens)", "mean ms/batch",
+    print(table(["plan", "batches", "texts/s", "CPU ms/text", "padding (padded/real tokens)", "mean ms/batch",
                  "other load (cores)"], rows))
-    print(table(["ratio", "value"], [[k, v] for k, v in ratios.items() if v == v]))
+    print(table(["ratio (texts/s over texts/s)", "value"], [[k, v] for k, v in ratios.items() if v == v]))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

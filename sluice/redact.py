@@ -40,8 +40,8 @@ class RedactingFilter(logging.Filter):
         if record.args:
             record.msg = record.getMessage()
             record.args = None
-        if isinstance(record.msg, str):
-            record.msg = scrub(record.msg)
+        # A non-str message (an exception object, say) would be str()-ed later, unscrubbed.
+        record.msg = scrub(str(record.msg))
         if record.exc_info and record.exc_info[1] is not None:
             record.exc_text = scrub(logging.Formatter().formatException(record.exc_info))
             record.exc_info = None

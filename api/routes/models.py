@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import AdminKey, AppState, CurrentKey, StateDep
+from sluice.errors import NotFound
 from sluice.registry import queries
 from sluice.stats import read_samples, summarise
 
@@ -177,6 +178,7 @@ async def version_stats(
     window_s: Annotated[float, Query(gt=0, le=86_400)] = 300.0,
 ) -> dict[str, Any]:
     """Exact percentiles over the finished jobs of one version in the window (never blended)."""
-    state.routing.current().model(model)
+    if version not in state.routing.current().model(model).versions:
+        raise NotFound(f"model '{model}' has no version '{version}'")
     samples = await read_samples(state.broker.redis, model, version, window_s=window_s)
     return {"model": model, "version": version, **summarise(samples, window_s=window_s)}

@@ -146,9 +146,6 @@ def test_404_for_an_unknown_explicit_version(
         assert_error(submit(demo, model, {"input": {"text": "x"}, "version": "v3"}), 404, "not_found")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: GET /v1/models/{model}/versions/{version}/stats checks the model but not the version: "
-    "an unknown version answers 200 with zero counts instead of 404"))
 def test_404_for_stats_of_an_unknown_version(demo: httpx.Client, model: str) -> None:
     assert demo.get(f"/v1/models/{model}/versions/v1/stats").status_code == 200
     assert_error(demo.get(f"/v1/models/{unique('missing')}/versions/v1/stats"), 404, "not_found")

@@ -112,9 +112,6 @@ def test_filter_keeps_the_record_and_leaves_clean_messages_alone(
     assert stream.getvalue() == "INFO batch of 32 closed by size\n"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: RedactingFilter only scrubs record.msg when it is a str; log.error(exc) with a non-str "
-    "message (an exception object) is formatted later by str() and leaks unscrubbed"))
 def test_filter_scrubs_a_message_that_is_not_a_string(captured: tuple[logging.Logger, io.StringIO]) -> None:
     logger, stream = captured
     logger.error(ValueError("contact trent@example.com"))
