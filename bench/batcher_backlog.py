@@ -17,13 +17,14 @@ Policies compared, each with the batcher's top-up on (the worker's default) and 
 With ``--measure`` every policy's batch list is also run through MiniLM in one process with one
 torch thread and timed, so the throughput ratios are measured, not modelled.
 
-Run: ``python -m bench.batcher_backlog [--texts 2000] [--lane bulk|online] [--measure]``.
+Run: ``python -m bench.batcher_backlog [--texts 2000] [--lane bulk|online] [--measure [--repeats 2]]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -105,7 +106,7 @@ def replay(costs: Sequence[int], lengths: Sequence[int], *, policy: str, lane: s
     }
 
 
-def _measure(texts: Sequence[str], plans: list[list[list[int]]], queue: Any) -> None:
+def _measure(texts: Sequence[str], plans: list[list[list[int]]], repeats: int, queue: Any) -> None:
     try:
         import time
 
@@ -113,30 +114,35 @@ def _measure(texts: Sequence[str], plans: list[list[list[int]]], queue: Any) -> 
 
         encoder = load_encoder(1)
         warmup(encoder)
-        out = []
-        for batches in plans:
-            started = time.perf_counter()
-            for batch in batches:
-                encoder.encode([texts[i] for i in batch])
-            out.append(len(texts) / (time.perf_counter() - started))
-        queue.put(("ok", out))
+        wall: list[list[float]] = [[] for _ in plans]
+        cpu: list[list[float]] = [[] for _ in plans]
+        for _ in range(repeats):  # interleaved, so a neighbour's load spreads over every plan
+            for k, batches in enumerate(plans):
+                started, cpu0 = time.perf_counter(), time.process_time()
+                for batch in batches:
+                    encoder.encode([texts[i] for i in batch])
+                wall[k].append(time.perf_counter() - started)
+                cpu[k].append(time.process_time() - cpu0)
+        queue.put(("ok", [(len(texts) / statistics.median(w), 1000 * statistics.median(c) / len(texts))
+                          for w, c in zip(wall, cpu, strict=True)]))
     except BaseException as exc:
         queue.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def measure(texts: Sequence[str], plans: list[list[list[int]]]) -> list[float]:
+def measure(texts: Sequence[str], plans: list[list[list[int]]], repeats: int) -> list[tuple[float, float]]:
+    """(texts/s, CPU ms per text) of each batch list, medians over `repeats` interleaved runs."""
     import multiprocessing as mp
 
     from bench.inprocess import _gather
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_measure, args=(list(texts), plans, queue))
+    proc = ctx.Process(target=_measure, args=(list(texts), plans, repeats, queue))
     proc.start()
     [(status, payload)] = _gather(queue, [proc])
     if status != "ok":
         raise RuntimeError(payload)
-    return list(payload)
+    return [tuple(x) for x in payload]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -145,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lane", choices=("bulk", "online"), default="bulk")
     parser.add_argument("--measure", action="store_true", help="also time every batch list with MiniLM (minutes)")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved timing runs with --measure (median)")
     parser.add_argument("--output", default="batcher_backlog.json", help="file name under bench/results/")
     args = parser.parse_args(argv)
     from sluice.kinds import token_estimate
@@ -162,22 +169,25 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "modelled_texts_per_s": args.texts / ideal_s})
     if args.measure:
         print(f"timing {len(results)} batch lists with MiniLM, 1 thread ...", flush=True)
-        for r, tps in zip(results, measure(texts, [r["batch_list"] for r in results]), strict=True):
+        measured = measure(texts, [r["batch_list"] for r in results], args.repeats)
+        for r, (tps, cpu_ms) in zip(results, measured, strict=True):
             r["measured_texts_per_s"] = tps
+            r["measured_cpu_ms_per_text"] = cpu_ms
     key = "measured_texts_per_s" if args.measure else "modelled_texts_per_s"
     print(f"backlog of {args.texts} overdue jobs ({SKEWED.describe()}), one worker, {args.lane} lane, "
           f"prefetch 4 x 32; cost model {FIXED_MS} ms + {PER_TOKEN_MS} ms/padded token")
     headers = ["policy", "batches", "mean size", "size-1 batches", "close reasons", "padding", "modelled texts/s"]
     if args.measure:
-        headers.append("measured texts/s")
-    headers.append("vs sorted" + (" (measured)" if args.measure else " (modelled)"))
+        headers += ["measured texts/s", "CPU ms/text", "vs sorted (CPU-normalised)"]
+    headers.append("vs sorted" + (" (measured, wall)" if args.measure else " (modelled)"))
     rows = []
     for r in results:
         row = [r["policy"], r["batches"], r["mean_batch_size"], r["size_1_batches"],
                ", ".join(f"{k}={v}" for k, v in r["close_reasons"].items()) or "-", r["padding_ratio"],
                r["modelled_texts_per_s"]]
         if args.measure:
-            row.append(r["measured_texts_per_s"])
+            row += [r["measured_texts_per_s"], r["measured_cpu_ms_per_text"],
+                    results[-1]["measured_cpu_ms_per_text"] / r["measured_cpu_ms_per_text"]]
         row.append(r[key] / results[-1][key])
         rows.append(row)
     print(table(headers, rows))
