@@ -270,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=1, help="runs per plan; the median is kept")
     parser.add_argument("--plans", default=",".join(PLANS), help=f"comma-separated subset of {PLANS}")
-    parser.add_argument("--quiet-wait", type=float, default=20.0,
+    parser.add_argument("--quiet-wait", type=float, default=10.0,
                         help="before each plan, wait up to this many s for the machine to be idle (0: off)")
     parser.add_argument("--output", default="inprocess.json", help="file name under bench/results/")
     args = parser.parse_args(argv)

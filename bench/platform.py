@@ -537,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="lanes for the saturated runs; the first is the headline and the open-loop basis")
     parser.add_argument("--fig2-texts", type=int, default=480, help="texts for figure 2 (in-process)")
     parser.add_argument("--load-factor", type=float, default=0.8, help="open-loop rate / saturated (0.8)")
-    parser.add_argument("--load-duration", type=float, default=40.0, help="open-loop seconds per configuration")
+    parser.add_argument("--load-duration", type=float, default=30.0, help="open-loop seconds per configuration")
     parser.add_argument("--rate-batched", type=float, default=None,
                         help="open-loop rate (jobs/s) for the batched version instead of load-factor x saturated")
     parser.add_argument("--rate-one-at-a-time", type=float, default=None,
@@ -550,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--pg-url", default="postgresql://postgres@127.0.0.1:5432/test",
                         help="a Postgres database on the server where a scratch database may be created")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379", help="Redis server (no DB index)")
-    parser.add_argument("--quiet-wait", type=float, default=20.0,
+    parser.add_argument("--quiet-wait", type=float, default=10.0,
                         help="before each phase, wait up to this many s for the machine to be idle (0: off)")
     parser.add_argument("--skip-fig2", action="store_true")
     parser.add_argument("--output", default="platform.json", help="file name under bench/results/")
