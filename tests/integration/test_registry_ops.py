@@ -61,5 +61,6 @@ def test_stats_are_exact_per_version(
     assert stats["queue_wait_ms"]["p50"] == pytest.approx((waits[19] + waits[20]) / 2, abs=0.01)
     assert max(int(size) for size in stats["batch_size"]["histogram"]) <= 8
     assert sum(stats["close_reasons"].values()) == sum(stats["batch_size"]["histogram"].values())
-    other = demo.get(f"/v1/models/{model}/versions/v2/stats").json()
-    assert other["count"] == 0
+    unknown = demo.get(f"/v1/models/{model}/versions/v2/stats")
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["code"] == "not_found"
