@@ -14,12 +14,14 @@ from fastapi import FastAPI
 
 from api import errors
 from api.admission import Admission
+from api.breakers import BreakerBoard
 from api.caches import AuthCache, RoutingCache
 from api.deps import AppState
 from api.events import EventHub
 from api.middleware import BodyLimitMiddleware, MetricsMiddleware
 from api.routes import health, jobs, models, tenants
 from sluice import broker as broker_mod
+from sluice.breaker import CircuitBreaker
 from sluice.broker import Broker
 from sluice.registry.store import Registry
 from sluice.settings import Settings
@@ -53,13 +55,19 @@ def create_app(
                 await routing.reload()
 
         hub = EventHub(redis=client, on_control=on_control)
+        breakers = BreakerBoard(redis=client, routing=routing, make_breaker=lambda: CircuitBreaker(
+            error_rate=settings.breaker_error_rate, min_samples=settings.breaker_min_samples,
+            window_s=settings.breaker_window_s, no_worker_grace_s=settings.breaker_no_worker_grace_s,
+            open_s=settings.breaker_open_s,
+        ))
         state = AppState(settings=settings, broker=Broker(redis=client, result_ttl_s=settings.result_ttl_s),
                          registry=reg, routing=routing, auth=auth, hub=hub,
-                         admission=Admission(redis=client))
+                         admission=Admission(redis=client), breakers=breakers)
         app.state.sluice = state
         await routing.reload()
         tasks = [asyncio.create_task(hub.run(), name="events"),
-                 asyncio.create_task(routing.refresh_forever(), name="routing-refresh")]
+                 asyncio.create_task(routing.refresh_forever(), name="routing-refresh"),
+                 asyncio.create_task(breakers.run_forever(), name="breakers")]
         try:
             yield
         finally:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.admission import Admission
+from api.breakers import BreakerBoard
 from api.caches import AuthCache, RoutingCache
 from api.events import EventHub
 from sluice.broker import Broker
@@ -27,6 +29,9 @@ class AppState:
     auth: AuthCache
     hub: EventHub
     admission: Admission
+    breakers: BreakerBoard
+    # Set by the first SIGTERM: /readyz answers 503, new jobs are refused, waits end early.
+    draining: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def get_state(request: Request) -> AppState:

@@ -40,6 +40,12 @@ class EventHub:
             if not waiters:
                 del self._waiters[job_id]
 
+    def wake_all(self) -> None:
+        """Wake every long-poll and SSE stream, e.g. so they end when the process drains."""
+        for waiters in self._waiters.values():
+            for event in waiters:
+                event.set()
+
     async def _dispatch(self, message: dict[str, Any]) -> None:
         if message.get("type") == "job":
             for event in self._waiters.get(str(message.get("id")), ()):
@@ -76,9 +82,7 @@ class EventHub:
                 if delay <= 0.1:
                     log.warning("event subscription lost: %s", exc)
                 # Wake every waiter: they re-read the job and notice nothing changed.
-                for waiters in self._waiters.values():
-                    for event in waiters:
-                        event.set()
+                self.wake_all()
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))
                 delay = min(delay * 2, 5.0)
             finally:

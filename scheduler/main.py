@@ -2,7 +2,9 @@
 
 Reads the registry (on each routing event and periodically) and hands the desired counts to an
 actuator. With the `local` actuator it supervises worker processes on this machine; with `none`
-it only exports the desired counts as metrics (for KEDA/HPA or a compose deployment).
+it only exports the desired counts as metrics (for KEDA/HPA or a compose deployment). The
+rollout controller (scheduler/rollout.py) and the quality aggregator (scheduler/quality.py) run
+beside it, each on a thread of its own.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 
 import redis
 
+from scheduler.quality import run_aggregator
+from scheduler.rollout import run_controller
 from scheduler.supervisor import Supervisor, VersionKey
 from sluice import keys
 from sluice.errors import SluiceError
@@ -95,6 +99,12 @@ class Scheduler:
     def run(self) -> None:
         listener = threading.Thread(target=self._listen, name="scheduler-events", daemon=True)
         listener.start()
+        controller = threading.Thread(target=run_controller, name="rollout-controller", daemon=True, kwargs={
+            "registry": self.registry, "redis_url": self.redis_url, "stopping": self.stopping})
+        controller.start()
+        aggregator = threading.Thread(target=run_aggregator, name="quality-aggregator", daemon=True, kwargs={
+            "registry": self.registry, "redis_url": self.redis_url, "stopping": self.stopping})
+        aggregator.start()
         try:
             while not self.stopping.is_set():
                 self.tick()
@@ -103,6 +113,8 @@ class Scheduler:
         finally:
             if self.supervisor:
                 self.supervisor.stop_all()
+            controller.join(timeout=10)
+            aggregator.join(timeout=10)
 
 
 def local_supervisor(*, home: Path, cores: int | None, env: dict[str, str] | None = None,

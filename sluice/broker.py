@@ -46,6 +46,14 @@ def connect(url: str, *, max_connections: int = 64, socket_timeout_s: float = 5.
     return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() disconnects it
 
 
+async def announce_routing(redis: aioredis.Redis, model: str) -> None:
+    """Tell every API replica and the scheduler that a model's routing changed (the API and the
+    rollout controller both call this); their periodic reload is the safety net."""
+    with translate_redis_errors():
+        await redis.publish(keys.EVENTS_CHANNEL, json.dumps({"type": "routing", "model": model},
+                                                            separators=(",", ":")))
+
+
 async def ensure_groups(redis: aioredis.Redis, model: str, version: str) -> None:
     """Create the consumer group on both lanes (and the streams) if missing."""
     for lane in keys.LANES:
@@ -57,6 +65,24 @@ async def ensure_groups(redis: aioredis.Redis, model: str, version: str) -> None
                 raise
 
 
+def queue_jobs(pipe: Any, records: Sequence[JobRecord], *, result_ttl_s: int) -> None:
+    """Add the commands that queue `records` to a pipeline (the API's submit, a worker's shadow copy).
+
+    The record goes first: a worker that reads the entry must always find the job.
+    """
+    for record in records:
+        key = keys.job(record.id)
+        pipe.hset(key, mapping=record.to_redis())
+        pipe.expire(key, result_ttl_s)
+    per_tenant: dict[str, int] = {}
+    for record in records:
+        per_tenant[record.tenant] = per_tenant.get(record.tenant, 0) + 1
+    for tenant, count in per_tenant.items():
+        pipe.incrby(keys.queued_count(tenant), count)
+    for record in records:
+        pipe.xadd(keys.stream(record.model, record.version, record.lane), record.stream_entry())  # type: ignore[arg-type]
+
+
 class Broker:
     """Submit, read, cancel and announce jobs; one instance per process over a shared client."""
 
@@ -66,25 +92,10 @@ class Broker:
         self._cancel = redis.register_script(CANCEL_SCRIPT)
 
     async def enqueue(self, records: Sequence[JobRecord]) -> None:
-        """Write each job's record, then its stream entry, in one round trip.
-
-        The record goes first: a worker that reads the entry must always find the job.
-        """
+        """Write each job's record, then its stream entry, in one round trip."""
         with translate_redis_errors():
             pipe = self.redis.pipeline(transaction=False)
-            for record in records:
-                key = keys.job(record.id)
-                pipe.hset(key, mapping=record.to_redis())  # type: ignore[arg-type]
-                pipe.expire(key, self.result_ttl_s)
-            per_tenant: dict[str, int] = {}
-            for record in records:
-                per_tenant[record.tenant] = per_tenant.get(record.tenant, 0) + 1
-            for tenant, count in per_tenant.items():
-                pipe.incrby(keys.queued_count(tenant), count)
-            for record in records:
-                entry = {"id": record.id, "tenant": record.tenant, "cost": str(record.cost),
-                         "t": repr(record.enqueued_at)}
-                pipe.xadd(keys.stream(record.model, record.version, record.lane), entry)  # type: ignore[arg-type]
+            queue_jobs(pipe, records, result_ttl_s=self.result_ttl_s)
             await pipe.execute()
 
     async def get(self, job_id: str) -> JobRecord | None:
@@ -102,7 +113,7 @@ class Broker:
     async def cancel(self, job_id: str, tenant: str) -> str | None:
         """Cancel a queued job; answer None when done, else the state that prevents it."""
         with translate_redis_errors():
-            outcome = await self._cancel(keys=[keys.job(job_id), keys.queued_count(tenant)],
+            outcome = await self._cancel(keys=[keys.job(job_id), keys.queued_count(tenant), keys.WEBHOOK_OUTBOX],
                                          args=[repr(time.time())])
         state = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
         if state != "ok":

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import getpass
 import logging
 import signal
 import sys
 import threading
-from typing import Annotated
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 
+from sluice.errors import SluiceError
 from sluice.redact import configure_logging
 from sluice.settings import Settings
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Sluice: asynchronous inference.")
 console = Console(soft_wrap=True)
@@ -46,17 +55,14 @@ def seed_command() -> None:
 @app.command()
 def api(host: Annotated[str | None, typer.Option()] = None,
         port: Annotated[int | None, typer.Option()] = None) -> None:
-    """Serve the REST API."""
-    import uvicorn
-
+    """Serve the REST API (first SIGTERM drains, a second one exits at once)."""
     from api.app import create_app
+    from api.server import serve
 
     settings = Settings()
     configure_logging(name="api")
-    uvicorn.run(
-        create_app(settings=settings), host=host or settings.api_host, port=port or settings.api_port,
-        log_config=None, access_log=False, timeout_graceful_shutdown=int(settings.shutdown_grace_s),
-    )
+    serve(create_app(settings=settings), host=host or settings.api_host, port=port or settings.api_port,
+          grace_s=settings.shutdown_grace_s)
 
 
 @app.command()
@@ -125,6 +131,7 @@ def up(exit_after_demo: Annotated[bool, typer.Option(help="Stop after the demo (
         console.print(f"[bold green]Sluice is up[/]  home: {_printable_home(platform.home)}")
         console.print(f"  API      {platform.api_url}   (docs: {platform.api_url}/docs)")
         console.print(f"  metrics  {platform.api_url}/metrics")
+        console.print(f"  Flower   {platform.flower_url}   (Celery: webhook delivery)")
         console.print(f"  Redis    {platform.stores.redis_url if platform.stores else ''}")
         console.print(f"  demo key {seeded.demo_key}")
         console.print(f"  admin key is in {_printable_home(platform.home / 'admin.key')}"
@@ -142,6 +149,126 @@ def up(exit_after_demo: Annotated[bool, typer.Option(help="Stop after the demo (
         with console.status("stopping…"):
             platform.stop()
     console.print("stopped")
+
+
+# --- rollouts: straight to the registry; the scheduler's controller does the stepping --------------
+
+rollout_app = typer.Typer(no_args_is_help=True, help="Canary rollouts: start one, watch it, abort it.")
+app.add_typer(rollout_app, name="rollout")
+
+
+def _operator() -> str:
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):  # no passwd entry, as in some containers
+        return "cli"
+
+
+def _announce(settings: Settings, model: str) -> None:
+    """Best effort: API replicas also pick the change up on their periodic routing refresh."""
+    if not settings.redis_url:
+        return
+    from sluice.broker import announce_routing, connect
+
+    async def send(url: str) -> None:
+        client = connect(url, max_connections=1)
+        try:
+            await announce_routing(client, model)
+        finally:
+            await client.aclose()
+
+    try:
+        asyncio.run(send(settings.redis_url))
+    except SluiceError as exc:
+        console.print(f"[yellow]routing change not announced ({exc}); replicas reload it on their refresh[/]")
+
+
+@contextmanager
+def _rollout_session() -> Iterator[Session]:
+    from sluice.registry.store import Registry
+
+    registry = Registry(url=Settings().require_database_url(), pool_size=1)
+    try:
+        with registry.session() as session:
+            yield session
+    except SluiceError as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(1) from exc
+    finally:
+        registry.dispose()
+
+
+@rollout_app.command("start")
+def rollout_start(
+    model: str, canary: str,
+    stable: Annotated[str | None, typer.Option(help="Compare with this version (default: the most "
+                                                    "weighted other one)")] = None,
+    steps: Annotated[str | None, typer.Option(help="Canary percentages, e.g. 1,5,25,100")] = None,
+    soak_s: Annotated[float | None, typer.Option("--soak-s", min=0, help="Least seconds per step")] = None,
+    min_samples: Annotated[int | None, typer.Option(min=1, help="Least samples per version and step")] = None,
+) -> None:
+    """Start a canary rollout (in the shadow phase first when the canary is in state `shadow`)."""
+    from scheduler.guardrails import Policy
+    from sluice.registry import rollouts
+
+    overrides: dict[str, Any] = {}
+    if steps is not None:
+        try:
+            overrides["steps"] = tuple(float(part) for part in steps.split(","))
+        except ValueError as exc:
+            raise typer.BadParameter("steps must be comma-separated numbers", param_hint="--steps") from exc
+    if soak_s is not None:
+        overrides["soak_s"] = soak_s
+    if min_samples is not None:
+        overrides["min_samples"] = min_samples
+        overrides["min_test_samples"] = min(Policy().min_test_samples, min_samples)
+    try:
+        policy = Policy(**overrides)
+    except SluiceError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    with _rollout_session() as session:
+        row = rollouts.start_rollout(session, model=model, canary=canary, stable=stable, policy=policy.to_dict(),
+                                     actor=_operator(), now=datetime.now(UTC))
+        rollout_id, stable_version, step = row.id, row.stable, row.step_index
+    _announce(Settings(), model)
+    phase = "the shadow phase" if step < 0 else f"{policy.steps[0]:g} %"
+    console.print(f"rollout {rollout_id} of {model}: '{canary}' against '{stable_version}', starting at {phase}")
+
+
+@rollout_app.command("status")
+def rollout_status(model: str,
+                   decisions: Annotated[int, typer.Option(min=0, help="How many recent decisions")] = 10,
+                   as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False) -> None:
+    """The model's latest rollout and its recent decisions."""
+    from sluice.registry import rollouts
+
+    with _rollout_session() as session:
+        row = rollouts.latest_rollout(session, model)
+        resource = rollouts.rollout_resource(row, rollouts.decisions(session, row.id, limit=decisions))
+    if as_json:
+        console.print_json(data=resource)
+        return
+    console.print(f"rollout {resource['id']} of {model}: [bold]{resource['state']}[/], canary "
+                  f"'{resource['canary']}' at {resource['weight']:g} % (step {resource['step_index']}) against "
+                  f"'{resource['stable']}'; step since {resource['step_started_at']}")
+    if resource["reason"]:
+        console.print(f"  {resource['reason']}")
+    for decision in resource["decisions"]:
+        console.print(f"  {decision['at']}  step {decision['step_index']:>2}  {decision['action']:<8} "
+                      f"{decision['reason']}")
+
+
+@rollout_app.command("abort")
+def rollout_abort(model: str,
+                  reason: Annotated[str | None, typer.Option(help="Why, for the audit log")] = None) -> None:
+    """Stop the running rollout and restore the weights from before it started."""
+    from sluice.registry import rollouts
+
+    with _rollout_session() as session:
+        row = rollouts.abort_rollout(session, model=model, actor=_operator(), now=datetime.now(UTC), reason=reason)
+        weights = dict(row.initial_weights)
+    _announce(Settings(), model)
+    console.print(f"rollout of {model} aborted; weights restored to {weights}")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,11 @@ FINAL_STATES = frozenset(
 )
 
 
+# The tenant of shadow copies: not a valid tenant id (ids start with a letter or digit), so no
+# key can ever read one, and copies never count against a real tenant's quota.
+SHADOW_TENANT = "_shadow"
+
+
 def new_job_id() -> str:
     # 128 bits from the OS CSPRNG: ids are unguessable, so knowing one is no way into another.
     return "job_" + secrets.token_urlsafe(16)
@@ -69,6 +74,10 @@ class JobRecord:
     attempts: int = 0
     cache_hit: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Shadow traffic: `shadow` names the version a copy goes to once this job succeeds;
+    # `shadow_of` marks the copy, which names its primary and is never shown to a tenant.
+    shadow: str | None = None
+    shadow_of: str | None = None
 
     def to_redis(self) -> dict[str, str]:
         """Fields as written at submission; later fields are set by the transition scripts."""
@@ -94,7 +103,20 @@ class JobRecord:
             fields["output"] = json.dumps(self.output, separators=(",", ":"))
         if self.finished_at is not None:
             fields["finished_at"] = repr(self.finished_at)
+        if self.shadow:
+            fields["shadow"] = self.shadow
+        if self.shadow_of:
+            fields["shadow_of"] = self.shadow_of
         return fields
+
+    def stream_entry(self) -> dict[str, str]:
+        """What the version's stream carries: enough to batch without reading the record."""
+        entry = {"id": self.id, "tenant": self.tenant, "cost": str(self.cost), "t": repr(self.enqueued_at)}
+        if self.shadow:
+            entry["sh"] = self.shadow
+        if self.shadow_of:
+            entry["so"] = self.shadow_of
+        return entry
 
     @classmethod
     def from_redis(cls, raw: dict[Any, Any]) -> JobRecord:
@@ -134,6 +156,8 @@ class JobRecord:
             attempts=int(data.get("attempts") or 0),
             cache_hit=data.get("cache_hit") == "1",
             metadata=obj("metadata") or {},
+            shadow=data.get("shadow") or None,
+            shadow_of=data.get("shadow_of") or None,
         )
 
     @property
@@ -169,11 +193,26 @@ class JobRecord:
         return body
 
 
-# KEYS[1] job hash, KEYS[2] the tenant's queued counter; ARGV: now, worker, max_deliveries.
-# Moves queued/running -> running and hands back the input. A job already final answers its
-# state and is not re-run; one past its deadline becomes `expired`, one delivered max_deliveries
-# times becomes `failed` (the caller dead-letters it).
-CLAIM_SCRIPT = """
+# Every script that makes a job final ends with this: a job submitted with a callback_url gets
+# its webhook queued on the outbox stream (`keys.WEBHOOK_OUTBOX`) in the same atomic step as its
+# final state, so no crash can keep one without the other, and since a final state is written
+# only once, a job processed twice still queues one delivery. The delivery id is derived from the
+# job id: one job, one delivery id, whoever computes it.
+_QUEUE_WEBHOOK = """
+local function queue_webhook(job, outbox)
+  if redis.call('HEXISTS', job, 'callback_url') == 0 then return end
+  local id = redis.call('HGET', job, 'id')
+  local delivery = 'dlv_' .. string.sub(redis.sha1hex('sluice-webhook:' .. id), 1, 32)
+  redis.call('HSET', job, 'delivery_id', delivery)
+  redis.call('XADD', outbox, '*', 'delivery', delivery, 'job', id)
+end
+"""
+
+# KEYS[1] job hash, KEYS[2] the tenant's queued counter, KEYS[3] the webhook outbox; ARGV: now,
+# worker, max_deliveries. Moves queued/running -> running and hands back the input. A job already
+# final answers its state and is not re-run; one past its deadline becomes `expired`, one
+# delivered max_deliveries times becomes `failed` (the caller dead-letters it).
+CLAIM_SCRIPT = _QUEUE_WEBHOOK + """
 local s = redis.call('HGET', KEYS[1], 'status')
 if not s then return {'missing'} end
 if s ~= 'queued' and s ~= 'running' then return {s} end
@@ -182,6 +221,7 @@ local deadline = tonumber(redis.call('HGET', KEYS[1], 'deadline') or '')
 if deadline and tonumber(ARGV[1]) > deadline then
   redis.call('HSET', KEYS[1], 'status', 'expired', 'finished_at', ARGV[1],
     'error', '{"code":"expired","message":"the job deadline passed before it started"}')
+  queue_webhook(KEYS[1], KEYS[3])
   return {'expired'}
 end
 local attempts = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0')
@@ -190,6 +230,7 @@ if attempts >= tonumber(ARGV[3]) then
   redis.call('HSET', KEYS[1], 'status', 'failed', 'finished_at', ARGV[1],
     'error', cjson.encode({code='max_deliveries',
       message='delivered ' .. attempts .. ' times without finishing; last error: ' .. last}))
+  queue_webhook(KEYS[1], KEYS[3])
   return {'dead', last}
 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2])
@@ -197,10 +238,11 @@ redis.call('HINCRBY', KEYS[1], 'attempts', 1)
 return {'run', redis.call('HGET', KEYS[1], 'input'), tostring(attempts + 1)}
 """
 
-# KEYS[1] job hash; ARGV: status, output-or-'', error-or-'', finished_at, model_ms, batch_size,
-# close_reason, ttl_s, started_at. Writes the outcome once; a second delivery of a finished job
-# is a no-op, so a job processed twice still has one final record.
-FINISH_SCRIPT = """
+# KEYS[1] job hash, KEYS[2] the webhook outbox; ARGV: status, output-or-'', error-or-'',
+# finished_at, model_ms, batch_size, close_reason, ttl_s, started_at. Writes the outcome once; a
+# second delivery of a finished job is a no-op, so a job processed twice still has one final
+# record (and one webhook).
+FINISH_SCRIPT = _QUEUE_WEBHOOK + """
 local s = redis.call('HGET', KEYS[1], 'status')
 if not s then return 0 end
 if s ~= 'queued' and s ~= 'running' then return 0 end
@@ -208,6 +250,7 @@ redis.call('HSET', KEYS[1], 'status', ARGV[1], 'finished_at', ARGV[4], 'model_ms
   'batch_size', ARGV[6], 'close_reason', ARGV[7], 'started_at', ARGV[9])
 if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'output', ARGV[2]) end
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[3]) end
+queue_webhook(KEYS[1], KEYS[2])
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[8]))
 return 1
 """
@@ -218,13 +261,15 @@ if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'last_err
 return 1
 """
 
-# KEYS[1] job hash, KEYS[2] the tenant's queued counter; ARGV: now. Only a queued job can be
-# cancelled: answers 'ok', or the state that prevents it (an already cancelled job included).
-CANCEL_SCRIPT = """
+# KEYS[1] job hash, KEYS[2] the tenant's queued counter, KEYS[3] the webhook outbox; ARGV: now.
+# Only a queued job can be cancelled: answers 'ok', or the state that prevents it (an already
+# cancelled job included).
+CANCEL_SCRIPT = _QUEUE_WEBHOOK + """
 local s = redis.call('HGET', KEYS[1], 'status')
 if not s then return 'missing' end
 if s ~= 'queued' then return s end
 if tonumber(redis.call('DECR', KEYS[2])) < 0 then redis.call('SET', KEYS[2], 0) end
 redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[1])
+queue_webhook(KEYS[1], KEYS[3])
 return 'ok'
 """

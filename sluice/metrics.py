@@ -31,3 +31,6 @@ COLD_START = Gauge("sluice_worker_cold_start_seconds", "Verify + load + warm-up 
 DESIRED_REPLICAS = Gauge("sluice_desired_replicas", "Replicas the scheduler wants", ["model", "version"])
 LIVE_REPLICAS = Gauge("sluice_live_replicas", "Replicas alive", ["model", "version"])
 STREAM_LAG = Gauge("sluice_stream_lag", "Entries not yet acknowledged", ["model", "version", "lane"])
+BREAKER_OPEN = Gauge("sluice_breaker_open", "1 while the version's circuit breaker is not closed",
+                     ["model", "version"])
+SHADOW_COPIES = Counter("sluice_shadow_copies_total", "Jobs copied to a shadow version", ["model", "version"])

@@ -3,18 +3,24 @@
 Pure: it reads a `RoutingSnapshot` (what the registry said at load time) and returns a decision,
 so the API, the simulator and tests share it. The weighted choice hashes the routing key, so one
 caller keeps landing on one version for as long as the weights stay as they are.
+
+A version in state `shadow` never serves: its weight is the percentage of the stable version's
+jobs copied to it (`shadow_target`). Versions whose circuit breaker is open (`blocked`) lose
+their unpinned traffic to the stable version; callers pinned to one, or naming it, get a 503.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Literal
 
 from sluice.errors import Conflict, Forbidden, NotFound, ServiceUnavailable
 
-RouteReason = Literal["explicit", "pin", "weighted"]
+RouteReason = Literal["explicit", "pin", "weighted", "fallback"]
 SERVING_STATES = frozenset({"staged", "shadow", "canary", "stable"})
+PRIMARY_STATES = frozenset({"staged", "canary", "stable"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +62,7 @@ class RoutingSnapshot:
 class RouteDecision:
     version: VersionInfo
     reason: RouteReason
+    fallback_from: str | None = None
 
 
 def hash_unit(model: str, routing_key: str) -> float:
@@ -64,13 +71,27 @@ def hash_unit(model: str, routing_key: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
-def _exact(info: ModelInfo, version: str) -> VersionInfo:
+def _exact(info: ModelInfo, version: str, blocked: Container[str]) -> VersionInfo:
     found = info.versions.get(version)
     if found is None:
         raise NotFound(f"model '{info.name}' has no version '{version}'")
     if found.state == "retired":
         raise Conflict(f"version '{version}' of model '{info.name}' is retired")
+    if version in blocked:
+        raise ServiceUnavailable(
+            f"version '{version}' of model '{info.name}' is unavailable: its circuit breaker is open",
+            headers={"Retry-After": "5"},
+        )
     return found
+
+
+def _fallback(info: ModelInfo, chosen: VersionInfo, blocked: Container[str]) -> RouteDecision:
+    for name in sorted(info.versions):
+        candidate = info.versions[name]
+        if candidate.state == "stable" and name not in blocked and name != chosen.version:
+            return RouteDecision(candidate, "fallback", fallback_from=chosen.version)
+    # No healthy stable version to move to: queueing on the chosen one beats refusing the job.
+    return RouteDecision(chosen, "weighted")
 
 
 def route(
@@ -80,6 +101,7 @@ def route(
     tenant: str,
     routing_key: str | None = None,
     version: str | None = None,
+    blocked: Container[str] = frozenset(),
 ) -> RouteDecision:
     info = snapshot.model(model)
     pinned = snapshot.pins.get((tenant, model))
@@ -88,21 +110,38 @@ def route(
             raise Forbidden(
                 f"tenant '{tenant}' is pinned to version '{pinned}' of '{model}' and may not use '{version}'"
             )
-        return RouteDecision(_exact(info, version), "explicit")
+        return RouteDecision(_exact(info, version, blocked), "explicit")
     if pinned is not None:
-        return RouteDecision(_exact(info, pinned), "pin")
+        return RouteDecision(_exact(info, pinned, blocked), "pin")
     candidates = sorted(
         (v, w)
         for v, w in info.weights.items()
-        if w > 0 and v in info.versions and info.versions[v].state in SERVING_STATES
+        if w > 0 and v in info.versions and info.versions[v].state in PRIMARY_STATES
     )
     total = sum(w for _, w in candidates)
     if total <= 0:
         raise ServiceUnavailable(f"model '{model}' has no version with routing weight")
     point = hash_unit(model, routing_key or tenant) * total
     running = 0.0
+    chosen = info.versions[candidates[-1][0]]
     for name, weight in candidates:
         running += weight
         if point < running:
-            return RouteDecision(info.versions[name], "weighted")
-    return RouteDecision(info.versions[candidates[-1][0]], "weighted")
+            chosen = info.versions[name]
+            break
+    if chosen.version in blocked:
+        return _fallback(info, chosen, blocked)
+    return RouteDecision(chosen, "weighted")
+
+
+def shadow_target(snapshot: RoutingSnapshot, *, model: str, primary: VersionInfo, point: float) -> str | None:
+    """The shadow version a job of `primary` is copied to, if `point` (uniform in [0, 1)) falls in
+    its sample. Only the stable version is shadowed: agreement is always measured against it."""
+    if primary.state != "stable":
+        return None
+    info = snapshot.model(model)
+    for name in sorted(info.versions):
+        rate = min(100.0, max(0.0, info.weights.get(name, 0.0))) / 100.0
+        if info.versions[name].state == "shadow" and name != primary.version and point < rate:
+            return name
+    return None

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
@@ -45,7 +46,27 @@ class Settings(BaseSettings):
     worker_prefetch_batches: int = Field(default=4, ge=1)
     cpu_cores: int | None = None
 
-    webhook_allowed_networks: list[str] = Field(default_factory=list)
+    # Circuit breaker per version (sluice.breaker): trip on this error rate over at least
+    # `breaker_min_samples` jobs in the window, or on no live worker for the grace period.
+    breaker_error_rate: float = Field(default=0.5, gt=0, le=1)
+    breaker_min_samples: int = Field(default=20, ge=1)
+    breaker_window_s: float = Field(default=30.0, gt=0)
+    breaker_no_worker_grace_s: float = Field(default=30.0, ge=0)
+    breaker_open_s: float = Field(default=10.0, gt=0)
+
+    # CIDRs a callback may reach although private or loopback (on-premise receivers, tests):
+    # `SLUICE_WEBHOOK_ALLOWED_NETWORKS=10.0.0.0/8,127.0.0.0/8` (NoDecode: a comma list, not JSON).
+    webhook_allowed_networks: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Delivery (workers/tasks.py): per-request timeout, attempts before a delivery is recorded as
+    # failed, the capped exponential backoff between attempts (defaults: 12 attempts over about two
+    # hours, well inside result_ttl_s, which bounds how long the job record is there to send),
+    # how often beat re-sends overdue deliveries, and the Celery worker's delivery threads.
+    webhook_timeout_s: float = Field(default=10.0, gt=0, le=120)
+    webhook_max_attempts: int = Field(default=12, ge=1, le=100)
+    webhook_backoff_base_s: float = Field(default=5.0, gt=0)
+    webhook_backoff_cap_s: float = Field(default=3600.0, gt=0)
+    webhook_sweep_s: float = Field(default=30.0, gt=0)
+    webhook_concurrency: int = Field(default=8, ge=1, le=256)
 
     @field_validator("webhook_allowed_networks", mode="before")
     @classmethod

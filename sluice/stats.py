@@ -6,9 +6,10 @@ Hyndman-Fan type 7), not estimates from histogram buckets.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ import redis.asyncio as aioredis
 
 from sluice import keys
 from sluice.broker import translate_redis_errors
+from sluice.quality import summarise_quality
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +29,9 @@ class Sample:
     total_ms: float
     batch_size: int
     close_reason: str
+    # Quality proxies of the job's output (sluice.quality.proxies), plus `agreement` on a
+    # shadow version's samples.
+    quality: dict[str, Any] = field(default_factory=dict)
 
 
 async def read_samples(redis: aioredis.Redis, model: str, version: str, *, window_s: float,
@@ -41,7 +46,7 @@ async def read_samples(redis: aioredis.Redis, model: str, version: str, *, windo
         samples.append(Sample(
             status=fields[b"s"].decode(), finished_at=float(fields[b"t"]), queue_wait_ms=float(fields[b"qw"]),
             model_ms=float(fields[b"m"]), total_ms=float(fields[b"tt"]), batch_size=int(fields[b"b"]),
-            close_reason=fields[b"r"].decode(),
+            close_reason=fields[b"r"].decode(), quality=json.loads(fields[b"q"]) if b"q" in fields else {},
         ))
     return samples
 
@@ -77,6 +82,6 @@ def summarise(samples: list[Sample], *, window_s: float) -> dict[str, Any]:
             "histogram": {str(size): round(n / size) for size, n in sorted(sizes.items())},
         },
         "close_reasons": {reason: round(batches.get(reason, 0.0)) for reason in ("size", "age", "drain")},
-        "quality": {},
+        "quality": summarise_quality(s.quality for s in samples),
         "percentile_method": "exact, linear interpolation (type 7)",
     }

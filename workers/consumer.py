@@ -1,9 +1,11 @@
 """The stream consumer: read a version's streams, form micro-batches, run them, store, ack.
 
-Reading and batch formation run in one task, the model in another (in a thread, since torch
-releases the GIL), so while batch k runs the next one is already being read and formed: the
-model never waits on a Redis round trip. An entry is acknowledged only after its outcome is
-stored; an entry left unacknowledged by a dead worker is taken over with XAUTOCLAIM.
+Reading runs in one task and the model in another (in a thread, since torch releases the GIL),
+so while batch k runs the next entries are already read and held by the batcher: the model never
+waits on a Redis round trip. The runner takes the best batch at the moment the model is free
+(`MicroBatcher.take`), so under a backlog it gets full, length-matched batches instead of the
+crumbs an eager close at read time would leave. An entry is acknowledged only after its outcome
+is stored; an entry left unacknowledged by a dead worker is taken over with XAUTOCLAIM.
 """
 
 from __future__ import annotations
@@ -23,10 +25,27 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from sluice import keys
-from sluice.broker import ensure_groups, translate_redis_errors
+from sluice.broker import ensure_groups, queue_jobs, translate_redis_errors
 from sluice.errors import BrokerError
-from sluice.jobs import CLAIM_SCRIPT, FINISH_SCRIPT, NOTE_ERROR_SCRIPT
-from sluice.metrics import BATCH_CLOSED, BATCH_SIZE, JOBS_FINISHED, MODEL_TIME, PADDING_RATIO, QUEUE_WAIT
+from sluice.jobs import (
+    CLAIM_SCRIPT,
+    FINISH_SCRIPT,
+    NOTE_ERROR_SCRIPT,
+    SHADOW_TENANT,
+    JobRecord,
+    JobStatus,
+    new_job_id,
+)
+from sluice.metrics import (
+    BATCH_CLOSED,
+    BATCH_SIZE,
+    JOBS_FINISHED,
+    MODEL_TIME,
+    PADDING_RATIO,
+    QUEUE_WAIT,
+    SHADOW_COPIES,
+)
+from sluice.quality import agreement, proxies
 from sluice.redact import scrub
 from workers.batcher import Batch, Item, MicroBatcher
 from workers.execution import Outcome, run_isolating
@@ -35,6 +54,9 @@ from workers.models.handlers import ModelHandler
 log = logging.getLogger(__name__)
 
 SAMPLES_MAXLEN = 20_000
+# The longest the reader sleeps (blocked on the streams, or napping while the model is busy)
+# before it looks at the stop flag and the prefetch room again.
+READ_BLOCK_MS = 250
 
 Entry = tuple[str, bytes, dict[bytes, bytes]]  # (lane, stream entry id, fields)
 
@@ -47,6 +69,12 @@ class Delivery:
     lane: str
     input: dict[str, Any]
     attempts: int
+    shadow: str | None = None  # copy the input to this version once the job succeeds
+    shadow_of: str | None = None  # this job is a shadow copy of that primary job
+
+
+def _text(value: bytes | None) -> str | None:
+    return value.decode() if value else None
 
 
 def consumer_name() -> str:
@@ -71,6 +99,7 @@ class Worker:
         prefetch_batches: int = 4,
         shutdown_grace_s: float = 30.0,
         cold_start_s: float = 0.0,
+        top_up: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.redis = redis
@@ -86,13 +115,17 @@ class Worker:
         self.shutdown_grace_s = shutdown_grace_s
         self.cold_start_s = cold_start_s
         self.clock = clock
+        # Top-up is off by default: on one CPU thread a forward pass costs per padded token, and
+        # topping up with shorter items doubled padding under a backlog (bench/README.md).
         self.batcher = MicroBatcher(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
-                                    isolate_tenants=isolate_tenants)
+                                    isolate_tenants=isolate_tenants, top_up=top_up)
         self.streams = {lane: keys.stream(model, version, lane) for lane in keys.LANES}
-        self._ready: deque[Batch] = deque()
+        self._ready: deque[Batch] = deque()  # drain batches, run before anything else
         self._held: set[str] = set()  # entry ids read and not yet acknowledged
         self._wake_runner = asyncio.Event()
-        self._space = asyncio.Event()
+        self._wake_reader = asyncio.Event()
+        self._runner_idle = True  # no batch running: the model waits for work
+        self._reading_done = False
         self._stopping = asyncio.Event()
         self._writes: set[asyncio.Task[None]] = set()
         self._claim = redis.register_script(CLAIM_SCRIPT)
@@ -113,7 +146,7 @@ class Worker:
             self.state = "draining"
             self._stopping.set()
             self._wake_runner.set()
-            self._space.set()
+            self._wake_reader.set()
 
     async def run(self) -> None:
         await ensure_groups(self.redis, self.model, self.version)
@@ -124,8 +157,8 @@ class Worker:
         try:
             await reader
             # Reading has stopped: everything held is flushed and finished within the grace period.
-            for batch in self.batcher.drain(self.clock()):
-                self._ready.append(batch)
+            self._ready.extend(self.batcher.drain(self.clock()))
+            self._reading_done = True
             self._wake_runner.set()
             await asyncio.wait_for(runner, timeout=self.shutdown_grace_s)
             if self._writes:
@@ -155,32 +188,31 @@ class Worker:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
-    def _block_ms(self) -> int:
-        deadline = self.batcher.next_deadline()
-        if deadline is None:
-            return 250
-        return max(1, min(250, int((deadline - self.clock()) * 1000)))
-
     async def _read_once(self) -> None:
+        # Cleared first: a batch completing or the model going idle during the reads below
+        # must end the nap at the bottom, not be forgotten.
+        self._wake_reader.clear()
         room = self.prefetch - len(self._held)
-        if room <= 0:
-            self._space.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._space.wait(), timeout=self._block_ms() / 1000)
-            self._form_batches()
-            return
-        entries = await self._reclaim(room) if self._claim_due() else []
-        if not entries:
-            entries = await self._xread({self.streams["online"]: ">"}, room, block=None)
-        if not entries:
-            entries = await self._xread({self.streams["bulk"]: ">"}, min(room, self.max_batch_size), block=None)
-        if not entries:
-            entries = await self._xread(
-                {self.streams["online"]: ">", self.streams["bulk"]: ">"}, room, block=self._block_ms()
-            )
+        entries: list[Entry] = []
+        if room > 0:
+            entries = await self._reclaim(room) if self._claim_due() else []
+            if not entries:
+                entries = await self._xread({self.streams["online"]: ">"}, room, block=None)
+            if not entries:
+                entries = await self._xread({self.streams["bulk"]: ">"}, min(room, self.max_batch_size),
+                                            block=None)
+            # Only a worker whose model is idle blocks on the streams: a new arrival then goes to
+            # a worker that can start it now, not into the prefetch of one whose model is busy.
+            if not entries and self._runner_idle:
+                entries = await self._xread(
+                    {self.streams["online"]: ">", self.streams["bulk"]: ">"}, room, block=READ_BLOCK_MS
+                )
         if entries:
             await self._accept(entries)
-        self._form_batches()
+            self._wake_runner.set()
+        elif room <= 0 or not self._runner_idle:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake_reader.wait(), timeout=READ_BLOCK_MS / 1000)
 
     def _claim_due(self) -> bool:
         return self.clock() - self._last_claim >= self.claim_after_s / 2
@@ -226,7 +258,7 @@ class Worker:
             pipe = self.redis.pipeline(transaction=False)
             for _, _, fields in entries:
                 await self._claim(keys=[keys.job(fields[b"id"].decode()),
-                                        keys.queued_count(fields[b"tenant"].decode())],
+                                        keys.queued_count(fields[b"tenant"].decode()), keys.WEBHOOK_OUTBOX],
                                   args=[repr(now), self.name, self.max_deliveries], client=pipe)
             replies = await pipe.execute()
         settle: list[tuple[str, bytes]] = []
@@ -239,7 +271,8 @@ class Worker:
                 item = Item(
                     id=entry_id.decode(), tenant=fields[b"tenant"].decode(), cost=int(fields[b"cost"]),
                     enqueued_at=float(fields[b"t"]),
-                    payload=Delivery(job_id=job_id, lane=lane, input=json.loads(reply[1]), attempts=int(reply[2])),
+                    payload=Delivery(job_id=job_id, lane=lane, input=json.loads(reply[1]), attempts=int(reply[2]),
+                                     shadow=_text(fields.get(b"sh")), shadow_of=_text(fields.get(b"so"))),
                 )
                 self.batcher.add(item)
                 self._held.add(item.id)
@@ -274,23 +307,24 @@ class Worker:
             # Deleting acknowledged entries keeps XLEN equal to the backlog the scheduler reads.
             pipe.xdel(self.streams[lane], *ids)
 
-    def _form_batches(self) -> None:
-        closed = self.batcher.poll(self.clock())
-        if closed:
-            self._ready.extend(closed)
-            self._wake_runner.set()
-
     # --- running ---------------------------------------------------------------------------------
 
     async def _run_loop(self) -> None:
         while True:
-            if not self._ready:
-                if self._stopping.is_set() and len(self.batcher) == 0:
+            batch = self._ready.popleft() if self._ready else self.batcher.take(self.clock())
+            if batch is None:
+                if self._reading_done and len(self.batcher) == 0:
                     return
+                # No await since take(): nothing added meanwhile, so clearing loses no wake-up.
                 self._wake_runner.clear()
-                await self._wake_runner.wait()
+                self._runner_idle = True
+                self._wake_reader.set()
+                deadline = self.batcher.next_deadline()
+                timeout = None if deadline is None else max(0.0, deadline - self.clock())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake_runner.wait(), timeout=timeout)
                 continue
-            batch = self._ready.popleft()
+            self._runner_idle = False
             started = self.clock()
             inputs = [item.payload.input for item in batch.items]
             outcomes, model_s = await asyncio.to_thread(run_isolating, self.handler, inputs)
@@ -315,7 +349,7 @@ class Worker:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
         self._held.difference_update(item.id for item in batch.items)
-        self._space.set()
+        self._wake_reader.set()
         self.processed += size
         self.last_batch_size = size
         self._rate_window.append((size, model_s))
@@ -325,13 +359,41 @@ class Worker:
         MODEL_TIME.labels(*labels).observe(model_s)
         real = sum(max(1, item.cost) for item in batch.items)
         PADDING_RATIO.labels(*labels).observe(batch.max_cost * size / real if real else 1.0)
-        for item, outcome in zip(batch.items, outcomes, strict=True):
-            QUEUE_WAIT.labels(*labels).observe(max(0.0, started - item.enqueued_at))
-            JOBS_FINISHED.labels(*labels, "succeeded" if outcome.error is None else "failed").inc()
+        queue_wait = QUEUE_WAIT.labels(*labels)
+        for item in batch.items:
+            queue_wait.observe(max(0.0, started - item.enqueued_at))
+        failed = sum(1 for outcome in outcomes if outcome.error is not None)
+        if failed:
+            JOBS_FINISHED.labels(*labels, "failed").inc(failed)
+        if size - failed:
+            JOBS_FINISHED.labels(*labels, "succeeded").inc(size - failed)
+
+    async def _primary_outputs(self, batch: Batch, outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
+        """The primary outputs that shadow copies in this batch are compared with."""
+        wanted = [item.payload.shadow_of for item, outcome in zip(batch.items, outcomes, strict=True)
+                  if item.payload.shadow_of and outcome.error is None]
+        if not wanted:
+            return {}
+        with translate_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id in wanted:
+                pipe.hget(keys.job(job_id), "output")
+            replies = await pipe.execute()
+        return {job_id: json.loads(raw) for job_id, raw in zip(wanted, replies, strict=True) if raw}
+
+    def _shadow_copy(self, delivery: Delivery, item: Item, now: float) -> JobRecord:
+        SHADOW_COPIES.labels(self.model, self.version).inc()
+        return JobRecord(
+            id=new_job_id(), tenant=SHADOW_TENANT, model=self.model, version=str(delivery.shadow),
+            lane="bulk", status=JobStatus.queued, input=delivery.input, cost=item.cost, enqueued_at=now,
+            shadow_of=delivery.job_id,
+        )
 
     async def _store(self, batch: Batch, outcomes: list[Outcome], started: float, finished: float,
                      model_ms: float) -> None:
         size = str(len(batch.items))
+        primaries = await self._primary_outputs(batch, outcomes)
+        copies: list[JobRecord] = []
         with translate_redis_errors():
             pipe = self.redis.pipeline(transaction=False)
             for item, outcome in zip(batch.items, outcomes, strict=True):
@@ -340,17 +402,32 @@ class Worker:
                 output = json.dumps(outcome.output, separators=(",", ":")) if outcome.output is not None else ""
                 error = json.dumps(outcome.error, separators=(",", ":")) if outcome.error is not None else ""
                 await self._finish(
-                    keys=[keys.job(delivery.job_id)],
+                    keys=[keys.job(delivery.job_id), keys.WEBHOOK_OUTBOX],
                     args=[status, output, error, repr(finished), repr(model_ms), size, batch.close_reason,
                           self.result_ttl_s, repr(started)],
                     client=pipe,
                 )
-                pipe.publish(keys.EVENTS_CHANNEL, json.dumps({"type": "job", "id": delivery.job_id, "status": status}))
-                pipe.xadd(keys.stats(self.model, self.version), {
+                sample = {
                     "s": status, "t": repr(finished), "qw": repr(round((started - item.enqueued_at) * 1000, 3)),
                     "m": repr(model_ms), "tt": repr(round((finished - item.enqueued_at) * 1000, 3)),
                     "b": size, "r": batch.close_reason,
-                }, maxlen=SAMPLES_MAXLEN, approximate=True)
+                }
+                if outcome.error is None:
+                    proxy = proxies(outcome.output, encoded_size=len(output))
+                    primary = primaries.get(delivery.shadow_of or "")
+                    if primary is not None and outcome.output is not None:
+                        agreed = agreement(primary, outcome.output)
+                        if agreed is not None:
+                            proxy["agreement"] = agreed
+                    sample["q"] = json.dumps(proxy, separators=(",", ":"))
+                    if delivery.shadow:
+                        copies.append(self._shadow_copy(delivery, item, finished))
+                if not delivery.shadow_of:
+                    pipe.publish(keys.EVENTS_CHANNEL,
+                                 json.dumps({"type": "job", "id": delivery.job_id, "status": status}))
+                pipe.xadd(keys.stats(self.model, self.version), sample,  # type: ignore[arg-type]
+                          maxlen=SAMPLES_MAXLEN, approximate=True)
+            queue_jobs(pipe, copies, result_ttl_s=self.result_ttl_s)
             self._ack(pipe, [(item.payload.lane, item.id) for item in batch.items])
             await pipe.execute()
 

@@ -42,9 +42,12 @@ async def readyz(state: StateDep) -> JSONResponse:
         "not loaded" if not state.routing.loaded else ("stale" if state.routing.degraded else "ok")
     )
     checks["events"] = "ok" if state.hub.connected.is_set() else "down"
+    if state.draining.is_set():
+        return JSONResponse({"status": "draining", "checks": checks}, status_code=503)
     ready = checks["redis"] == "ok" and state.routing.loaded
     status = "ok" if ready and all(v == "ok" for v in checks.values()) else ("degraded" if ready else "unready")
-    return JSONResponse({"status": status, "checks": checks}, status_code=200 if ready else 503)
+    return JSONResponse({"status": status, "checks": checks, "breakers": state.breakers.states()},
+                        status_code=200 if ready else 503)
 
 
 @router.get("/metrics", include_in_schema=False)

@@ -16,12 +16,13 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
 from api.deps import AppState, CurrentKey, StateDep
 from sluice import keys
 from sluice.broker import translate_redis_errors
-from sluice.errors import Conflict, InvalidInput, PayloadTooLarge, TooManyRequests
+from sluice.errors import Conflict, InvalidInput, PayloadTooLarge, ServiceUnavailable, TooManyRequests
 from sluice.jobs import JobRecord, JobStatus, new_job_id
 from sluice.kinds import ModelKind, validate_input
 from sluice.metrics import JOBS_REJECTED, JOBS_SUBMITTED
 from sluice.registry.queries import KeyInfo
-from sluice.routing import route
+from sluice.routing import hash_unit, route, shadow_target
+from sluice.webhooks import CallbackRefused, allowed_networks, check_callback_url
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 
@@ -100,8 +101,17 @@ async def _admit(
             JOBS_REJECTED.labels(model, exc.code).inc()
             where = f"inputs[{index}]" if len(inputs) > 1 or isinstance(options, SubmitBulk) else "input"
             raise InvalidInput(exc.message.replace("input", where, 1)) from None
+    if options.callback_url is not None:
+        try:
+            check_callback_url(str(options.callback_url),
+                               allowed=allowed_networks(state.settings.webhook_allowed_networks))
+        except CallbackRefused as exc:
+            JOBS_REJECTED.labels(model, InvalidInput.code).inc()
+            raise InvalidInput(str(exc)) from None
+    if state.draining.is_set():
+        raise ServiceUnavailable("this API replica is shutting down; retry", headers={"Retry-After": "1"})
     decision = route(snapshot, model=model, tenant=key.tenant, routing_key=options.routing_key,
-                     version=options.version)
+                     version=options.version, blocked=state.breakers.blocked(model))
     redis_key, replayed = await _replay(state, key, idempotency_key, request_hash)
     if replayed is not None:
         records = [r for r in [await state.broker.get(i) for i in replayed] if r is not None]
@@ -115,16 +125,17 @@ async def _admit(
                 await state.broker.redis.delete(redis_key)
         raise
     now = time.time()
-    records = [
-        JobRecord(
-            id=new_job_id(), tenant=key.tenant, model=model, version=decision.version.version,
+    records = []
+    for canonical, cost in validated:
+        job_id = new_job_id()
+        records.append(JobRecord(
+            id=job_id, tenant=key.tenant, model=model, version=decision.version.version,
             lane=options.lane, status=JobStatus.queued, input=canonical, cost=cost, enqueued_at=now,
             callback_url=str(options.callback_url) if options.callback_url else None,
             deadline=now + options.timeout_s if options.timeout_s else None,
             metadata=dict(options.metadata or {}),
-        )
-        for canonical, cost in validated
-    ]
+            shadow=shadow_target(snapshot, model=model, primary=decision.version, point=hash_unit(model, job_id)),
+        ))
     try:
         await state.broker.enqueue(records)
     except BaseException:
@@ -178,7 +189,7 @@ async def get_job(
 ) -> dict[str, Any]:
     record = await state.broker.get_for_tenant(job_id, key.tenant)
     deadline = time.monotonic() + min(wait, state.settings.max_wait_s)
-    while not record.is_final:
+    while not record.is_final and not state.draining.is_set():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
@@ -212,7 +223,7 @@ async def job_events(job_id: str, key: CurrentKey, state: StateDep) -> Streaming
                 last_status = record.status
                 data = json.dumps(record.resource(), separators=(",", ":"))
                 yield f"id: {sequence}\nevent: {record.status}\ndata: {data}\n\n".encode()
-            if record.is_final:
+            if record.is_final or state.draining.is_set():
                 return
             event = state.hub.watch(job_id)
             try:

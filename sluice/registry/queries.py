@@ -371,7 +371,9 @@ def update_version(
 
 
 def rollback(session: Session, *, model: str, actor: str, reason: str | None) -> AuditEntry:
-    """All unpinned traffic to the most recently promoted stable version, in one audited change."""
+    """All unpinned traffic to the most recently promoted stable version, in one audited change.
+
+    Shadow sample rates are kept: a rollback moves traffic, it does not stop a comparison."""
     stable = session.scalars(
         select(ModelVersion)
         .where(ModelVersion.model == model, ModelVersion.state == "stable")
@@ -379,5 +381,8 @@ def rollback(session: Session, *, model: str, actor: str, reason: str | None) ->
     ).first()
     if stable is None:
         raise Conflict(f"model '{model}' has no stable version to roll back to")
-    return set_routing(session, model=model, weights={stable.version: 100.0}, actor=actor,
-                       reason=reason or "rollback")
+    shadows = {v.version for v in session.scalars(
+        select(ModelVersion).where(ModelVersion.model == model, ModelVersion.state == "shadow"))}
+    weights = {v: w for v, w in routing_weights(session, model).items() if v in shadows}
+    weights[stable.version] = 100.0
+    return set_routing(session, model=model, weights=weights, actor=actor, reason=reason or "rollback")

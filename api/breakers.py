@@ -1,0 +1,94 @@
+"""Circuit breakers of every servable version, fed from Redis once a second.
+
+Each API replica keeps its own breakers but feeds them the same shared facts (live workers from
+the heartbeat set, recent outcomes from the version's sample stream), so replicas agree within
+a refresh. The decision logic is `sluice.breaker.CircuitBreaker`, pure and tested on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from api.caches import RoutingCache
+from sluice import keys
+from sluice.breaker import BreakerState, CircuitBreaker, Health
+from sluice.broker import translate_redis_errors
+from sluice.errors import BrokerError
+from sluice.metrics import BREAKER_OPEN
+from sluice.routing import PRIMARY_STATES
+
+log = logging.getLogger(__name__)
+
+# A heartbeat older than this is a dead worker (workers beat every 2 s).
+LIVE_WORKER_S = 10.0
+RECENT_OUTCOMES = 200
+
+
+class BreakerBoard:
+    def __init__(
+        self,
+        *,
+        redis: aioredis.Redis,
+        routing: RoutingCache,
+        make_breaker: Callable[[], CircuitBreaker],
+        refresh_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.redis = redis
+        self.routing = routing
+        self.make_breaker = make_breaker
+        self.refresh_s = refresh_s
+        self.clock = clock
+        self._breakers: dict[tuple[str, str], CircuitBreaker] = {}
+
+    def blocked(self, model: str) -> frozenset[str]:
+        """Versions of `model` that may not take a job now (open, or half-open between probes)."""
+        now = self.clock()
+        return frozenset(
+            version for (name, version), breaker in self._breakers.items()
+            if name == model and not breaker.admits(now)
+        )
+
+    def states(self) -> dict[str, dict[str, str]]:
+        return {f"{m}/{v}": {"state": b.state.value, "reason": b.reason} for (m, v), b in self._breakers.items()}
+
+    async def refresh(self) -> None:
+        snapshot = self.routing.current()
+        versions = [(m, v) for m, info in snapshot.models.items()
+                    for v, row in info.versions.items() if row.state in PRIMARY_STATES]
+        if not versions:
+            self._breakers.clear()
+            return
+        now = self.clock()
+        with translate_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for model, version in versions:
+                pipe.zcount(keys.live_workers(model, version), now - LIVE_WORKER_S, "+inf")
+                pipe.xrevrange(keys.stats(model, version), count=RECENT_OUTCOMES)
+            replies: list[Any] = await pipe.execute()
+        alive = set(versions)
+        for gone in [k for k in self._breakers if k not in alive]:
+            del self._breakers[gone]
+        for index, (model, version) in enumerate(versions):
+            live, entries = replies[2 * index], replies[2 * index + 1]
+            outcomes = [(float(fields[b"t"]), fields[b"s"] == b"succeeded") for _, fields in entries]
+            breaker = self._breakers.setdefault((model, version), self.make_breaker())
+            before = breaker.state
+            after = breaker.observe(now, Health(live_workers=int(live), outcomes=outcomes))
+            if after is not before:
+                log.warning("circuit breaker of %s/%s: %s -> %s (%s)", model, version, before.value,
+                            after.value, breaker.reason or "recovered")
+            BREAKER_OPEN.labels(model, version).set(0 if after is BreakerState.closed else 1)
+
+    async def run_forever(self) -> None:
+        while True:
+            with contextlib.suppress(BrokerError):
+                await self.refresh()
+            await asyncio.sleep(self.refresh_s)

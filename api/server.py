@@ -1,0 +1,48 @@
+"""Serving the app with uvicorn and a two-stage shutdown.
+
+First SIGTERM (or SIGINT): the replica starts draining at once: `/readyz` turns 503 so the load
+balancer stops sending, new submissions get 503 with `Retry-After`, long-polls and event streams
+end with the job's current state; uvicorn stops accepting connections and waits up to the grace
+period for requests in flight. A second signal, of either kind, exits without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+log = logging.getLogger(__name__)
+
+
+class TwoStageServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, *, app: FastAPI) -> None:
+        super().__init__(config)
+        self._app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            log.warning("second signal: exiting without waiting for requests in flight")
+            self.force_exit = True
+            return
+        log.info("draining: refusing new jobs, finishing requests in flight")
+        # A signal handler may interrupt the loop anywhere: change loop state from a callback.
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().call_soon_threadsafe(self._drain)
+        super().handle_exit(sig, frame)
+
+    def _drain(self) -> None:
+        state = getattr(self._app.state, "sluice", None)
+        if state is not None:
+            state.draining.set()
+            state.hub.wake_all()
+
+
+def serve(app: FastAPI, *, host: str, port: int, grace_s: float) -> None:
+    config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
+                            timeout_graceful_shutdown=int(grace_s))
+    TwoStageServer(config, app=app).run()
