@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import AdminKey, AppState, CurrentKey, StateDep
+from sluice.broker import announce_routing as publish_routing
 from sluice.errors import NotFound
 from sluice.registry import queries
 from sluice.stats import read_samples, summarise
@@ -63,9 +64,9 @@ class SetRouting(BaseModel):
 
 
 async def announce_routing(state: AppState, model: str) -> None:
-    """Tell every API replica (and the scheduler) at once; the periodic reload is the safety net."""
+    """Reload this replica's routing now, then tell the others (and the scheduler)."""
     await state.routing.reload()
-    await state.broker.publish({"type": "routing", "model": model})
+    await publish_routing(state.broker.redis, model)
 
 
 @router.get("")

@@ -14,10 +14,12 @@ from sqlalchemy import (
     Float,
     ForeignKey,
     ForeignKeyConstraint,
+    Index,
     Integer,
     String,
     Text,
     func,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -158,3 +160,57 @@ class QualityAggregate(Base):
             ["model", "version"], ["model_versions.model", "model_versions.version"], ondelete="CASCADE"
         ),
     )
+
+
+ROLLOUT_STATES = ("running", "promoted", "rolled_back", "aborted")
+ROLLOUT_ACTIONS = ("start", "continue", "promote", "rollback", "abort")
+
+
+class Rollout(Base):
+    """One canary rollout of a model; at most one is running per model (a partial unique index)."""
+
+    __tablename__ = "rollouts"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(ForeignKey("models.name", ondelete="CASCADE"), index=True)
+    canary: Mapped[str] = mapped_column(String(64))
+    stable: Mapped[str] = mapped_column(String(64))
+    policy: Mapped[Any] = mapped_column(JsonDoc)
+    # The model's weights and the canary's state before the start, for abort.
+    initial_weights: Mapped[Any] = mapped_column(JsonDoc)
+    canary_initial_state: Mapped[str] = mapped_column(String(16))
+    step_index: Mapped[int] = mapped_column(Integer)  # -1: the shadow phase
+    state: Mapped[str] = mapped_column(String(16), default="running")
+    actor: Mapped[str] = mapped_column(String(128))
+    reason: Mapped[str | None] = mapped_column(Text)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    step_started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        ForeignKeyConstraint(["model", "canary"], ["model_versions.model", "model_versions.version"],
+                             ondelete="CASCADE"),
+        ForeignKeyConstraint(["model", "stable"], ["model_versions.model", "model_versions.version"],
+                             ondelete="CASCADE"),
+        CheckConstraint(f"state IN {ROLLOUT_STATES!r}", name="rollout_state"),
+        CheckConstraint("canary <> stable", name="rollout_two_versions"),
+        Index("one_running_rollout", "model", unique=True, postgresql_where=text("state = 'running'")),
+    )
+
+
+class RolloutDecision(Base):
+    """Every look the controller takes, and every start and abort, with its evidence."""
+
+    __tablename__ = "rollout_decisions"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    rollout_id: Mapped[int] = mapped_column(ForeignKey("rollouts.id", ondelete="CASCADE"), index=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    step_index: Mapped[int] = mapped_column(Integer)
+    action: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text)
+    evidence: Mapped[Any] = mapped_column(JsonDoc, default=dict)
+    # The audited routing change the decision made, if any.
+    audit_id: Mapped[int | None] = mapped_column(ForeignKey("audit_log.id", ondelete="SET NULL"))
+
+    __table_args__ = (CheckConstraint(f"action IN {ROLLOUT_ACTIONS!r}", name="rollout_action"),)
