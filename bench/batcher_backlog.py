@@ -1,23 +1,27 @@
-"""Batch sizes under a backlog: a deterministic replay of one worker's read/close/run loop.
+"""Batch sizes under a backlog: a deterministic replay of one worker's read/take/run loop.
 
 No model and no Redis: the real workers.batcher.MicroBatcher is driven the way
-workers/consumer.py drives it (read up to the free prefetch room, `poll(now)` after every read,
-run closed batches one at a time, free the room when a batch completes), on a backlog whose
-jobs were all enqueued before the worker started, so every job is already past `max_wait_ms`
-when it is read. Model time is a linear cost model (fixed + per padded token) calibrated on
-bench.inprocess; only batch sizes, padding and the *modelled* throughput ratio are reported.
+workers/consumer.py drives it, on a backlog whose jobs were all enqueued before the worker
+started, so every job is already past `max_wait_ms` when it is read. The reader keeps the
+prefetch room full (bulk lane: at most one batch per read); a batch's room is freed when it
+completes. Model time is a linear cost model (a fixed cost per call + a cost per padded token)
+calibrated on MiniLM with one torch thread; only batch sizes, padding and the *modelled*
+throughput ratio are reported unless `--measure` times the batch lists.
 
-Policies compared, each with the batcher's top-up on (the worker's default) and off:
+Policies compared:
 
-* ``eager`` (what the worker does): poll after each read, queue every closed batch;
-* ``lazy`` (an alternative): close a batch only when the model is free to run it, taking the
-  fullest group and leaving the other items in the batcher to keep growing;
-* ``sorted`` (the in-process ideal): the whole backlog sorted by length, chunks of 32.
+* ``eager``: the worker before issue 2's fix: `poll(now)` after every read, every closed batch
+  queued for the model; power-of-two buckets (16 .. 256) with the batcher's top-up;
+* ``take``: the worker now: `take(now)` when the model is free, everything else stays held and
+  keeps growing; with power-of-two or fine buckets (`workers.batcher.DEFAULT_BUCKET_BOUNDS`),
+  top-up on and off;
+* ``sorted`` (the in-process ideal): the whole backlog sorted by real token length, chunks of 32.
 
 With ``--measure`` every policy's batch list is also run through MiniLM in one process with one
 torch thread and timed, so the throughput ratios are measured, not modelled.
 
-Run: ``python -m bench.batcher_backlog [--texts 2000] [--lane bulk|online] [--measure [--repeats 2]]``.
+Run: ``python -m bench.batcher_backlog [--texts 2000] [--lane bulk|online] [--prefetch-batches 4]
+[--measure [--repeats 2]]``.
 """
 
 from __future__ import annotations
@@ -40,36 +44,34 @@ from bench.common import (
     write_json,
 )
 
-# Calibrated on bench.inprocess (1 torch thread): ~0.44 ms per padded token, ~2.5 ms per call.
-FIXED_MS = 2.5
-PER_TOKEN_MS = 0.44
+# Calibrated on MiniLM, 1 torch thread, CPU time of one encode() call: ~10 ms per call (tokenising,
+# Python, small kernels) + ~0.26 ms per padded token (batches of 1-32, 16-220 tokens).
+FIXED_MS = 10.0
+PER_TOKEN_MS = 0.26
+POWER_OF_TWO = (16, 32, 64, 128, 256)
 
 
 def model_ms(lengths: Sequence[int], batch: Sequence[int]) -> float:
     return FIXED_MS + PER_TOKEN_MS * max(lengths[i] for i in batch) * len(batch)
 
 
-def replay(costs: Sequence[int], lengths: Sequence[int], *, policy: str, lane: str, top_up: bool = True,
-           batch_size: int = 32, prefetch_batches: int = 4, max_wait_ms: float = 10.0) -> dict[str, Any]:
+def replay(costs: Sequence[int], lengths: Sequence[int], *, policy: str, lane: str, top_up: bool,
+           bounds: Sequence[int], batch_size: int = 32, prefetch_batches: int = 4,
+           max_wait_ms: float = 10.0) -> dict[str, Any]:
     from workers.batcher import Item, MicroBatcher
 
     batcher = MicroBatcher(max_batch_size=batch_size, max_wait_ms=max_wait_ms, isolate_tenants=False,
-                           top_up=top_up)
+                           top_up=top_up, bucket_bounds=bounds)
     stream = deque(range(len(costs)))
     prefetch = prefetch_batches * batch_size
     held = 0
     now = 1.0  # every job was enqueued at t=0: all are overdue when read
-    ready: deque[list[int]] = deque()
+    ready: deque[Any] = deque()
     batches: list[list[int]] = []
     reasons: dict[str, int] = {}
 
     def item(i: int) -> Any:
         return Item(id=str(i), tenant="t", cost=int(costs[i]), enqueued_at=i * 1e-9)
-
-    def take(closed: list[Any]) -> None:
-        for batch in closed:
-            reasons[batch.close_reason] = reasons.get(batch.close_reason, 0) + 1
-            ready.append([int(x.id) for x in batch.items])
 
     while stream or held:
         # The reader: refill the prefetch room (bulk lane: at most one batch per read).
@@ -80,26 +82,22 @@ def replay(costs: Sequence[int], lengths: Sequence[int], *, policy: str, lane: s
                 batcher.add(item(stream.popleft()))
                 held += 1
             if policy == "eager":
-                take(batcher.poll(now))
-        if policy == "lazy" and not ready:
-            closed = batcher.poll(now)
-            if closed:
-                closed.sort(key=lambda b: -len(b.items))
-                take(closed[:1])
-                for other in closed[1:]:  # back into the batcher, to grow until the model is free
-                    for x in other.items:
-                        batcher.add(x)
-        if not ready:
-            take(batcher.drain(now))
-        # The runner: one batch; its items' room is freed when it completes.
-        batch = ready.popleft()
-        batches.append(batch)
-        now += model_ms(lengths, batch) / 1000
-        held -= len(batch)
+                ready.extend(batcher.poll(now))
+        # The runner, the model being free: one batch; its room is freed when it completes.
+        batch = ready.popleft() if ready else batcher.take(now)
+        if batch is None:
+            batch = batcher.drain(now)[0]
+        reasons[batch.close_reason] = reasons.get(batch.close_reason, 0) + 1
+        members = [int(x.id) for x in batch.items]
+        batches.append(members)
+        now += model_ms(lengths, members) / 1000
+        held -= len(members)
     seconds = now - 1.0
+    named = "fine" if tuple(bounds) != POWER_OF_TWO else "2^k"
     return {
-        "policy": f"{policy}, top-up {'on' if top_up else 'off'}", "lane": lane, "batch_list": batches,
-        "batches": len(batches), "mean_batch_size": len(costs) / len(batches),
+        "policy": f"{policy}, {named} buckets, top-up {'on' if top_up else 'off'}", "lane": lane,
+        "prefetch": prefetch, "batch_list": batches, "batches": len(batches),
+        "mean_batch_size": len(costs) / len(batches),
         "size_1_batches": sum(1 for b in batches if len(b) == 1), "close_reasons": reasons,
         "padding_ratio": padding_ratio(lengths, batches), "modelled_seconds": seconds,
         "modelled_texts_per_s": len(costs) / seconds,
@@ -150,17 +148,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--texts", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lane", choices=("bulk", "online"), default="bulk")
+    parser.add_argument("--prefetch-batches", type=int, default=4, help="the worker's prefetch room, in batches")
     parser.add_argument("--measure", action="store_true", help="also time every batch list with MiniLM (minutes)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved timing runs with --measure (median)")
     parser.add_argument("--output", default="batcher_backlog.json", help="file name under bench/results/")
     args = parser.parse_args(argv)
     from sluice.kinds import token_estimate
+    from workers.batcher import DEFAULT_BUCKET_BOUNDS
 
     texts = skewed_texts(args.texts, seed=args.seed)
     lengths = token_lengths(texts)
     costs = [token_estimate(t) for t in texts]
-    results = [replay(costs, lengths, policy=p, lane=args.lane, top_up=t)
-               for p in ("eager", "lazy") for t in (True, False)]
+    variants = [("eager", POWER_OF_TWO, True), ("take", POWER_OF_TWO, True), ("take", POWER_OF_TWO, False),
+                ("take", DEFAULT_BUCKET_BOUNDS, True), ("take", DEFAULT_BUCKET_BOUNDS, False)]
+    results = [replay(costs, lengths, policy=p, lane=args.lane, top_up=t, bounds=b,
+                      prefetch_batches=args.prefetch_batches) for p, b, t in variants]
     ideal = sorted_batches(lengths, 32)
     ideal_s = sum(model_ms(lengths, b) for b in ideal) / 1000
     results.append({"policy": "sorted (in-process ideal)", "lane": "-", "batch_list": ideal, "batches": len(ideal),
@@ -175,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             r["measured_cpu_ms_per_text"] = cpu_ms
     key = "measured_texts_per_s" if args.measure else "modelled_texts_per_s"
     print(f"backlog of {args.texts} overdue jobs ({SKEWED.describe()}), one worker, {args.lane} lane, "
-          f"prefetch 4 x 32; cost model {FIXED_MS} ms + {PER_TOKEN_MS} ms/padded token")
+          f"prefetch {args.prefetch_batches} x 32; cost model {FIXED_MS} ms + {PER_TOKEN_MS} ms/padded token")
     headers = ["policy", "batches", "mean size", "size-1 batches", "close reasons", "padding", "modelled texts/s"]
     if args.measure:
         headers += ["measured texts/s", "CPU ms/text", "vs sorted (CPU-normalised)"]

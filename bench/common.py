@@ -148,15 +148,18 @@ def sorted_batches(lengths: Sequence[int], size: int) -> list[list[int]]:
 
 
 def bucketed_batches(costs: Sequence[int], size: int, *, max_wait_ms: float = 10.0) -> list[list[int]]:
-    """The platform's own policy: workers.batcher.MicroBatcher's length buckets, every item
-    present at once (arrival order = index order), then size closes, age closes (with top-up)."""
+    """The platform's own policy: workers.batcher.MicroBatcher's default length buckets, top-up
+    off (as the worker builds it), every item present at once (arrival order = index order),
+    batches taken one at a time as the worker's runner does."""
     from workers.batcher import Item, MicroBatcher
 
-    batcher = MicroBatcher(max_batch_size=size, max_wait_ms=max_wait_ms, isolate_tenants=False)
+    batcher = MicroBatcher(max_batch_size=size, max_wait_ms=max_wait_ms, isolate_tenants=False, top_up=False)
     for i, cost in enumerate(costs):
         batcher.add(Item(id=str(i), tenant="t", cost=int(cost), enqueued_at=i * 1e-6))
-    batches = batcher.poll(math.inf) + batcher.drain(math.inf)
-    return [[int(item.id) for item in batch.items] for batch in batches]
+    batches = []
+    while (batch := batcher.take(math.inf)) is not None:
+        batches.append([int(item.id) for item in batch.items])
+    return batches
 
 
 def padding_ratio(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> float:

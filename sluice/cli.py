@@ -90,7 +90,9 @@ def scheduler(actuator: Annotated[str, typer.Option(help="local: supervise worke
                          stop_grace_s=settings.shutdown_grace_s)
         if actuator == "local" else None
     )
-    registry = Registry(url=settings.require_database_url(), pool_size=1)
+    # One connection for each of the scheduler's threads: the loop, the rollout controller and
+    # the quality aggregator.
+    registry = Registry(url=settings.require_database_url(), pool_size=3)
     runner = Scheduler(registry=registry, redis_url=settings.require_redis_url(), supervisor=supervisor)
     _two_stage_signals(runner.request_stop)
     runner.run()

@@ -64,3 +64,19 @@ def queued_count(tenant: str) -> str:
 def live_workers(model: str, version: str) -> str:
     """Sorted set: worker name -> time of its last heartbeat, so readers need no SCAN."""
     return f"sluice:{tag(model, version)}:live"
+
+
+# --- webhooks ------------------------------------------------------------------------------------
+
+# Stream of {delivery, job} written by the scripts that make a job final (sluice.jobs); the relay
+# group turns each entry into a Celery task (workers/outbox.py).
+WEBHOOK_OUTBOX = "sluice:webhooks:outbox"
+RELAY_GROUP = "relay"
+# Sorted set: delivery id -> when its next attempt is due (or its running attempt's lease ends);
+# beat re-sends the ones long overdue, whose Celery message was lost.
+WEBHOOK_DUE = "sluice:webhooks:due"
+
+
+def delivery(delivery_id: str) -> str:
+    """One webhook delivery's state: status, attempts, last answer, lease of the running attempt."""
+    return f"sluice:delivery:{{{delivery_id}}}"

@@ -1,7 +1,8 @@
 """`sluice up`: the whole platform on one machine, then a short demo.
 
 Child processes run in their own sessions, so Ctrl-C reaches only this process, which then
-stops them in order: scheduler (its workers drain), API, then the stores.
+stops them in the reverse of their start: Flower, the Celery worker (webhook delivery, with beat),
+the scheduler (its workers drain), the API, then the stores.
 """
 
 from __future__ import annotations
@@ -46,11 +47,15 @@ class Platform:
     def api_url(self) -> str:
         return f"http://{self.settings.api_host}:{self.settings.api_port}"
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
+    @property
+    def flower_url(self) -> str:
+        return f"http://{self.settings.api_host}:{self.settings.flower_port}"
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str], *, module: str = "sluice.cli") -> None:
         log_dir = self.home / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         with (log_dir / f"{name}.log").open("ab") as sink:
-            process = subprocess.Popen([sys.executable, "-m", "sluice.cli", *args], env=env, stdout=sink,
+            process = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=sink,
                                        stderr=subprocess.STDOUT, start_new_session=True)
         self.children.append((name, process))
 
@@ -69,17 +74,24 @@ class Platform:
             registry.dispose()
         self._spawn("api", ["api"], env)
         self._spawn("scheduler", ["scheduler", "--actuator", "local"], env)
+        # The threads pool: delivery waits on the network (see workers/tasks.py).
+        self._spawn("celery", ["-A", "workers.tasks", "worker", "--beat", "--pool", "threads",
+                               "--hostname", "sluice@%h", "--without-mingle", "--without-gossip",
+                               "--loglevel", "INFO"], env, module="celery")
+        self._spawn("flower", ["-A", "workers.tasks", "flower", f"--address={self.settings.api_host}",
+                               f"--port={self.settings.flower_port}"], env, module="celery")
         return seeded
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Until the API is ready and every demo version has a warm worker."""
+        """Until the API is ready, Flower answers and every demo version has a warm worker."""
         assert self.stores is not None
         deadline = time.monotonic() + timeout_s
         client = redis_sync.Redis.from_url(self.stores.redis_url)
         try:
             while time.monotonic() < deadline:
                 self._check_children()
-                if self._api_ready() and all(
+                answering = self._answers(f"{self.api_url}/readyz") and self._answers(f"{self.flower_url}/healthcheck")
+                if answering and all(
                     any(client.hget(k, "state") == b"ready"
                         for k in client.scan_iter(keys.heartbeat_pattern(v.model, v.version)))
                     for v in DEMO_VERSIONS
@@ -90,9 +102,10 @@ class Platform:
             client.close()
         raise TimeoutError(f"the platform was not ready within {timeout_s:.0f}s; see {self.home / 'logs'}")
 
-    def _api_ready(self) -> bool:
+    @staticmethod
+    def _answers(url: str) -> bool:
         try:
-            return httpx.get(f"{self.api_url}/readyz", timeout=2.0).status_code == 200
+            return httpx.get(url, timeout=2.0).status_code == 200
         except httpx.HTTPError:
             return False
 

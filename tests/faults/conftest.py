@@ -6,24 +6,19 @@ a store gets its own from here, so nothing else in the session notices.
 
 from __future__ import annotations
 
-import os
-import secrets
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine
-from sqlalchemy.engine import make_url
-from sqlalchemy.pool import NullPool
 
 from sluice.migrate import upgrade
-from sluice.registry.store import normalise_url
 from sluice.settings import Settings
+from tests.support import ApiServer, WorkerProcess, fresh_database, serving, spawn_worker
 
-from ._support import ApiServer, PostgresServer, RedisServer, WorkerProcess, spawn_worker
+from ._support import PostgresServer, RedisServer
 
-DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 _FIGURES: list[tuple[str, list[tuple[str, object]]]] = []
 
 
@@ -85,39 +80,15 @@ def private_postgres() -> Iterator[PostgresServer]:
 @pytest.fixture
 def scratch_database() -> Iterator[str]:
     """A database of its own in the shared Postgres, migrated to head, dropped afterwards."""
-    base = make_url(normalise_url(os.environ.get("SLUICE_TEST_DATABASE_URL", DEFAULT_DATABASE_URL)))
-    name = f"sluice_f_{secrets.token_hex(6)}"
-    admin = create_engine(base, isolation_level="AUTOCOMMIT", poolclass=NullPool)
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    url = base.set(database=name).render_as_string(hide_password=False)
-    try:
-        upgrade(url)
+    with fresh_database("sluice_f_") as url:
         yield url
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
 
 
 @pytest.fixture
 def start_api() -> Iterator[Callable[[Settings], ApiServer]]:
-    """Serve `create_app(settings)` in process; stopped (and checked for errors) at teardown."""
-    from api.app import create_app
-
-    started: list[ApiServer] = []
-
-    def start(settings: Settings) -> ApiServer:
-        server = ApiServer(app=create_app(settings=settings))
-        server.start()
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
-    for server in started:
-        assert not server.error, server.error
+    """Serve `create_app(settings)` in process, ready in full; stopped (and checked) at teardown."""
+    with ExitStack() as stack:
+        yield lambda settings: stack.enter_context(serving(settings))
 
 
 @pytest.fixture

@@ -32,8 +32,9 @@ from schemathesis.checks import not_a_server_error
 from sluice.registry.store import Registry
 from sluice.seed import seed
 from sluice.settings import Settings
+from tests.support import ApiServer, http_client, make_settings, register_synthetic_model
 
-from ._support import ApiServer, RedisServer, client, make_settings, register_synthetic
+from ._support import RedisServer
 
 pytestmark = pytest.mark.slow
 
@@ -96,6 +97,22 @@ def _fuzz_operation(operation: Any, *, base_url: str, session: requests.Session,
     run()
 
 
+def fuzz_and_judge(base_url: str, key: str, known: dict[str, str], *, examples_per_operation: int,
+                   figure: Callable[[str, object], None]) -> None:
+    """Fuzz, record the figures, then fail listing every failure (at least 200 cases, no 5xx)."""
+    report = FuzzReport()
+    started = time.monotonic()
+    fuzz(base_url, key, known, examples_per_operation=examples_per_operation, report=report)
+    figure("cases", report.cases)
+    figure("statuses", dict(sorted(report.statuses.items())))
+    figure("operations", len(report.by_operation))
+    figure("seconds", round(time.monotonic() - started, 1))
+    assert report.cases >= 200, report
+    assert not report.failures, f"{len(report.failures)} failures in {report.cases} cases:\n" + "\n".join(
+        report.failures[:20])
+    assert report.server_errors == 0, report.statuses
+
+
 def _finished_job(api: httpx.Client, model: str) -> str:
     """A job in a final state (cancelled), so long-polls and SSE on it answer at once."""
     response = api.post(f"/v1/models/{model}/jobs", json={"input": {"text": "fuzz target"}})
@@ -111,18 +128,8 @@ def test_fuzz_every_route_as_a_tenant_gets_no_5xx(
 ) -> None:
     model = register_synthetic("fuzz")  # no worker: whatever the fuzzer queues stays queued
     known = {"model": model, "version": "v1", "job_id": _finished_job(demo, model), "tenant": "demo"}
-    report = FuzzReport()
-    started = time.monotonic()
-    fuzz(api.url, demo.headers["Authorization"].removeprefix("Bearer "), known, examples_per_operation=25,
-         report=report)
-    figure("cases", report.cases)
-    figure("statuses", dict(sorted(report.statuses.items())))
-    figure("operations", len(report.by_operation))
-    figure("seconds", round(time.monotonic() - started, 1))
-    assert report.cases >= 200, report
-    assert not report.failures, f"{len(report.failures)} failures in {report.cases} cases:\n" + "\n".join(
-        report.failures[:20])
-    assert report.server_errors == 0, report.statuses
+    fuzz_and_judge(api.url, demo.headers["Authorization"].removeprefix("Bearer "), known,
+                   examples_per_operation=25, figure=figure)
 
 
 def test_fuzz_every_route_as_an_admin_gets_no_5xx(
@@ -136,18 +143,7 @@ def test_fuzz_every_route_as_an_admin_gets_no_5xx(
     finally:
         registry.dispose()
     api = start_api(make_settings(redis_url=private_redis.url, database_url=scratch_database, home=tmp_path))
-    api.wait_ready("ok")
-    with client(api.url, seeded.admin_key) as admin:
-        model = register_synthetic(admin, "fz", cost="fixed_s=0.001")
+    with http_client(api.url, seeded.admin_key) as admin:
+        model = register_synthetic_model(admin, "fz", cost="fixed_s=0.001")
         known = {"model": model, "version": "v1", "job_id": _finished_job(admin, model), "tenant": "demo"}
-    report = FuzzReport()
-    started = time.monotonic()
-    fuzz(api.url, seeded.admin_key, known, examples_per_operation=20, report=report)
-    figure("cases", report.cases)
-    figure("statuses", dict(sorted(report.statuses.items())))
-    figure("operations", len(report.by_operation))
-    figure("seconds", round(time.monotonic() - started, 1))
-    assert report.cases >= 200, report
-    assert not report.failures, f"{len(report.failures)} failures in {report.cases} cases:\n" + "\n".join(
-        report.failures[:20])
-    assert report.server_errors == 0, report.statuses
+    fuzz_and_judge(api.url, seeded.admin_key, known, examples_per_operation=20, figure=figure)

@@ -23,8 +23,9 @@ from sqlalchemy import update
 from sluice import keys
 from sluice.registry.store import Registry
 from sluice.registry.tables import ModelVersion
+from tests.support import spawn_worker
 
-from ._support import spawn_worker, wait_statuses
+from ._support import wait_statuses
 
 # One worker, batches of at most 2, each item 100 ms of model time: a batch costs about
 # 2 ms + 2 x 100 ms = 0.2 s, so the version serves about 10 jobs/s and 10x is about 100 requests/s,

@@ -19,17 +19,9 @@ import pytest
 from sluice.registry.store import Registry
 from sluice.seed import seed
 from sluice.settings import Settings
+from tests.support import ApiServer, WorkerProcess, http_client, make_settings, register_synthetic_model, wait_job
 
-from ._support import (
-    ApiServer,
-    PostgresServer,
-    RedisServer,
-    WorkerProcess,
-    client,
-    make_settings,
-    register_synthetic,
-    wait_job,
-)
+from ._support import PostgresServer, RedisServer
 
 pytestmark = pytest.mark.slow
 
@@ -52,10 +44,9 @@ def test_submissions_continue_on_the_cached_routing_table_while_postgres_is_down
     settings = make_settings(redis_url=private_redis.url, database_url=private_postgres.url, home=tmp_path,
                              routing_refresh_s=0.5, auth_cache_s=1.0)
     api = start_api(settings)
-    api.wait_ready("ok")
 
-    with client(api.url, seeded.admin_key) as admin, client(api.url, seeded.demo_key) as demo:
-        model = register_synthetic(admin, "pgdown", cost=COST)
+    with http_client(api.url, seeded.admin_key) as admin, http_client(api.url, seeded.demo_key) as demo:
+        model = register_synthetic_model(admin, "pgdown", cost=COST)
         spawn(redis_url=private_redis.url, database_url=private_postgres.url, model=model)
         # One authenticated request warms the key cache; the routing table is loaded already.
         response = demo.post(f"/v1/models/{model}/jobs", json={"input": {"text": "before the outage"}})
@@ -103,7 +94,7 @@ def test_submissions_continue_on_the_cached_routing_table_while_postgres_is_down
         response = admin.put(f"/v1/models/{model}/routing", json={"weights": {"v1": 50.0}})
         assert response.status_code == 503, response.text
         # A key never seen before cannot be checked: 503, not 401 (it may be valid) and not 500.
-        with client(api.url, "sk_never_seen_before_0123456789abcdef") as stranger:
+        with http_client(api.url, "sk_never_seen_before_0123456789abcdef") as stranger:
             response = stranger.post(f"/v1/models/{model}/jobs", json={"input": {"text": "x"}})
         assert response.status_code == 503, response.text
         assert set(response.json()) == {"error"}, response.text

@@ -20,8 +20,9 @@ import pytest
 from sluice import keys
 from sluice.seed import Seeded
 from sluice.settings import Settings
+from tests.support import ApiServer, WorkerProcess, http_client, make_settings, register_synthetic_model, wait_job
 
-from ._support import ApiServer, RedisServer, WorkerProcess, client, make_settings, register_synthetic, wait_job
+from ._support import RedisServer
 
 pytestmark = pytest.mark.slow
 
@@ -45,12 +46,11 @@ def test_every_accepted_job_survives_a_redis_restart(
     figure: Callable[[str, object], None],
 ) -> None:
     # The registry is the session's (routing and keys live there); only the queue is private.
-    model = register_synthetic(admin, f"restart-{int(time.time() * 1000) % 10**8}", cost=COST)
+    model = register_synthetic_model(admin, f"restart-{int(time.time() * 1000) % 10**8}", cost=COST)
     settings = make_settings(redis_url=private_redis.url, database_url=database_url, home=tmp_path)
     api = start_api(settings)
-    api.wait_ready("ok")
 
-    with client(api.url, seeded.demo_key, timeout_s=30) as demo:
+    with http_client(api.url, seeded.demo_key, timeout_s=30) as demo:
         accepted: list[str] = []
         for i in range(40):
             response = demo.post(f"/v1/models/{model}/jobs", json={"input": {"text": f"single {i}"}})

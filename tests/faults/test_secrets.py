@@ -19,8 +19,7 @@ import httpx
 import pytest
 
 from sluice.seed import Seeded
-
-from ._support import wait_job
+from tests.support import wait_job
 
 pytestmark = pytest.mark.slow
 

@@ -1,8 +1,9 @@
 """Tests for the pure micro-batcher, driven by a simulated clock.
 
-The property tests replay random arrival streams through the same loop a
-worker runs (add, poll, sleep until next_deadline) so the latency bound can be
-checked exactly: the clock is a float we own, not wall time.
+The property tests replay random arrival streams through the loops a worker
+can run (add, poll, sleep until next_deadline; or add, and take whenever a
+simulated model is free) so the latency bound can be checked exactly: the
+clock is a float we own, not wall time.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from workers.batcher import Batch, Item, MicroBatcher
+from workers.batcher import DEFAULT_BUCKET_BOUNDS, Batch, Item, MicroBatcher
 
-DEFAULT_BOUNDS = (16, 32, 64, 128, 256)
+# Coarse bounds for the worked examples, whose bucket indices are easy to follow.
+POW2 = (16, 32, 64, 128, 256)
 
 # No example database: other people share this tree, and the clock is simulated
 # so there is nothing slow to rerun.
@@ -213,7 +215,7 @@ costs = st.one_of(
 # Bursts (zero gap) as well as gaps longer than any max_wait below.
 gaps = st.one_of(st.just(0.0), st.floats(0, 0.01), st.floats(0, 0.2))
 bounds_choices = st.sampled_from(
-    [DEFAULT_BOUNDS, (), (1,), (8, 1024), (16, 32, 64, 128, 256, 512, 1024)]
+    [DEFAULT_BUCKET_BOUNDS, POW2, (), (1,), (8, 1024), (16, 32, 64, 128, 256, 512, 1024)]
 )
 
 
@@ -296,6 +298,164 @@ def test_lagging_driver_loses_nothing(sc: Scenario) -> None:
     run_scenario(sc, keep_up=False, drain=True)
 
 
+# --------------------------------------------------------------------------
+# The worker's loop: take() whenever a simulated model is free
+
+
+def simulate_take(
+    batcher: MicroBatcher,
+    arrivals: Sequence[Arrival],
+    *,
+    max_wait_ms: float,
+    model_s: tuple[float, float],
+    isolate: bool,
+    bounds: Sequence[int],
+    top_up: bool,
+    drain_at_end: bool,
+) -> Run:
+    """Replay arrivals against a model that runs one batch at a time for
+    ``fixed + per_item * size`` simulated seconds and asks for the next batch
+    the moment it is free, as workers/consumer.py does."""
+    run = Run()
+    wait_s = max_wait_ms / 1000
+    fixed, per_item = model_s
+    held: dict[str, Item] = {}
+    now = 0.0
+    free_at = 0.0
+
+    def key(it: Item) -> tuple[str | None, int]:
+        return (it.tenant if isolate else None, bucket_index(bounds, it.cost))
+
+    def check_take(at: float, batch: Batch) -> None:
+        for it in batch.items:
+            del held[it.id]
+        groups: dict[tuple[str | None, int], list[Item]] = {}
+        for it in held.values():
+            groups.setdefault(key(it), []).append(it)
+        for (tenant, bucket), members in groups.items():
+            head = min(it.enqueued_at for it in members)
+            # The most urgent ready group went first.
+            if len(members) >= batcher.max_batch_size or head + wait_s <= at:
+                assert head >= batch.oldest_enqueued_at, (tenant, bucket, batch)
+            # A partial batch took all of its group (and, topped up, every shorter item).
+            if len(batch.items) < batcher.max_batch_size and tenant == batch.tenant:
+                assert bucket > batch.bucket or (not top_up and bucket < batch.bucket), batch
+
+    def run_model_until(t: float) -> None:
+        nonlocal now, free_at
+        while (at := max(now, free_at)) <= t:
+            batch = batcher.take(at)
+            if batch is None:
+                # The model is free and nothing was ready: nothing may be overdue.
+                deadline = batcher.next_deadline()
+                assert deadline is None or deadline > at
+                if deadline is None or deadline > t:
+                    return
+                now = deadline
+                continue
+            check_take(at, batch)
+            run.emitted.append((at, "take", [batch]))
+            now, free_at = at, at + fixed + per_item * len(batch.items)
+
+    for n, arr in enumerate(arrivals):
+        run_model_until(now + arr.gap)
+        now += arr.gap
+        item = Item(id=f"e{n}", tenant=arr.tenant, cost=arr.cost,
+                    enqueued_at=now - arr.lag_frac * wait_s, payload=n)
+        run.items.append(item)
+        batcher.add(item)
+        held[item.id] = item
+        if arr.cancel_back is not None and arr.cancel_back <= n:
+            victim = run.items[n - arr.cancel_back].id
+            for it in batcher.remove([victim]):
+                run.removed.append(it)
+                del held[it.id]
+    if drain_at_end:
+        run.emitted.append((now, "drain", batcher.drain(now)))
+    else:
+        run_model_until(math.inf)
+    assert len(batcher) == 0
+    return run
+
+
+@PROPS
+@given(
+    sc=scenarios(out_of_order=True),
+    model=st.sampled_from([(0.0, 0.0), (0.001, 0.0005), (0.02, 0.01), (0.2, 0.05)]),
+    drain=st.booleans(),
+)
+def test_taking_when_the_model_is_free_keeps_the_batcher_guarantees(
+    sc: Scenario, model: tuple[float, float], drain: bool
+) -> None:
+    batcher = MicroBatcher(max_batch_size=sc.max_batch_size, max_wait_ms=sc.max_wait_ms,
+                           isolate_tenants=sc.isolate, bucket_bounds=sc.bounds, top_up=sc.top_up)
+    run = simulate_take(batcher, sc.arrivals, max_wait_ms=sc.max_wait_ms, model_s=model,
+                        isolate=sc.isolate, bounds=sc.bounds, top_up=sc.top_up, drain_at_end=drain)
+    # An instant model is free at every deadline: then no item waits past its own.
+    check_run(run, max_batch_size=sc.max_batch_size, max_wait_ms=sc.max_wait_ms, isolate=sc.isolate,
+              bounds=sc.bounds, keep_up=model == (0.0, 0.0))
+
+
+def test_take_waits_for_size_or_age_and_never_before() -> None:
+    b = MicroBatcher(max_batch_size=3, max_wait_ms=50)
+    b.add(mk("e0", 10, 1.0))
+    b.add(mk("e1", 10, 1.01))
+    assert b.take(1.02) is None
+    deadline = b.next_deadline()
+    assert deadline == 1.0 + 0.05
+    assert b.take(math.nextafter(deadline, 0)) is None
+    b.add(mk("e2", 10, 1.03))
+    sized = b.take(1.03)
+    assert sized is not None and sized.close_reason == "size" and sized.closed_at == 1.03
+    assert [it.id for it in sized.items] == ["e0", "e1", "e2"]
+    b.add(mk("e3", 10, 1.04))
+    assert b.take(1.04 + 0.05) == Batch(items=(mk("e3", 10, 1.04),), close_reason="age", bucket=2,
+                                        tenant="t", closed_at=1.04 + 0.05)
+    assert b.take(10.0) is None and len(b) == 0
+
+
+def test_take_under_a_backlog_ships_full_length_matched_batches() -> None:
+    # Every item overdue, as when a worker starts on a backlog: eager polling
+    # would close each group as it is read; take() leaves them growing.
+    b = MicroBatcher(max_batch_size=4, max_wait_ms=10, top_up=False)
+    costs = [20, 200, 22, 20, 150, 21, 20, 200, 200, 20]
+    for n, cost in enumerate(costs):
+        b.add(mk(f"e{n}", cost, n * 0.001))
+    first = b.take(1.0)
+    assert first is not None and first.close_reason == "size"
+    assert [it.id for it in first.items] == ["e0", "e3", "e6", "e9"]  # the cost-20 group
+    b.add(mk("late", 199, 0.5))  # joins the long group (181-203) while the model runs
+    second = b.take(2.0)
+    assert second is not None and second.close_reason == "size"
+    assert [it.id for it in second.items] == ["e1", "e7", "e8", "late"]
+    rest = [b.take(3.0), b.take(3.0), b.take(3.0)]
+    assert [([it.id for it in x.items], x.close_reason) for x in rest if x] == [
+        (["e2", "e5"], "age"), (["e4"], "age")]
+    assert rest[2] is None and len(b) == 0
+
+
+def test_take_gives_the_most_urgent_ready_batch_first() -> None:
+    b = MicroBatcher(max_batch_size=2, max_wait_ms=50)
+    b.add(mk("full-1", 10, 0.04, tenant="x"))
+    b.add(mk("full-2", 10, 0.045, tenant="x"))
+    b.add(mk("old", 10, 0.0, tenant="y"))
+    b.add(mk("young", 10, 0.03, tenant="z"))
+    order = [b.take(0.05), b.take(0.05), b.take(0.05)]
+    assert [(x.items[0].id, x.close_reason) for x in order if x] == [("old", "age"), ("full-1", "size")]
+    assert order[2] is None  # "young" is due at 0.08
+    late = b.take(0.08)
+    assert late is not None and [it.id for it in late.items] == ["young"]
+
+
+def test_take_never_mixes_isolated_tenants() -> None:
+    b = MicroBatcher(max_batch_size=4, max_wait_ms=10)
+    for n in range(6):
+        b.add(mk(f"e{n}", 20, 0.0, tenant="ab"[n % 2]))
+    batches = [b.take(1.0), b.take(1.0)]
+    assert sorted(x.tenant for x in batches if x) == ["a", "b"]
+    assert all(len({it.tenant for it in x.items}) == 1 for x in batches if x)
+
+
 @PROPS
 @given(st.lists(st.tuples(st.sampled_from("ab"), costs), min_size=2, max_size=60))
 def test_without_isolation_tenants_share_batches(
@@ -307,7 +467,7 @@ def test_without_isolation_tenants_share_batches(
     batches = batcher.poll(0.01)
     assert sum(len(b.items) for b in batches) == len(arrivals)
     # Grouping ignores tenants entirely: one group per bucket, none per tenant.
-    buckets = {bucket_index(DEFAULT_BOUNDS, c) for _, c in arrivals}
+    buckets = {bucket_index(DEFAULT_BUCKET_BOUNDS, c) for _, c in arrivals}
     assert len(batches) <= len(buckets)
     assert all(b.tenant is None for b in batches)
 
@@ -341,7 +501,7 @@ def test_size_close_splits_an_overfull_group_and_ages_the_rest() -> None:
 
 
 def test_age_close_ships_a_partial_batch_exactly_at_the_deadline() -> None:
-    b = MicroBatcher(max_batch_size=4, max_wait_ms=50)
+    b = MicroBatcher(max_batch_size=4, max_wait_ms=50, bucket_bounds=POW2)
     b.add(mk("e0", 10, 1.0))
     b.add(mk("e1", 12, 1.01))
     deadline = b.next_deadline()
@@ -363,7 +523,7 @@ def test_zero_wait_closes_on_the_first_poll() -> None:
 
 
 def test_age_close_tops_up_with_shorter_items_of_the_same_tenant() -> None:
-    b = MicroBatcher(max_batch_size=4, max_wait_ms=50)
+    b = MicroBatcher(max_batch_size=4, max_wait_ms=50, bucket_bounds=POW2)
     b.add(mk("long", 200, 0.0))
     b.add(mk("short1", 10, 0.01))
     b.add(mk("mid", 40, 0.02))
@@ -377,7 +537,7 @@ def test_age_close_tops_up_with_shorter_items_of_the_same_tenant() -> None:
 
 
 def test_age_close_never_pulls_a_longer_item_into_a_short_batch() -> None:
-    b = MicroBatcher(max_batch_size=4, max_wait_ms=50)
+    b = MicroBatcher(max_batch_size=4, max_wait_ms=50, bucket_bounds=POW2)
     b.add(mk("short", 10, 0.0))
     b.add(mk("long", 200, 0.03))
     (batch,) = b.poll(0.05)
@@ -387,7 +547,7 @@ def test_age_close_never_pulls_a_longer_item_into_a_short_batch() -> None:
 
 
 def test_top_up_takes_the_oldest_shorter_items_first() -> None:
-    b = MicroBatcher(max_batch_size=3, max_wait_ms=50)
+    b = MicroBatcher(max_batch_size=3, max_wait_ms=50, bucket_bounds=POW2)
     b.add(mk("long", 300, 0.0))
     b.add(mk("b0-new", 5, 0.03))
     b.add(mk("b1-old", 20, 0.01))
@@ -571,8 +731,17 @@ def test_add_rejects_an_id_already_held() -> None:
 
 def test_bucket_of_matches_the_documented_rule() -> None:
     b = MicroBatcher(max_batch_size=1, max_wait_ms=0)
-    for cost in [0, 1, 15, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 10**6]:
-        assert b.bucket_of(cost) == bucket_index(DEFAULT_BOUNDS, cost)
+    assert b.bucket_bounds == DEFAULT_BUCKET_BOUNDS
+    for cost in [0, 1, 8, 9, 15, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 4096, 4097, 10**6]:
+        assert b.bucket_of(cost) == bucket_index(DEFAULT_BUCKET_BOUNDS, cost)
+
+
+def test_default_buckets_are_fine_enough_to_pad_like_sorted_batches() -> None:
+    bounds = DEFAULT_BUCKET_BOUNDS
+    assert bounds[0] == 8 and bounds[-1] == 4096
+    assert all(lo < hi for lo, hi in zip(bounds, bounds[1:], strict=False))
+    # Any two items sharing a bucket above the first differ by less than ~20 % in cost.
+    assert max(hi / lo for lo, hi in zip(bounds, bounds[1:], strict=False)) <= 1.2
 
 
 def test_payload_is_carried_but_not_compared() -> None:

