@@ -1,0 +1,297 @@
+"""What the fixtures are built from: the API in process, `sluice worker` subprocesses, fresh
+databases, settings and a few REST helpers, each parameterised by the store URLs.
+
+tests/conftest.py binds them to the session's Redis and Postgres; tests/faults binds them to
+stores a test may stop. Plain functions and classes, so both (and a test that needs a second
+API replica) build on one copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+import uvicorn
+from fastapi import FastAPI
+from sqlalchemy import create_engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
+
+from sluice import keys
+from sluice.migrate import upgrade
+from sluice.registry.store import normalise_url
+from sluice.settings import Settings
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+FINAL = frozenset({"succeeded", "failed", "expired", "cancelled"})
+# Any 64-hex string: the synthetic kind has no file, so its sha256 is never checked.
+SYNTHETIC_SHA = "0" * 64
+FAST_SYNTHETIC = "fixed_s=0.001&per_item_s=0.0002&per_token_s=0.00001"
+
+# The limits the in-process API runs with (small, so 413 and 422 are cheap to provoke).
+MAX_BODY_BYTES = 128 * 1024
+MAX_TEXT_CHARS = 5_000
+MAX_BULK_ITEMS = 500
+
+
+def wait_until(predicate: Callable[[], bool], *, timeout_s: float, what: str, interval_s: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not within {timeout_s}s")
+        time.sleep(interval_s)
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None, sig: int, timeout_s: float = 20.0) -> None:
+    """Send `sig`, wait, then SIGKILL if the process did not leave."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+# --- stores and settings ---------------------------------------------------------------------------
+
+
+@contextmanager
+def fresh_database(prefix: str) -> Iterator[str]:
+    """A database of its own in the shared Postgres, migrated to head, dropped afterwards."""
+    base = make_url(normalise_url(os.environ.get("SLUICE_TEST_DATABASE_URL", DEFAULT_DATABASE_URL)))
+    name = f"{prefix}{secrets.token_hex(6)}"
+    admin = create_engine(base, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    url = base.set(database=name).render_as_string(hide_password=False)
+    try:
+        upgrade(url)
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+def make_settings(*, redis_url: str, database_url: str, home: Path, **overrides: Any) -> Settings:
+    """The settings every in-process API of the suite runs with, on the given stores."""
+    values: dict[str, Any] = {
+        "redis_url": redis_url, "database_url": database_url, "home": home, "claim_after_s": 5.0,
+        "max_deliveries": 3, "routing_refresh_s": 30.0, "auth_cache_s": 60.0, "max_body_bytes": MAX_BODY_BYTES,
+        "max_text_chars": MAX_TEXT_CHARS, "max_bulk_items": MAX_BULK_ITEMS, "max_wait_s": 30.0,
+        "shutdown_grace_s": 15.0,
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+# --- the API, in process, over real connections ----------------------------------------------------
+
+
+@dataclass
+class ApiServer:
+    """uvicorn serving an app on its own thread and event loop."""
+
+    app: FastAPI
+    url: str = ""
+    loop: asyncio.AbstractEventLoop | None = None
+    server: uvicorn.Server | None = None
+    thread: threading.Thread | None = None
+    error: list[BaseException] = field(default_factory=list)
+
+    def start(self) -> None:
+        # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose
+        # listener says TCP, and without it every response waits ~40 ms for a delayed ACK.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = uvicorn.Config(self.app, lifespan="on", ws="none", log_config=None, access_log=False,
+                                timeout_graceful_shutdown=5)
+        server = self.server = uvicorn.Server(config)
+
+        async def main() -> None:
+            self.loop = asyncio.get_running_loop()
+            await server.serve(sockets=[sock])
+
+        def target() -> None:
+            try:
+                asyncio.run(main())
+            except BaseException as exc:  # reported by start()/stop(), not lost in the thread
+                self.error.append(exc)
+            finally:
+                sock.close()
+
+        thread = self.thread = threading.Thread(target=target, name="sluice-api", daemon=True)
+        thread.start()
+        wait_until(lambda: server.started or not thread.is_alive(), timeout_s=30, what="the API")
+        if self.error or not server.started:
+            raise RuntimeError(f"the API did not start: {self.error}")
+
+    def stop(self) -> None:
+        if self.server is not None and self.thread is not None:
+            self.server.should_exit = True
+            self.thread.join(timeout=20)
+            assert not self.thread.is_alive(), "the API did not stop"
+
+    def reload_routing(self) -> None:
+        """Make the running API re-read the registry now (after a direct registry change)."""
+        assert self.loop is not None
+        state = self.app.state.sluice
+        future = asyncio.run_coroutine_threadsafe(state.routing.reload(), self.loop)
+        assert future.result(timeout=10), "routing reload failed"
+
+    def readyz(self) -> dict[str, Any]:
+        response = httpx.get(f"{self.url}/readyz", timeout=10)
+        body: dict[str, Any] = response.json()
+        body["_status_code"] = response.status_code
+        return body
+
+    def wait_ready(self, status: str = "ok", *, timeout_s: float = 20.0) -> dict[str, Any]:
+        """Wait for `/readyz` to say `status` (`ok`: the event subscription is live too)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            body = self.readyz()
+            if body["status"] == status:
+                return body
+            assert time.monotonic() < deadline, f"/readyz never said {status!r}: {body}"
+            time.sleep(0.05)
+
+
+@contextmanager
+def serving(settings: Settings) -> Iterator[ApiServer]:
+    """`create_app(settings)` served in process and ready in full; stopped and checked on exit."""
+    from api.app import create_app
+
+    server = ApiServer(app=create_app(settings=settings))
+    server.start()
+    try:
+        server.wait_ready("ok")
+        yield server
+    finally:
+        server.stop()
+    assert not server.error, server.error
+
+
+def http_client(base_url: str, key: str | None, *, timeout_s: float = 60.0) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s)
+
+
+# --- registry and jobs over REST -------------------------------------------------------------------
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(3)}"
+
+
+def register_synthetic_model(
+    admin: httpx.Client, name: str, *, versions: tuple[str, ...] = ("v1",), weights: dict[str, float] | None = None,
+    cost: str = FAST_SYNTHETIC, max_batch_size: int = 32, max_wait_ms: float = 10.0,
+) -> str:
+    """Register a synthetic model with stable versions through the admin API; answer its name.
+
+    `weights` defaults to all traffic on the first version; pass {} for a model with no weight.
+    """
+    response = admin.post("/v1/models", json={"name": name, "kind": "synthetic"})
+    assert response.status_code == 201, response.text
+    for version in versions:
+        response = admin.post(f"/v1/models/{name}/versions", json={
+            "version": version, "artifact": f"synthetic:?{cost}", "sha256": SYNTHETIC_SHA, "state": "stable",
+            "batching": {"max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms},
+        })
+        assert response.status_code == 201, response.text
+    weights = {versions[0]: 100.0} if weights is None else weights
+    if weights:
+        response = admin.put(f"/v1/models/{name}/routing", json={"weights": weights, "reason": "test"})
+        assert response.status_code == 200, response.text
+    return name
+
+
+def wait_job(client: httpx.Client, job_id: str, *, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Long-poll one job until it is final; fail the test if it is not within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        response = client.get(f"/v1/jobs/{job_id}", params={"wait": max(0.1, min(10.0, remaining))})
+        assert response.status_code == 200, response.text
+        job: dict[str, Any] = response.json()
+        if job["status"] in FINAL:
+            return job
+        assert remaining > 0, f"job {job_id} still {job['status']} after {timeout_s}s"
+
+
+# --- real worker processes ---------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerProcess:
+    model: str
+    version: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self, tail: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-tail:]
+
+    def terminate(self, *, timeout_s: float = 30.0) -> int:
+        """SIGTERM (drain), wait, then SIGKILL if it did not leave; answer the exit code."""
+        stop_process(self.proc, signal.SIGTERM, timeout_s)
+        return int(self.proc.returncode)
+
+
+def worker_ready(rds: redis.Redis, worker: WorkerProcess) -> bool:
+    for key in rds.scan_iter(match=keys.heartbeat_pattern(worker.model, worker.version), count=1000):
+        beat = rds.hgetall(key)
+        if beat.get("pid") == str(worker.proc.pid) and beat.get("state") == "ready":  # type: ignore[union-attr]
+            return True
+    return False
+
+
+def spawn_worker(*, redis_url: str, database_url: str, home: Path, log_path: Path, model: str,
+                 version: str = "v1", threads: int = 1, env: dict[str, str] | None = None,
+                 ready_timeout_s: float = 90.0) -> WorkerProcess:
+    """Start `sluice worker` against the given stores; answer once its heartbeat says `ready`."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    environment.update({
+        "SLUICE_REDIS_URL": redis_url, "SLUICE_DATABASE_URL": database_url, "SLUICE_HOME": str(home),
+        "SLUICE_CLAIM_AFTER_S": "5", "SLUICE_SHUTDOWN_GRACE_S": "15", "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    })
+    with log_path.open("ab") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sluice.cli", "worker", "--model", model, "--version", version,
+             "--threads", str(threads)],
+            cwd=REPO, env=environment, stdout=sink, stderr=subprocess.STDOUT,
+        )
+    worker = WorkerProcess(model=model, version=version, proc=proc, log_path=log_path)
+    rds = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while not worker_ready(rds, worker):
+            assert proc.poll() is None, f"worker exited with {proc.returncode}:\n{worker.log()}"
+            assert time.monotonic() < deadline, f"worker not ready after {ready_timeout_s}s:\n{worker.log()}"
+            time.sleep(0.05)
+    except BaseException:
+        worker.terminate(timeout_s=5)
+        raise
+    finally:
+        rds.close()
+    return worker
