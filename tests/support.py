@@ -97,6 +97,9 @@ def make_settings(*, redis_url: str, database_url: str, home: Path, **overrides:
         "max_deliveries": 3, "routing_refresh_s": 30.0, "auth_cache_s": 60.0, "max_body_bytes": MAX_BODY_BYTES,
         "max_text_chars": MAX_TEXT_CHARS, "max_bulk_items": MAX_BULK_ITEMS, "max_wait_s": 30.0,
         "shutdown_grace_s": 15.0,
+        # Most suite models have no worker for minutes on end by design (rejection tests, queued
+        # jobs); the breaker's no-worker trip is tested with its own API (test_shadow_breaker).
+        "breaker_no_worker_grace_s": 3600.0,
     }
     values.update(overrides)
     return Settings(**values)
