@@ -1,0 +1,155 @@
+"""The webhook relay: outbox stream entries in, Celery tasks out.
+
+The scripts that make a job final append `{delivery, job}` to `keys.WEBHOOK_OUTBOX` in the same
+atomic step (sluice/jobs.py). The relay reads that stream with the `relay` consumer group,
+publishes one `deliver_webhook` task per entry with the delivery id as the task id, and only then
+acknowledges the entry, so a relay that dies in between leaves the entry pending and another
+relay takes it over with XAUTOCLAIM. Such an entry may be published twice; the task is a no-op
+for a delivery that is done or already running (workers/tasks.py). Publishing is a plain callable,
+so the relay runs and is tested without Celery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import redis.asyncio as aioredis
+
+from sluice import keys
+from sluice.broker import translate_redis_errors
+from sluice.errors import BrokerError
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[[str, str], None]  # (delivery id, job id); raises BrokerError when it cannot
+Entry = tuple[bytes, dict[bytes, bytes]]
+
+
+def relay_name() -> str:
+    return f"relay-{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+class OutboxRelay:
+    def __init__(
+        self,
+        *,
+        redis: aioredis.Redis,
+        publish: Publish,
+        name: str | None = None,
+        claim_after_s: float = 30.0,
+        batch_size: int = 100,
+        block_ms: int = 1000,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.redis = redis
+        self.publish = publish
+        self.name = name or relay_name()
+        self.claim_after_s = claim_after_s
+        self.batch_size = batch_size
+        self.block_ms = block_ms
+        self.clock = clock
+        self.relayed = 0
+        # A threading.Event: the Celery worker stops the relay from its own thread.
+        self._stopping = threading.Event()
+        self._last_claim = 0.0
+        # Entries this consumer read but could not publish are re-read from its own pending list.
+        self._own_pending = True
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def run(self) -> None:
+        backoff = 0.1
+        grouped = False
+        while not self._stopping.is_set():
+            try:
+                if not grouped:
+                    await self.ensure_group()
+                    grouped = True
+                await self.relay_once()
+                backoff = 0.1
+            except Exception as exc:
+                # A relay that stopped would silently stop every webhook: log, back off, go on.
+                # (A Redis that lost its data also lost the group: make it again.)
+                grouped = False
+                if backoff <= 0.1:
+                    log.warning("relay %s: %s; retrying with backoff", self.name, exc,
+                                exc_info=not isinstance(exc, BrokerError))
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def ensure_group(self) -> None:
+        try:
+            with translate_redis_errors():
+                await self.redis.xgroup_create(keys.WEBHOOK_OUTBOX, keys.RELAY_GROUP, id="0", mkstream=True)
+        except BrokerError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def relay_once(self, *, block: bool = True) -> int:
+        """Publish one batch of entries (waiting up to block_ms for new ones); answer how many."""
+        entries: list[Entry] = []
+        if self.clock() - self._last_claim >= self.claim_after_s / 2:
+            entries = await self._reclaim()
+        if not entries and self._own_pending:
+            entries = await self._read("0", block=None)
+            self._own_pending = bool(entries)
+        if not entries:
+            entries = await self._read(">", block=self.block_ms if block else None)
+        if not entries:
+            return 0
+        published: list[bytes] = []
+        try:
+            for entry_id, fields in entries:
+                delivery, job = fields.get(b"delivery"), fields.get(b"job")
+                if delivery and job:
+                    await asyncio.to_thread(self.publish, delivery.decode(), job.decode())
+                else:
+                    log.warning("relay %s: dropping malformed outbox entry %s", self.name, entry_id.decode())
+                published.append(entry_id)
+        except BaseException:
+            self._own_pending = True
+            raise
+        finally:
+            await self._ack(published)
+        self.relayed += len(published)
+        return len(published)
+
+    async def _read(self, start: str, *, block: int | None) -> list[Entry]:
+        with translate_redis_errors():
+            reply = await self.redis.xreadgroup(keys.RELAY_GROUP, self.name, {keys.WEBHOOK_OUTBOX: start},
+                                                count=self.batch_size, block=block)
+        return [(entry_id, fields) for _, messages in reply or [] for entry_id, fields in messages if fields]
+
+    async def _reclaim(self) -> list[Entry]:
+        """Take over what a dead relay read and never acknowledged; forget long-gone relays."""
+        self._last_claim = self.clock()
+        idle_ms = int(self.claim_after_s * 1000)
+        with translate_redis_errors():
+            reply = await self.redis.xautoclaim(keys.WEBHOOK_OUTBOX, keys.RELAY_GROUP, self.name,
+                                                min_idle_time=idle_ms, start_id="0-0", count=self.batch_size)
+            consumers = await self.redis.xinfo_consumers(keys.WEBHOOK_OUTBOX, keys.RELAY_GROUP)
+            for consumer in consumers:
+                name = consumer["name"].decode() if isinstance(consumer["name"], bytes) else consumer["name"]
+                if name != self.name and consumer["pending"] == 0 and consumer["idle"] > 20 * idle_ms:
+                    await self.redis.xgroup_delconsumer(keys.WEBHOOK_OUTBOX, keys.RELAY_GROUP, name)
+        found = [(entry_id, fields) for entry_id, fields in reply[1] if fields]
+        if found:
+            log.info("relay %s took over %d outbox entries", self.name, len(found))
+        return found
+
+    async def _ack(self, entry_ids: Sequence[bytes]) -> None:
+        if not entry_ids:
+            return
+        with translate_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xack(keys.WEBHOOK_OUTBOX, keys.RELAY_GROUP, *entry_ids)
+            # Acknowledged entries are deleted, so XLEN of the outbox is what is still to relay.
+            pipe.xdel(keys.WEBHOOK_OUTBOX, *entry_ids)
+            await pipe.execute()
