@@ -13,7 +13,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
-from sluice import keys
+from sluice.broker import events_channel
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class EventHub:
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(keys.EVENTS_CHANNEL)
+                await pubsub.subscribe(events_channel(self.redis))
                 self.connected.set()
                 if delay > 0.1:
                     log.info("event subscription restored")

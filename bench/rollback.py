@@ -201,12 +201,12 @@ class ForeignAnnouncements:
     async def listen(self) -> None:
         import redis.asyncio as aioredis
 
-        from sluice import keys
+        from sluice.broker import events_channel
 
         client = aioredis.Redis.from_url(self.redis_url)
         pubsub = client.pubsub(ignore_subscribe_messages=True)
         try:
-            await pubsub.subscribe(keys.EVENTS_CHANNEL)
+            await pubsub.subscribe(events_channel(client))
             self.subscribed.set()
             while True:
                 message = await pubsub.get_message(timeout=5.0)

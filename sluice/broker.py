@@ -46,11 +46,16 @@ def connect(url: str, *, max_connections: int = 64, socket_timeout_s: float = 5.
     return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() disconnects it
 
 
+def events_channel(redis: aioredis.Redis | Any) -> str:
+    """The events channel of the database this client talks to (sync or asyncio client)."""
+    return keys.events_channel(int(redis.connection_pool.connection_kwargs.get("db", 0)))
+
+
 async def announce_routing(redis: aioredis.Redis, model: str) -> None:
     """Tell every API replica and the scheduler that a model's routing changed (the API and the
     rollout controller both call this); their periodic reload is the safety net."""
     with translate_redis_errors():
-        await redis.publish(keys.EVENTS_CHANNEL, json.dumps({"type": "routing", "model": model},
+        await redis.publish(events_channel(redis), json.dumps({"type": "routing", "model": model},
                                                             separators=(",", ":")))
 
 
@@ -123,7 +128,7 @@ class Broker:
 
     async def publish(self, event: dict[str, Any]) -> None:
         with translate_redis_errors():
-            await self.redis.publish(keys.EVENTS_CHANNEL, json.dumps(event, separators=(",", ":")))
+            await self.redis.publish(events_channel(self.redis), json.dumps(event, separators=(",", ":")))
 
     async def ping(self) -> None:
         with translate_redis_errors():

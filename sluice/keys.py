@@ -12,7 +12,12 @@ Lane = Literal["online", "bulk"]
 LANES: tuple[Lane, ...] = ("online", "bulk")
 
 GROUP = "workers"
-EVENTS_CHANNEL = "sluice:events"
+
+
+def events_channel(db: int) -> str:
+    """Pub/sub ignores the database index, so each index gets its own channel: two platforms
+    (or test sessions) sharing one server on different indexes must not hear each other."""
+    return "sluice:events" if db == 0 else f"sluice:events:{db}"
 
 
 def tag(model: str, version: str) -> str:

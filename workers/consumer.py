@@ -25,7 +25,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from sluice import keys
-from sluice.broker import ensure_groups, queue_jobs, translate_redis_errors
+from sluice.broker import ensure_groups, events_channel, queue_jobs, translate_redis_errors
 from sluice.errors import BrokerError
 from sluice.jobs import (
     CLAIM_SCRIPT,
@@ -120,6 +120,7 @@ class Worker:
         self.batcher = MicroBatcher(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
                                     isolate_tenants=isolate_tenants, top_up=top_up)
         self.streams = {lane: keys.stream(model, version, lane) for lane in keys.LANES}
+        self._events = events_channel(redis)
         self._ready: deque[Batch] = deque()  # drain batches, run before anything else
         self._held: set[str] = set()  # entry ids read and not yet acknowledged
         self._wake_runner = asyncio.Event()
@@ -294,7 +295,7 @@ class Worker:
                               {"id": job_id, "error": last_error[:500], "t": repr(now)}, maxlen=100_000,
                               approximate=True)
                 for event in events:
-                    pipe.publish(keys.EVENTS_CHANNEL, json.dumps(event, separators=(",", ":")))
+                    pipe.publish(self._events, json.dumps(event, separators=(",", ":")))
                 self._ack(pipe, settle)
                 await pipe.execute()
 
@@ -423,7 +424,7 @@ class Worker:
                     if delivery.shadow:
                         copies.append(self._shadow_copy(delivery, item, finished))
                 if not delivery.shadow_of:
-                    pipe.publish(keys.EVENTS_CHANNEL,
+                    pipe.publish(self._events,
                                  json.dumps({"type": "job", "id": delivery.job_id, "status": status}))
                 pipe.xadd(keys.stats(self.model, self.version), sample,  # type: ignore[arg-type]
                           maxlen=SAMPLES_MAXLEN, approximate=True)

@@ -21,6 +21,7 @@ import redis
 from sqlalchemy import update
 
 from sluice import keys
+from sluice.broker import events_channel
 from sluice.registry.store import Registry
 from sluice.registry.tables import ModelVersion
 from tests.support import spawn_worker
@@ -133,7 +134,7 @@ def overload(
     with registry.session() as session:
         session.execute(update(ModelVersion).where(ModelVersion.model == model, ModelVersion.version == "v1")
                         .values(latency_budget_ms=BUDGET_MS))
-    rds.publish(keys.EVENTS_CHANNEL, json.dumps({"type": "routing", "model": model}))
+    rds.publish(events_channel(rds), json.dumps({"type": "routing", "model": model}))
     api.reload_routing()  # the event reloads it too; this makes sure before the load starts
     assert api.app.state.sluice.routing.current().model(model).versions["v1"].latency_budget_ms == BUDGET_MS
     # A tenant whose own rate limit and quota are far away: every 429 here is load shedding.

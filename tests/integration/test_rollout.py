@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from scheduler.guardrails import Policy
 from scheduler.rollout import Look, RolloutController
 from sluice import keys
-from sluice.broker import connect
+from sluice.broker import connect, events_channel
 from sluice.cli import app
 from sluice.errors import BadRequest, Conflict
 from sluice.registry import queries, rollouts
@@ -131,7 +131,7 @@ async def test_a_healthy_canary_is_promoted_along_the_steps(
     assert weights(registry, model) == {"v1": 90.0, "v2": 10.0}
     controller = RolloutController(registry=registry, redis=aredis, clock=clock)
     events = rds.pubsub(ignore_subscribe_messages=True)
-    events.subscribe(keys.EVENTS_CHANNEL)
+    events.subscribe(events_channel(rds))
 
     clock.now += 5
     beat(rds, model, "v1", "v2", at=clock.now)
