@@ -1,5 +1,6 @@
 """A real `sluice worker` process on a synthetic model (no torch, starts in about a second):
-bisection of a poisoned batch, expiry before start, the batch-size cap and draining on SIGTERM.
+bisection of a poisoned batch, expiry before start, the batch-size cap, draining on SIGTERM, and
+a busy worker leaving new jobs to an idle one.
 
 Jobs are mostly submitted before the worker starts, so the worker finds them all at once and
 the batches it forms do not depend on how fast this test submits.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -126,3 +128,28 @@ def test_sigterm_drains_what_the_worker_read_and_leaves_nothing_pending(
             assert job["batch"]["close_reason"] in {"size", "age", "drain"}
     # The worker said goodbye: its heartbeat is gone.
     assert not list(rds.scan_iter(match=keys.heartbeat_pattern(model, "v1")))
+
+
+def test_a_worker_whose_model_is_busy_leaves_a_new_job_to_an_idle_one(
+    demo: httpx.Client, register_synthetic: Callable[..., str], start_worker: Callable[..., Any],
+    wait_jobs: Callable[..., Jobs], rds: redis.Redis,
+) -> None:
+    # 1.5 s a batch: the second job arrives while one worker's model is busy with the first.
+    model = register_synthetic("idle", cost="fixed_s=1.5&per_item_s=0&per_token_s=0", max_batch_size=4,
+                               max_wait_ms=0)
+    start_worker(model)
+    start_worker(model)
+    [first] = bulk(demo, model, [{"text": "first"}])
+    deadline = time.monotonic() + 10
+    while rds.hget(keys.job(first), "status") != "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.2)
+    [second] = bulk(demo, model, [{"text": "second"}])
+
+    jobs = wait_jobs(demo, [first, second])
+    assert [job["status"] for job in jobs] == ["succeeded", "succeeded"]
+    # It ran beside the first on the other worker, not in the busy one's prefetch after it.
+    assert rds.hget(keys.job(first), "worker") != rds.hget(keys.job(second), "worker")
+    started = datetime.fromisoformat(jobs[1]["timings"]["started_at"])
+    assert started < datetime.fromisoformat(jobs[0]["timings"]["finished_at"]), jobs
