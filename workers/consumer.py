@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import socket
 import time
 from collections import deque
@@ -71,6 +72,11 @@ class Delivery:
     attempts: int
     shadow: str | None = None  # copy the input to this version once the job succeeds
     shadow_of: str | None = None  # this job is a shadow copy of that primary job
+
+
+def jittered(delay: float) -> float:
+    """Full-range jitter on a retry delay, so workers cut off together do not retry in step."""
+    return delay * random.uniform(0.5, 1.0)
 
 
 def _text(value: bytes | None) -> str | None:
@@ -186,7 +192,7 @@ class Worker:
             except BrokerError as exc:
                 if backoff <= 0.05:
                     log.warning("worker %s lost Redis, retrying with backoff: %s", self.name, exc)
-                await asyncio.sleep(backoff)
+                await asyncio.sleep(jittered(backoff))
                 backoff = min(backoff * 2, 5.0)
 
     async def _read_once(self) -> None:
@@ -347,7 +353,7 @@ class Worker:
                 # Keep the results and retry: the model's work is not thrown away on a Redis blip.
                 if backoff <= 0.05:
                     log.warning("storing a batch failed, retrying: %s", exc)
-                await asyncio.sleep(backoff)
+                await asyncio.sleep(jittered(backoff))
                 backoff = min(backoff * 2, 5.0)
         self._held.difference_update(item.id for item in batch.items)
         self._wake_reader.set()
