@@ -75,7 +75,7 @@ class Delivery:
 
 
 def jittered(delay: float) -> float:
-    """Full-range jitter on a retry delay, so workers cut off together do not retry in step."""
+    """Between half and all of a retry delay, so workers cut off together do not retry in step."""
     return delay * random.uniform(0.5, 1.0)
 
 
