@@ -36,6 +36,7 @@ from typing import Any
 from bench.common import (
     SKEWED,
     command_line,
+    machine_info,
     padding_ratio,
     skewed_texts,
     sorted_batches,
@@ -196,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     command = command_line("bench.batcher_backlog")
     for r in results:
         r["batch_sizes"] = [len(b) for b in r.pop("batch_list")]
-    path = write_json(args.output, {"bench": "batcher_backlog", "command": command, "params": vars(args),
+    path = write_json(args.output, {"bench": "batcher_backlog", "command": command, "machine": machine_info(),
+                                    "params": vars(args),
                                     "cost_model_ms": {"fixed": FIXED_MS, "per_padded_token": PER_TOKEN_MS},
                                     "results": results})
     print(f"reproduce: {command}\nresults: bench/results/{path.name}")

