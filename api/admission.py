@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
@@ -60,6 +61,9 @@ class _Load:
     service_rate: float
     live_workers: int
     read_at: float
+    # This replica's admission count when the read began: jobs admitted since then may not be
+    # in `backlog` yet, so they are added on top (counting a few twice only sheds a bit early).
+    admitted_mark: int = 0
 
 
 class Admission:
@@ -70,6 +74,7 @@ class Admission:
         self.clock = clock
         self._bucket = redis.register_script(TOKEN_BUCKET_SCRIPT)
         self._loads: dict[tuple[str, str], _Load] = {}
+        self._admitted: Counter[tuple[str, str]] = Counter()
 
     async def admit(self, key: KeyInfo, version: VersionInfo, *, lane: str, count: int) -> None:
         await self._rate_limit(key, count)
@@ -101,6 +106,7 @@ class Admission:
         cached = self._loads.get((model, version))
         if cached is not None and now - cached.read_at < self.load_cache_s:
             return cached
+        mark = self._admitted[(model, version)]
         with translate_redis_errors():
             pipe = self.redis.pipeline(transaction=False)
             pipe.xlen(keys.stream(model, version, "online"))
@@ -112,18 +118,21 @@ class Admission:
                 for name in names:
                     pipe.hget(keys.heartbeat(model, version, name.decode()), "items_per_s")
                 rate = sum(float(r or 0) for r in await pipe.execute())
-        load = _Load(backlog=int(backlog), service_rate=rate, live_workers=len(names), read_at=now)
+        load = _Load(backlog=int(backlog), service_rate=rate, live_workers=len(names), read_at=now,
+                     admitted_mark=mark)
         self._loads[(model, version)] = load
         return load
 
     async def _shed(self, version: VersionInfo, count: int) -> None:
-        load = await self.load(version.model, version.version)
-        wait = shed_retry_after(backlog=load.backlog + count, service_rate=load.service_rate,
+        key = (version.model, version.version)
+        load = await self.load(*key)
+        # No await from here to the count: concurrent requests that read the same snapshot each
+        # see the others' admissions, so a burst cannot slip in on one stale backlog.
+        admitted_since = self._admitted[key] - load.admitted_mark
+        wait = shed_retry_after(backlog=load.backlog + admitted_since + count, service_rate=load.service_rate,
                                 budget_s=version.latency_budget_ms / 1000.0)
         if wait is None:
-            # Count what this replica admits until the next read, so a burst between two reads
-            # cannot slip in on a stale backlog.
-            self._loads[(version.model, version.version)] = replace(load, backlog=load.backlog + count)
+            self._admitted[key] += count
             return
         raise TooManyRequests(
             f"version '{version.version}' of '{version.model}' is overloaded: the predicted queue wait "
