@@ -61,9 +61,11 @@ class _Load:
     service_rate: float
     live_workers: int
     read_at: float
-    # This replica's admission count when the read began: jobs admitted since then may not be
-    # in `backlog` yet, so they are added on top (counting a few twice only sheds a bit early).
+    # What this replica had admitted, and had admitted but not yet written to the stream, when
+    # the read began: neither may be in `backlog`, so both are added on top (a job counted twice
+    # only makes shedding start a little early).
     admitted_mark: int = 0
+    unwritten: int = 0
 
 
 class Admission:
@@ -75,12 +77,19 @@ class Admission:
         self._bucket = redis.register_script(TOKEN_BUCKET_SCRIPT)
         self._loads: dict[tuple[str, str], _Load] = {}
         self._admitted: Counter[tuple[str, str]] = Counter()
+        self._unwritten: Counter[tuple[str, str]] = Counter()
 
     async def admit(self, key: KeyInfo, version: VersionInfo, *, lane: str, count: int) -> None:
+        """Admit `count` jobs or raise TooManyRequests; after admitting, call `written` once the
+        jobs are in the stream (or failed to get there)."""
         await self._rate_limit(key, count)
         await self._quota(key, count)
         if lane == "online":
             await self._shed(version, count)
+
+    def written(self, version: VersionInfo, *, lane: str, count: int) -> None:
+        if lane == "online":
+            self._unwritten[(version.model, version.version)] -= count
 
     async def _rate_limit(self, key: KeyInfo, count: int) -> None:
         burst = max(key.rate_burst, count)  # a bulk larger than the burst could never pass otherwise
@@ -106,7 +115,7 @@ class Admission:
         cached = self._loads.get((model, version))
         if cached is not None and now - cached.read_at < self.load_cache_s:
             return cached
-        mark = self._admitted[(model, version)]
+        mark, unwritten = self._admitted[(model, version)], self._unwritten[(model, version)]
         with translate_redis_errors():
             pipe = self.redis.pipeline(transaction=False)
             pipe.xlen(keys.stream(model, version, "online"))
@@ -119,7 +128,7 @@ class Admission:
                     pipe.hget(keys.heartbeat(model, version, name.decode()), "items_per_s")
                 rate = sum(float(r or 0) for r in await pipe.execute())
         load = _Load(backlog=int(backlog), service_rate=rate, live_workers=len(names), read_at=now,
-                     admitted_mark=mark)
+                     admitted_mark=mark, unwritten=unwritten)
         self._loads[(model, version)] = load
         return load
 
@@ -128,11 +137,12 @@ class Admission:
         load = await self.load(*key)
         # No await from here to the count: concurrent requests that read the same snapshot each
         # see the others' admissions, so a burst cannot slip in on one stale backlog.
-        admitted_since = self._admitted[key] - load.admitted_mark
-        wait = shed_retry_after(backlog=load.backlog + admitted_since + count, service_rate=load.service_rate,
+        unseen = load.unwritten + self._admitted[key] - load.admitted_mark
+        wait = shed_retry_after(backlog=load.backlog + unseen + count, service_rate=load.service_rate,
                                 budget_s=version.latency_budget_ms / 1000.0)
         if wait is None:
             self._admitted[key] += count
+            self._unwritten[key] += count
             return
         raise TooManyRequests(
             f"version '{version.version}' of '{version.model}' is overloaded: the predicted queue wait "

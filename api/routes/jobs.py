@@ -143,6 +143,8 @@ async def _admit(
             with translate_redis_errors():
                 await state.broker.redis.delete(redis_key)
         raise
+    finally:
+        state.admission.written(decision.version, lane=options.lane, count=len(records))
     if redis_key:
         with translate_redis_errors():
             await state.broker.redis.set(
