@@ -468,11 +468,28 @@ def warm(platform: BenchPlatform, version: str, n: int = 64) -> None:
     wait_done(platform, ids, timeout_s=120)
 
 
-def measure_version(platform: BenchPlatform, version: str, args: argparse.Namespace, texts: Sequence[str],
-                    lengths: Sequence[int]) -> dict[str, Any]:
+def start_version(platform: BenchPlatform, version: str, args: argparse.Namespace) -> None:
     platform.start_workers(MODEL, version, args.workers, threads=args.threads)
     platform.wait_ready(MODEL, version, args.workers)
     warm(platform, version)
+
+
+def run_open_loop(platform: BenchPlatform, version: str, rate: float, why: str,
+                  args: argparse.Namespace) -> dict[str, Any]:
+    n = max(args.min_samples, math.ceil(rate * args.load_duration))
+    if args.quiet_wait > 0:
+        wait_quiet(args.quiet_wait)
+    print(f"  {MODEL}/{version}: open loop at {rate:.1f} jobs/s ({why}), {n} requests (~{n / rate:.0f}s) ...",
+          flush=True)
+    load = under_load(platform, version, rate, n, seed=args.seed + 1, arrivals=args.arrivals,
+                      concurrency=args.concurrency)
+    print(f"    p50 {fmt(load['latency_ms']['p50'], 0)} ms, p99 {fmt(load['latency_ms']['p99'], 0)} ms", flush=True)
+    return load
+
+
+def measure_version(platform: BenchPlatform, version: str, args: argparse.Namespace, texts: Sequence[str],
+                    lengths: Sequence[int]) -> dict[str, Any]:
+    start_version(platform, version, args)
     if args.quiet_wait > 0:
         wait_quiet(args.quiet_wait)
     sat: dict[str, Any] = {}
@@ -487,32 +504,16 @@ def measure_version(platform: BenchPlatform, version: str, args: argparse.Namesp
     basis = sat[args.lanes[0]]
     override = args.rate_batched if version == BATCHED else args.rate_one_at_a_time
     rate = override or args.load_factor * basis["throughput"]
-    n = max(args.min_samples, math.ceil(rate * args.load_duration))
-    if args.quiet_wait > 0:
-        wait_quiet(args.quiet_wait)
     basis_text = "set by option" if override else f"{args.load_factor:.0%} of saturated on the {args.lanes[0]} lane"
-    print(f"  {MODEL}/{version}: open loop at {rate:.1f} jobs/s ({basis_text}), "
-          f"{n} requests (~{n / rate:.0f}s) ...", flush=True)
-    load = under_load(platform, version, rate, n, seed=args.seed + 1, arrivals=args.arrivals,
-                      concurrency=args.concurrency)
-    print(f"    p50 {fmt(load['latency_ms']['p50'], 0)} ms, p99 {fmt(load['latency_ms']['p99'], 0)} ms", flush=True)
+    load = run_open_loop(platform, version, rate, basis_text, args)
     platform.stop_workers(MODEL, version)
     return {"saturated": basis, "saturated_by_lane": sat, "load": load, "open_loop_rate": rate}
 
 
 def open_loop_at(platform: BenchPlatform, version: str, rate: float, args: argparse.Namespace) -> dict[str, Any]:
     """One more open loop for `version` at a given rate (its workers started and warmed anew)."""
-    platform.start_workers(MODEL, version, args.workers, threads=args.threads)
-    platform.wait_ready(MODEL, version, args.workers)
-    warm(platform, version)
-    if args.quiet_wait > 0:
-        wait_quiet(args.quiet_wait)
-    n = max(args.min_samples, math.ceil(rate * args.load_duration))
-    print(f"  {MODEL}/{version}: open loop at {rate:.1f} jobs/s (the one-at-a-time version's "
-          f"{args.load_factor:.0%} load), {n} requests (~{n / rate:.0f}s) ...", flush=True)
-    load = under_load(platform, version, rate, n, seed=args.seed + 1, arrivals=args.arrivals,
-                      concurrency=args.concurrency)
-    print(f"    p50 {fmt(load['latency_ms']['p50'], 0)} ms, p99 {fmt(load['latency_ms']['p99'], 0)} ms", flush=True)
+    start_version(platform, version, args)
+    load = run_open_loop(platform, version, rate, f"the one-at-a-time version's {args.load_factor:.0%} load", args)
     platform.stop_workers(MODEL, version)
     return load
 
