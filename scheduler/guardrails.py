@@ -25,6 +25,7 @@ import numpy.typing as npt
 from scipy import stats as sps
 
 from sluice.errors import BadRequest
+from sluice.quality import LOW_CONFIDENCE_P
 
 Action = Literal["promote", "rollback", "continue"]
 Values: TypeAlias = Sequence[float] | npt.NDArray[np.float64]
@@ -43,7 +44,7 @@ class Policy:
     error_margin: float = 0.02  # absolute error-rate increase
     latency_margin: float = 0.20  # relative increase of the median total latency
     top_p_margin: float = 0.05  # absolute drop of the mean top probability
-    low_confidence_threshold: float = 0.5
+    low_confidence_threshold: float = LOW_CONFIDENCE_P  # the one /stats reports the rate for
     low_confidence_margin: float = 0.05  # absolute increase of the low-confidence rate
     label_tvd_margin: float = 0.10  # total-variation distance between label distributions
     min_agreement: float = 0.90  # lower confidence bound of agreement needed for shadow -> canary
