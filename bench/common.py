@@ -120,7 +120,7 @@ def token_lengths(texts: Sequence[str]) -> list[int]:
     """Real MiniLM token counts ([CLS]/[SEP] included, truncated like the encoder), without torch."""
     from tokenizers import Tokenizer
 
-    from workers.models.artifacts import MINILM_URI, resolve_artifact
+    from sluice.artifacts import MINILM_URI, resolve_artifact
 
     model_dir = resolve_artifact(MINILM_URI)
     limit = 256
@@ -476,12 +476,12 @@ class BenchPlatform:
         return redis_sync.Redis.from_url(self.redis_url)
 
     def start(self) -> None:
+        from launch.seed import seed
+        from sluice.artifacts import artifact_sha256, resolve_artifact
         from sluice.migrate import upgrade
         from sluice.registry import queries
         from sluice.registry.store import Registry
         from sluice.registry.tables import ModelVersion
-        from sluice.seed import seed
-        from workers.models.artifacts import artifact_sha256, resolve_artifact
 
         self.home = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
         self.db_name = f"sluice_bench_{os.urandom(4).hex()}"
@@ -516,7 +516,7 @@ class BenchPlatform:
         logs = self.home / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         with (logs / f"{name}.log").open("ab") as sink:
-            return subprocess.Popen([sys.executable, "-m", "sluice.cli", *args], env=self._env(), cwd=REPO,
+            return subprocess.Popen([sys.executable, "-m", "launch.cli", *args], env=self._env(), cwd=REPO,
                                     stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
 
     def start_workers(self, model: str, version: str, n: int, threads: int = 1) -> list[subprocess.Popen[bytes]]:

@@ -63,7 +63,7 @@ def configure_torch(threads: int) -> None:
 
 def load_encoder(threads: int) -> Any:
     configure_torch(threads)
-    from workers.models.artifacts import MINILM_URI, resolve_artifact
+    from sluice.artifacts import MINILM_URI, resolve_artifact
     from workers.models.minilm import MiniLMEncoder
 
     return MiniLMEncoder(model_dir=resolve_artifact(MINILM_URI), device="cpu")

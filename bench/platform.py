@@ -12,7 +12,7 @@
    load generator (Poisson arrivals on a timetable fixed in advance; latency = job
    finished_at - scheduled send time, so coordinated omission cannot hide the tail).
 
-The platform runs as real subprocesses (`python -m sluice.cli api|worker`) against the system
+The platform runs as real subprocesses (`python -m launch.cli api|worker`) against the system
 Redis (a dedicated DB index, flushed) and Postgres (a fresh database, dropped at the end).
 Run: ``python -m bench.platform [--workers 2] [--texts 2000] [--load-duration 40]``.
 """

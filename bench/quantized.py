@@ -45,7 +45,7 @@ CONFIGS = ("fp32", "int8", "int8-all")
 
 def load_encoders(threads: int) -> dict[str, Any]:
     configure_torch(threads)
-    from workers.models.artifacts import MINILM_URI, resolve_artifact
+    from sluice.artifacts import MINILM_URI, resolve_artifact
     from workers.models.minilm import MiniLMEncoder, quantize_int8
 
     model_dir = resolve_artifact(MINILM_URI)

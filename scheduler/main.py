@@ -43,7 +43,7 @@ def desired_replicas(snapshot: RoutingSnapshot) -> dict[VersionKey, int]:
 
 def worker_command(python: str = sys.executable) -> Callable[[str, str, int], list[str]]:
     def build(model: str, version: str, threads: int) -> list[str]:
-        return [python, "-m", "sluice.cli", "worker", "--model", model, "--version", version,
+        return [python, "-m", "launch.cli", "worker", "--model", model, "--version", version,
                 "--threads", str(threads)]
 
     return build

@@ -24,9 +24,9 @@ import httpx
 import pytest
 import redis
 
+from launch.seed import Seeded, seed
 from sluice import keys
 from sluice.registry.store import Registry
-from sluice.seed import Seeded, seed
 from sluice.settings import Settings
 from tests.support import (
     ApiServer,

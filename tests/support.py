@@ -280,7 +280,7 @@ def spawn_worker(*, redis_url: str, database_url: str, home: Path, log_path: Pat
     })
     with log_path.open("ab") as sink:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sluice.cli", "worker", "--model", model, "--version", version,
+            [sys.executable, "-m", "launch.cli", "worker", "--model", model, "--version", version,
              "--threads", str(threads)],
             cwd=REPO, env=environment, stdout=sink, stderr=subprocess.STDOUT,
         )

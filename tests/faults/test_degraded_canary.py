@@ -48,7 +48,7 @@ def test_a_confidently_wrong_canary_at_5_percent_is_rolled_back(
     admin: httpx.Client, demo: httpx.Client, registry: Registry, redis_url: str, tmp_path: Path,
     start_worker: Callable[..., Any], figure: Callable[[str, object], None],
 ) -> None:
-    from workers.models.artifacts import artifact_sha256, resolve_artifact
+    from sluice.artifacts import artifact_sha256, resolve_artifact
     from workers.models.head import write_degraded_head
 
     shipped = "pkg:workers.models/intent_head.safetensors"

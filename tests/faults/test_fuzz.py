@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
+from launch.seed import seed
 from sluice.registry.store import Registry
-from sluice.seed import seed
 from sluice.settings import Settings
 from tests.support import ApiServer, http_client, make_settings, register_synthetic_model
 

@@ -32,7 +32,7 @@ def test_int8_is_promoted_from_shadow_only_when_agreement_clears_the_bar(
     start_worker: Callable[..., Any], wait_jobs: Callable[..., list[dict[str, Any]]],
     figure: Callable[[str, object], None],
 ) -> None:
-    from workers.models.artifacts import MINILM_URI, artifact_sha256, resolve_artifact
+    from sluice.artifacts import MINILM_URI, artifact_sha256, resolve_artifact
 
     sha = artifact_sha256(resolve_artifact(MINILM_URI))
     model = unique("minilm")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from launch.seed import seed
 from sluice.registry.store import Registry
-from sluice.seed import seed
 from sluice.settings import Settings
 from tests.support import ApiServer, WorkerProcess, http_client, make_settings, register_synthetic_model, wait_job
 

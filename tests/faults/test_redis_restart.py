@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from launch.seed import Seeded
 from sluice import keys
-from sluice.seed import Seeded
 from sluice.settings import Settings
 from tests.support import ApiServer, WorkerProcess, http_client, make_settings, register_synthetic_model, wait_job
 

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sluice.seed import Seeded
+from launch.seed import Seeded
 from tests.support import wait_job
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sluice.seed import Seeded
+from launch.seed import Seeded
 from tests.support import REPO, wait_until
 
 
@@ -40,7 +40,7 @@ def test_first_sigterm_drains_and_a_second_exits_at_once(
                 "SLUICE_SHUTDOWN_GRACE_S": "60", "PYTHONUNBUFFERED": "1"})
     log_path = tmp_path / "api.log"
     with log_path.open("wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "api", "--port", str(port)], cwd=REPO,
+        proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "api", "--port", str(port)], cwd=REPO,
                                 env=env, stdout=sink, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

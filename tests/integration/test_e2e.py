@@ -53,7 +53,7 @@ def assert_timings_and_batch(job: dict[str, Any], max_batch_size: int) -> None:
 
 @pytest.fixture(scope="module")
 def encoder() -> Any:
-    from workers.models.artifacts import MINILM_URI, resolve_artifact
+    from sluice.artifacts import MINILM_URI, resolve_artifact
     from workers.models.minilm import MiniLMEncoder
 
     return MiniLMEncoder(model_dir=resolve_artifact(MINILM_URI))
@@ -97,7 +97,7 @@ def test_embeddings_of_a_mixed_length_bulk_match_the_model_in_process(
 def test_intent_labels_come_from_the_head_and_match_the_model_in_process(
     demo: httpx.Client, start_worker: Callable[..., Any], wait_jobs: Callable[..., Jobs],
 ) -> None:
-    from workers.models.artifacts import INTENT_HEAD_URI, artifact_sha256, resolve_artifact
+    from sluice.artifacts import INTENT_HEAD_URI, artifact_sha256, resolve_artifact
     from workers.models.handlers import load_handler
     from workers.models.head import read_head
 

@@ -18,7 +18,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from sluice.embedded import EmbeddedStores, start_embedded
+from launch.embedded import EmbeddedStores, start_embedded
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +123,7 @@ def _start_in_child(home: Path) -> tuple[subprocess.Popen[str], dict[str, str]]:
     code = (
         "import json, sys, time\n"
         "from pathlib import Path\n"
-        "from sluice.embedded import start_embedded\n"
+        "from launch.embedded import start_embedded\n"
         "s = start_embedded(home=Path(sys.argv[1]), redis_url=None, database_url=None)\n"
         "print(json.dumps({'redis': s.redis_url, 'db': s.database_url}), flush=True)\n"
         "time.sleep(600)\n"

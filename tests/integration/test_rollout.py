@@ -22,11 +22,11 @@ import redis.asyncio as aioredis
 from sqlalchemy import select
 from typer.testing import CliRunner
 
+from launch.cli import app
 from scheduler.guardrails import Policy
 from scheduler.rollout import Look, RolloutController
 from sluice import keys
 from sluice.broker import connect, events_channel
-from sluice.cli import app
 from sluice.errors import BadRequest, Conflict
 from sluice.registry import queries, rollouts
 from sluice.registry.store import Registry

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sluice.seed import Seeded
+from launch.seed import Seeded
 from sluice.settings import Settings
 from tests.support import ApiServer
 

@@ -24,7 +24,7 @@ def test_up_runs_the_demo_on_embedded_stores_and_stops_cleanly(tmp_path: Path) -
     flower_port = _free_port()
     env.update(SLUICE_HOME=str(tmp_path / "home"), SLUICE_API_PORT=str(_free_port()),
                SLUICE_FLOWER_PORT=str(flower_port), SLUICE_BOOTSTRAP_ADMIN_KEY="admin-key-for-the-up-test-0123")
-    done = subprocess.run([sys.executable, "-m", "sluice.cli", "up", "--exit-after-demo"], env=env,
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "up", "--exit-after-demo"], env=env,
                           capture_output=True, text=True, timeout=280, cwd=tmp_path)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output

@@ -30,13 +30,13 @@ import httpx
 import pytest
 import redis
 
+from launch.seed import Seeded
 from sluice import keys
 from sluice.broker import connect
 from sluice.errors import BrokerUnavailable
 from sluice.jobs import CLAIM_SCRIPT, FINISH_SCRIPT, JobRecord, JobStatus, new_job_id
 from sluice.registry import queries
 from sluice.registry.store import Registry
-from sluice.seed import Seeded
 from sluice.settings import Settings
 from sluice.webhooks import verify
 from tests.support import REPO, ApiServer, http_client, serving, spawn_worker, stop_process, wait_until

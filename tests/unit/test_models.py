@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from sluice.errors import ArtifactError, ArtifactMismatch, InferenceError
-from workers.models.artifacts import (
+from sluice.artifacts import (
     INTENT_HEAD_URI,
     MINILM_URI,
     artifact_sha256,
     parse_synthetic,
     resolve_artifact,
 )
+from sluice.errors import ArtifactError, ArtifactMismatch, InferenceError
 from workers.models.handlers import (
     ClassifierHandler,
     EmbeddingHandler,
@@ -229,7 +229,7 @@ def test_synthetic_path_does_not_import_torch() -> None:
     code = (
         "import sys\n"
         "from workers.models.handlers import load_handler\n"
-        "from workers.models.artifacts import artifact_sha256, resolve_artifact\n"
+        "from sluice.artifacts import artifact_sha256, resolve_artifact\n"
         "h = load_handler(kind='synthetic', artifact='synthetic:?fixed_s=0', sha256='')\n"
         "h.run([{'tokens': 3}])\n"
         "artifact_sha256(resolve_artifact('pkg:workers.models/intent_head.safetensors'))\n"

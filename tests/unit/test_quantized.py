@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from bench.common import skewed_texts, sorted_batches
-from sluice.errors import ArtifactError, ArtifactMismatch, ModelError
-from workers.models.artifacts import (
+from sluice.artifacts import (
     INTENT_HEAD_URI,
     MINILM_URI,
     ArtifactRef,
@@ -18,6 +17,7 @@ from workers.models.artifacts import (
     parse_artifact,
     resolve_artifact,
 )
+from sluice.errors import ArtifactError, ArtifactMismatch, ModelError
 from workers.models.handlers import ClassifierHandler, EmbeddingHandler, load_handler
 from workers.models.minilm import DEFAULT_FP32_LINEARS, DynamicInt8Linear, MiniLMEncoder, needs_reduce_range
 from workers.models.train_intent import load_examples, split_examples

@@ -1,14 +1,5 @@
-"""Model runtime: MiniLM in plain torch, the model-kind handlers and artifact resolution.
+"""Model runtime: MiniLM in plain torch and the model-kind handlers.
 
-This package's ``__init__`` and ``artifacts`` stay free of torch, so the control plane can
-import ``workers.models.artifacts`` to record artifact hashes without loading it.
+Artifact URIs and their hashes live in the kernel (``sluice.artifacts``): the control plane
+records hashes without importing this package.
 """
-
-from workers.models.artifacts import (
-    INTENT_HEAD_URI,
-    MINILM_URI,
-    artifact_sha256,
-    resolve_artifact,
-)
-
-__all__ = ["INTENT_HEAD_URI", "MINILM_URI", "artifact_sha256", "resolve_artifact"]

@@ -12,8 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from sluice.errors import ArtifactError, ArtifactMismatch, ModelError
-from workers.models.artifacts import (
+from sluice.artifacts import (
     MINILM_PACKAGE,
     artifact_sha256,
     is_synthetic,
@@ -22,6 +21,7 @@ from workers.models.artifacts import (
     resolve_and_verify,
     resolve_artifact,
 )
+from sluice.errors import ArtifactError, ArtifactMismatch, ModelError
 from workers.models.synthetic import POISON_TEXT, SyntheticHandler
 
 if TYPE_CHECKING:

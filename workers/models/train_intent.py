@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from workers.models.artifacts import MINILM_URI, artifact_sha256, resolve_artifact
+from sluice.artifacts import MINILM_URI, artifact_sha256, resolve_artifact
 from workers.models.head import IntentHead, save_head, write_degraded_head
 from workers.models.minilm import MiniLMEncoder
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Sluice: asynchronous inference.")
 console = Console(soft_wrap=True)
-log = logging.getLogger("sluice.cli")
+log = logging.getLogger(__name__)
 
 
 @app.command()
@@ -41,8 +41,8 @@ def migrate() -> None:
 @app.command("seed")
 def seed_command() -> None:
     """Create the demo tenant and models (and the bootstrap admin key, when set)."""
+    from launch.seed import seed
     from sluice.registry.store import Registry
-    from sluice.seed import seed
 
     settings = Settings()
     registry = Registry(url=settings.require_database_url(), pool_size=1)
@@ -118,7 +118,7 @@ def _two_stage_signals(stop: object) -> None:
 def up(exit_after_demo: Annotated[bool, typer.Option(help="Stop after the demo (for scripts and CI)")] = False,
        demo: Annotated[bool, typer.Option(help="Run the demo once everything is ready")] = True) -> None:
     """Bring the whole platform up on this machine (embedded stores unless URLs are set), run a demo."""
-    from sluice.launcher import Platform, _printable_home, describe, run_demo
+    from launch.launcher import Platform, _printable_home, describe, run_demo
 
     settings = Settings()
     configure_logging(name="up", level="WARNING")

@@ -1,6 +1,6 @@
 """Artifact URIs and their sha256: shared by the worker and the registry seeding.
 
-This module must not import torch: the control plane (``sluice/``) records artifact hashes
+The kernel owns this module, so it must not import torch: the control plane records artifact hashes
 with it and should stay light.
 
 URI forms:

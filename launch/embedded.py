@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launch.postgres_account import chown_tree, grant_traverse, postgres_account
+from launch.watchdog import Watchdog
 from sluice.errors import BrokerUnavailable, RegistryUnavailable, SluiceError
-from sluice.postgres_account import chown_tree, grant_traverse, postgres_account
-from sluice.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 

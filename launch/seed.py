@@ -11,6 +11,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from sluice.artifacts import artifact_sha256, resolve_artifact
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.registry.tables import Model, ModelVersion
@@ -54,9 +55,6 @@ def _stored_key(path: Path, prefix: str) -> str:
 
 def seed(registry: Registry, *, home: Path, bootstrap_admin_key: str | None = None,
          versions: tuple[DemoVersion, ...] = DEMO_VERSIONS) -> Seeded:
-    # Imported here: hashing artifacts is only needed when seeding, and stays torch-free.
-    from workers.models.artifacts import artifact_sha256, resolve_artifact
-
     demo_key = _stored_key(home / "demo.key", "demo")
     admin_key = bootstrap_admin_key or _stored_key(home / "admin.key", "admin")
     with registry.session() as session:

@@ -19,12 +19,12 @@ from typing import Any
 import httpx
 import redis as redis_sync
 
+from launch.embedded import EmbeddedStores, start_embedded
+from launch.seed import DEMO_VERSIONS, Seeded, seed
 from sluice import keys
 from sluice.client import SluiceClient
-from sluice.embedded import EmbeddedStores, start_embedded
 from sluice.migrate import upgrade
 from sluice.registry.store import Registry
-from sluice.seed import DEMO_VERSIONS, Seeded, seed
 from sluice.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class Platform:
     def flower_url(self) -> str:
         return f"http://{self.settings.api_host}:{self.settings.flower_port}"
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str], *, module: str = "sluice.cli") -> None:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str], *, module: str = "launch.cli") -> None:
         log_dir = self.home / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         with (log_dir / f"{name}.log").open("ab") as sink:
