@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from sluice import keys
-from sluice.broker import translate_redis_errors
+from sluice import heartbeats, keys
+from sluice.connections import translate_redis_errors
 from sluice.errors import TooManyRequests
 from sluice.registry.queries import KeyInfo
 from sluice.routing import VersionInfo
@@ -117,18 +117,10 @@ class Admission:
             return cached
         mark, unwritten = self._admitted[(model, version)], self._unwritten[(model, version)]
         with translate_redis_errors():
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.xlen(keys.stream(model, version, "online"))
-            pipe.zrangebyscore(keys.live_workers(model, version), now - 10.0, "+inf")
-            backlog, names = await pipe.execute()
-            rate = 0.0
-            if names:
-                pipe = self.redis.pipeline(transaction=False)
-                for name in names:
-                    pipe.hget(keys.heartbeat(model, version, name.decode()), "items_per_s")
-                rate = sum(float(r or 0) for r in await pipe.execute())
-        load = _Load(backlog=int(backlog), service_rate=rate, live_workers=len(names), read_at=now,
-                     admitted_mark=mark, unwritten=unwritten)
+            backlog = await self.redis.xlen(keys.stream(model, version, "online"))
+        beats = await heartbeats.live_heartbeats(self.redis, model, version, now=now)
+        load = _Load(backlog=int(backlog), service_rate=sum(beat.items_per_s for beat in beats),
+                     live_workers=len(beats), read_at=now, admitted_mark=mark, unwritten=unwritten)
         self._loads[(model, version)] = load
         return load
 

@@ -7,7 +7,6 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI
@@ -20,9 +19,10 @@ from api.deps import AppState
 from api.events import EventHub
 from api.middleware import BodyLimitMiddleware, MetricsMiddleware
 from api.routes import health, jobs, models, tenants
-from sluice import broker as broker_mod
+from sluice import events
 from sluice.breaker import CircuitBreaker
 from sluice.broker import Broker
+from sluice.connections import connect
 from sluice.registry.store import Registry
 from sluice.settings import Settings
 
@@ -39,18 +39,17 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         own_redis = redis is None
         own_registry = registry is None
-        client = redis or broker_mod.connect(settings.require_redis_url())
+        client = redis or connect(settings.require_redis_url())
         reg = registry or Registry(url=settings.require_database_url())
         routing = RoutingCache(registry=reg, refresh_s=settings.routing_refresh_s)
         auth = AuthCache(registry=reg, ttl_s=settings.auth_cache_s)
 
-        async def on_control(event: dict[str, Any]) -> None:
-            kind = event.get("type")
-            if kind == "routing":
+        async def on_control(event: events.Event) -> None:
+            if isinstance(event, events.RoutingChanged):
                 await routing.reload()
-            elif kind == "key.revoked":
-                auth.forget(str(event.get("key_hash")))
-            elif kind == "resync":
+            elif isinstance(event, events.KeyRevoked):
+                auth.forget(event.key_hash)
+            elif isinstance(event, events.Resync):
                 auth.forget()
                 await routing.reload()
 
@@ -60,7 +59,9 @@ def create_app(
             window_s=settings.breaker_window_s, no_worker_grace_s=settings.breaker_no_worker_grace_s,
             open_s=settings.breaker_open_s,
         ))
-        state = AppState(settings=settings, broker=Broker(redis=client, result_ttl_s=settings.result_ttl_s),
+        state = AppState(settings=settings, broker=Broker(
+                             redis=client, result_ttl_s=settings.result_ttl_s,
+                             idempotency_ttl_s=settings.idempotency_ttl_s),
                          registry=reg, routing=routing, auth=auth, hub=hub,
                          admission=Admission(redis=client), breakers=breakers)
         app.state.sluice = state

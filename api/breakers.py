@@ -17,17 +17,15 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from api.caches import RoutingCache
-from sluice import keys
+from sluice import heartbeats, samples
 from sluice.breaker import BreakerState, CircuitBreaker, Health
-from sluice.broker import translate_redis_errors
+from sluice.connections import translate_redis_errors
 from sluice.errors import BrokerError
 from sluice.metrics import BREAKER_OPEN
 from sluice.routing import PRIMARY_STATES
 
 log = logging.getLogger(__name__)
 
-# A heartbeat older than this is a dead worker (workers beat every 2 s).
-LIVE_WORKER_S = 10.0
 RECENT_OUTCOMES = 200
 
 
@@ -70,15 +68,15 @@ class BreakerBoard:
         with translate_redis_errors():
             pipe = self.redis.pipeline(transaction=False)
             for model, version in versions:
-                pipe.zcount(keys.live_workers(model, version), now - LIVE_WORKER_S, "+inf")
-                pipe.xrevrange(keys.stats(model, version), count=RECENT_OUTCOMES)
+                heartbeats.queue_live_count(pipe, model, version, now=now)
+                samples.queue_recent(pipe, model, version, count=RECENT_OUTCOMES)
             replies: list[Any] = await pipe.execute()
         alive = set(versions)
         for gone in [k for k in self._breakers if k not in alive]:
             del self._breakers[gone]
         for index, (model, version) in enumerate(versions):
             live, entries = replies[2 * index], replies[2 * index + 1]
-            outcomes = [(float(fields[b"t"]), fields[b"s"] == b"succeeded") for _, fields in entries]
+            outcomes = [(sample.finished_at, sample.succeeded) for sample in samples.parse(entries)]
             breaker = self._breakers.setdefault((model, version), self.make_breaker())
             before = breaker.state
             after = breaker.observe(now, Health(live_workers=int(live), outcomes=outcomes))

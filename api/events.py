@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
-from sluice.broker import events_channel
+from sluice import events
 
 log = logging.getLogger(__name__)
 
-EventHandler = Callable[[dict[str, Any]], Awaitable[None]]
+EventHandler = Callable[[events.Event], Awaitable[None]]
 
 
 class EventHub:
@@ -46,12 +44,12 @@ class EventHub:
             for event in waiters:
                 event.set()
 
-    async def _dispatch(self, message: dict[str, Any]) -> None:
-        if message.get("type") == "job":
-            for event in self._waiters.get(str(message.get("id")), ()):
-                event.set()
+    async def _dispatch(self, event: events.Event) -> None:
+        if isinstance(event, events.JobChanged):
+            for waiter in self._waiters.get(event.id, ()):
+                waiter.set()
         else:
-            await self.on_control(message)
+            await self.on_control(event)
 
     async def run(self) -> None:
         """Listen forever, reconnecting with capped, jittered backoff; never floods the log."""
@@ -59,22 +57,20 @@ class EventHub:
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(events_channel(self.redis))
+                await pubsub.subscribe(events.channel(self.redis))
                 self.connected.set()
                 if delay > 0.1:
                     log.info("event subscription restored")
                     # Routing may have changed while we were deaf.
-                    await self.on_control({"type": "resync"})
+                    await self.on_control(events.Resync())
                 delay = 0.1
                 while True:
                     message = await pubsub.get_message(timeout=30.0)
                     if message is None or message.get("type") != "message":
                         continue
-                    try:
-                        payload = json.loads(message["data"])
-                    except (ValueError, TypeError):
-                        continue
-                    await self._dispatch(payload)
+                    event = events.parse(message["data"])
+                    if event is not None:
+                        await self._dispatch(event)
             except asyncio.CancelledError:
                 raise
             except (redis_errors.RedisError, OSError) as exc:

@@ -170,7 +170,8 @@ def _announce(settings: Settings, model: str) -> None:
     """Best effort: API replicas also pick the change up on their periodic routing refresh."""
     if not settings.redis_url:
         return
-    from sluice.broker import announce_routing, connect
+    from sluice.connections import connect
+    from sluice.events import announce_routing
 
     async def send(url: str) -> None:
         client = connect(url, max_connections=1)

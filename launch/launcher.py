@@ -7,6 +7,7 @@ the scheduler (its workers drain), the API, then the stores.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -17,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import redis as redis_sync
 
 from launch.embedded import EmbeddedStores, start_embedded
 from launch.seed import DEMO_VERSIONS, Seeded, seed
-from sluice import keys
+from sluice import heartbeats
 from sluice.client import SluiceClient
+from sluice.connections import connect
+from sluice.heartbeats import WorkerState
 from sluice.migrate import upgrade
 from sluice.registry.store import Registry
 from sluice.settings import Settings
@@ -86,21 +88,25 @@ class Platform:
         """Until the API is ready, Flower answers and every demo version has a warm worker."""
         assert self.stores is not None
         deadline = time.monotonic() + timeout_s
-        client = redis_sync.Redis.from_url(self.stores.redis_url)
-        try:
-            while time.monotonic() < deadline:
-                self._check_children()
-                answering = self._answers(f"{self.api_url}/readyz") and self._answers(f"{self.flower_url}/healthcheck")
-                if answering and all(
-                    any(client.hget(k, "state") == b"ready"
-                        for k in client.scan_iter(keys.heartbeat_pattern(v.model, v.version)))
-                    for v in DEMO_VERSIONS
-                ):
-                    return
-                time.sleep(0.5)
-        finally:
-            client.close()
+        while time.monotonic() < deadline:
+            self._check_children()
+            answering = self._answers(f"{self.api_url}/readyz") and self._answers(f"{self.flower_url}/healthcheck")
+            if answering and asyncio.run(self._demo_workers_ready(self.stores.redis_url)):
+                return
+            time.sleep(0.5)
         raise TimeoutError(f"the platform was not ready within {timeout_s:.0f}s; see {self.home / 'logs'}")
+
+    @staticmethod
+    async def _demo_workers_ready(redis_url: str) -> bool:
+        client = connect(redis_url, max_connections=2)
+        try:
+            for demo in DEMO_VERSIONS:
+                beats = await heartbeats.live_heartbeats(client, demo.model, demo.version, now=time.time())
+                if not any(beat.state is WorkerState.ready for beat in beats):
+                    return False
+            return True
+        finally:
+            await client.aclose()
 
     @staticmethod
     def _answers(url: str) -> bool:

@@ -21,7 +21,7 @@ import redis
 from scheduler.quality import run_aggregator
 from scheduler.rollout import run_controller
 from scheduler.supervisor import Supervisor, VersionKey
-from sluice.broker import events_channel
+from sluice import events
 from sluice.errors import SluiceError
 from sluice.metrics import DESIRED_REPLICAS, LIVE_REPLICAS
 from sluice.registry import queries
@@ -86,10 +86,10 @@ class Scheduler:
             try:
                 client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=2)
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
-                pubsub.subscribe(events_channel(client))
+                pubsub.subscribe(events.channel(client))
                 while not self.stopping.is_set():
                     message = pubsub.get_message(timeout=1.0)
-                    if message and b'"type":"routing"' in message.get("data", b""):
+                    if message and isinstance(events.parse(message.get("data", b"")), events.RoutingChanged):
                         self._wake.set()
                 pubsub.close()
                 client.close()

@@ -15,11 +15,12 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
-from sluice import broker as broker_mod
+from sluice.connections import connect
 from sluice.errors import SluiceError
 from sluice.registry import quality, queries
 from sluice.registry.store import Registry
-from sluice.stats import read_samples, summarise
+from sluice.samples import read_samples
+from sluice.stats import summarise
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def run_aggregator(*, registry: Registry, redis_url: str, stopping: threading.Ev
     """Thread body for the scheduler process: flush each window shortly after it closes."""
 
     async def main() -> None:
-        client = broker_mod.connect(redis_url, max_connections=2)
+        client = connect(redis_url, max_connections=2)
         aggregator = QualityAggregator(registry=registry, redis=client, window_s=window_s)
         try:
             while not stopping.is_set():

@@ -1,8 +1,8 @@
 """The rollout controller: looks at each running rollout, decides, applies, records.
 
 For each running rollout, once per `policy.look_interval_s`, it reads the canary's and stable's
-samples over the current step's window (`sluice.stats.read_samples`) and their live workers
-(`keys.live_workers`), asks the pure `guardrails.decide`, and hands the decision to
+samples over the current step's window (`sluice.samples`) and their live workers
+(`sluice.heartbeats`), asks the pure `guardrails.decide`, and hands the decision to
 `registry.rollouts.apply_decision`: the routing change (the same audited `set_routing` as the
 admin API) and the decision row commit together. A routing change is then announced on
 `sluice:events`, as the API does. Every look is recorded, `continue` included.
@@ -26,12 +26,13 @@ from datetime import UTC, datetime
 import redis.asyncio as aioredis
 
 from scheduler.guardrails import Decision, Evidence, Policy, Position, decide
-from sluice import keys
-from sluice.broker import announce_routing, connect, translate_redis_errors
+from sluice import heartbeats
+from sluice.connections import connect
 from sluice.errors import BrokerError, SluiceError
+from sluice.events import announce_routing
 from sluice.registry import rollouts
 from sluice.registry.store import Registry
-from sluice.stats import Sample, read_samples
+from sluice.samples import Sample, read_samples
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ ACTOR = "rollout-controller"
 
 def evidence_from_samples(samples: Sequence[Sample], *, live_workers: int) -> Evidence:
     """Latency and quality proxies from succeeded jobs only (see `Evidence`)."""
-    ok = [s for s in samples if s.status == "succeeded"]
+    ok = [s for s in samples if s.succeeded]
     return Evidence(
         requests=len(samples),
         errors=len(samples) - len(ok),
@@ -77,12 +78,11 @@ class Look:
 
 class RolloutController:
     def __init__(self, *, registry: Registry, redis: aioredis.Redis, clock: Callable[[], float] = time.time,
-                 actor: str = ACTOR, live_within_s: float = 10.0) -> None:
+                 actor: str = ACTOR) -> None:
         self.registry = registry
         self.redis = redis
         self.clock = clock
         self.actor = actor
-        self.live_within_s = live_within_s
         self._last_look: dict[int, float] = {}
 
     def _running(self) -> list[Active]:
@@ -102,9 +102,8 @@ class RolloutController:
 
     async def _evidence(self, model: str, version: str, *, since: float, now: float) -> Evidence:
         samples = await read_samples(self.redis, model, version, window_s=max(0.0, now - since), now=now)
-        with translate_redis_errors():
-            live = await self.redis.zcount(keys.live_workers(model, version), now - self.live_within_s, "+inf")
-        return evidence_from_samples(samples, live_workers=int(live))
+        live = await heartbeats.live_count(self.redis, model, version, now=now)
+        return evidence_from_samples(samples, live_workers=live)
 
     async def look(self, rollout: Active) -> Look:
         now = self.clock()

@@ -1,99 +1,34 @@
-"""The job broker on Redis: connections, error translation and the submit/read/cancel verbs.
+"""The job broker on Redis: the API's verbs on jobs (submit, read, cancel, idempotency, events).
 
-The API and the workers share this module so the wire contract (`keys`, `jobs`) has one
-implementation. Connections are built by the caller and passed in.
+The stream protocol itself (entries, the consumer group, the transition scripts) is
+`sluice.streams`; this module is what a submitter needs of it. The client is built by the caller
+and passed in.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Sequence
 
 import redis.asyncio as aioredis
-from redis import exceptions as redis_errors
 
-from sluice import keys
-from sluice.errors import BrokerError, BrokerUnavailable, NotFound
-from sluice.jobs import CANCEL_SCRIPT, JobRecord
-
-
-@contextmanager
-def translate_redis_errors(what: str = "Redis") -> Iterator[None]:
-    """Map redis-py's exceptions onto the Sluice tree at the boundary."""
-    try:
-        yield
-    except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
-        raise BrokerUnavailable(f"{what} is unreachable: {exc}") from exc
-    except redis_errors.RedisError as exc:
-        raise BrokerError(f"{what} failed: {exc}") from exc
-
-
-def connect(url: str, *, max_connections: int = 64, socket_timeout_s: float = 5.0) -> aioredis.Redis:
-    # A blocking pool makes a burst of requests wait for a free connection; the default pool
-    # raises "Too many connections", which would turn a busy moment into 503s.
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=socket_timeout_s,
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=2.0,
-        health_check_interval=15,
-        retry_on_timeout=False,
-    )
-    return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() disconnects it
-
-
-def events_channel(redis: aioredis.Redis | Any) -> str:
-    """The events channel of the database this client talks to (sync or asyncio client)."""
-    return keys.events_channel(int(redis.connection_pool.connection_kwargs.get("db", 0)))
-
-
-async def announce_routing(redis: aioredis.Redis, model: str) -> None:
-    """Tell every API replica and the scheduler that a model's routing changed (the API and the
-    rollout controller both call this); their periodic reload is the safety net."""
-    with translate_redis_errors():
-        await redis.publish(events_channel(redis), json.dumps({"type": "routing", "model": model},
-                                                            separators=(",", ":")))
-
-
-async def ensure_groups(redis: aioredis.Redis, model: str, version: str) -> None:
-    """Create the consumer group on both lanes (and the streams) if missing."""
-    for lane in keys.LANES:
-        try:
-            with translate_redis_errors():
-                await redis.xgroup_create(keys.stream(model, version, lane), keys.GROUP, id="0", mkstream=True)
-        except BrokerError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-
-
-def queue_jobs(pipe: Any, records: Sequence[JobRecord], *, result_ttl_s: int) -> None:
-    """Add the commands that queue `records` to a pipeline (the API's submit, a worker's shadow copy).
-
-    The record goes first: a worker that reads the entry must always find the job.
-    """
-    for record in records:
-        key = keys.job(record.id)
-        pipe.hset(key, mapping=record.to_redis())
-        pipe.expire(key, result_ttl_s)
-    per_tenant: dict[str, int] = {}
-    for record in records:
-        per_tenant[record.tenant] = per_tenant.get(record.tenant, 0) + 1
-    for tenant, count in per_tenant.items():
-        pipe.incrby(keys.queued_count(tenant), count)
-    for record in records:
-        pipe.xadd(keys.stream(record.model, record.version, record.lane), record.stream_entry())  # type: ignore[arg-type]
+from sluice import events, keys
+from sluice.connections import translate_redis_errors
+from sluice.errors import Conflict, NotFound
+from sluice.idempotency import IdempotencyClaim, IdempotencyRecord
+from sluice.jobs import JobRecord
+from sluice.samples import Sample, read_samples
+from sluice.streams import CANCEL_SCRIPT, queue_jobs
 
 
 class Broker:
     """Submit, read, cancel and announce jobs; one instance per process over a shared client."""
 
-    def __init__(self, *, redis: aioredis.Redis, result_ttl_s: int) -> None:
+    def __init__(self, *, redis: aioredis.Redis, result_ttl_s: int, idempotency_ttl_s: int = 86_400) -> None:
         self.redis = redis
         self.result_ttl_s = result_ttl_s
+        self.idempotency_ttl_s = idempotency_ttl_s
         self._cancel = redis.register_script(CANCEL_SCRIPT)
 
     async def enqueue(self, records: Sequence[JobRecord]) -> None:
@@ -123,12 +58,48 @@ class Broker:
         state = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
         if state != "ok":
             return state
-        await self.publish({"type": "job", "id": job_id, "status": "cancelled"})
+        await self.publish(events.JobChanged(id=job_id, status="cancelled"))
         return None
 
-    async def publish(self, event: dict[str, Any]) -> None:
+    # --- Idempotency-Key ---------------------------------------------------------------------------
+
+    async def claim_idempotency_key(self, tenant: str, key: str, request_hash: str) -> IdempotencyClaim:
+        """Claim `key` for this request, or answer the job ids an earlier identical request made.
+
+        Conflict when the key was used with another body, or its first request is still running.
+        """
+        redis_key = keys.idempotency(tenant, hashlib.sha256(key.encode()).hexdigest())
         with translate_redis_errors():
-            await self.redis.publish(events_channel(self.redis), json.dumps(event, separators=(",", ":")))
+            if await self.redis.set(redis_key, IdempotencyRecord(request_hash, None).encode(), nx=True,
+                                    ex=self.idempotency_ttl_s):
+                return IdempotencyClaim(redis_key)
+            stored = await self.redis.get(redis_key)
+        # Expired between the two commands: answered as still running, so the retry claims it afresh.
+        previous = IdempotencyRecord.parse(stored) if stored else IdempotencyRecord(request_hash, None)
+        if previous.request_hash != request_hash:
+            raise Conflict("this Idempotency-Key was already used with a different request body")
+        if previous.job_ids is None:
+            raise Conflict("a request with this Idempotency-Key is still being processed",
+                           headers={"Retry-After": "1"})
+        return IdempotencyClaim(redis_key, replay=previous.job_ids)
+
+    async def complete_idempotency_key(self, claim: IdempotencyClaim, request_hash: str, job_ids: list[str]) -> None:
+        with translate_redis_errors():
+            await self.redis.set(claim.redis_key, IdempotencyRecord(request_hash, job_ids).encode(),
+                                 ex=self.idempotency_ttl_s)
+
+    async def release_idempotency_key(self, claim: IdempotencyClaim) -> None:
+        """The request failed before queueing anything: a retry with the key must run it again."""
+        with translate_redis_errors():
+            await self.redis.delete(claim.redis_key)
+
+    async def samples(self, model: str, version: str, *, window_s: float) -> list[Sample]:
+        return await read_samples(self.redis, model, version, window_s=window_s)
+
+    # --- events and health -------------------------------------------------------------------------
+
+    async def publish(self, event: events.JobChanged | events.RoutingChanged | events.KeyRevoked) -> None:
+        await events.publish(self.redis, event)
 
     async def ping(self) -> None:
         with translate_redis_errors():

@@ -1,8 +1,7 @@
-"""The job record and its state transitions, as stored in Redis.
+"""The job record as stored in Redis (one hash, `keys.job`), and the job resource of the REST API.
 
-A job lives in one hash (`keys.job`). Transitions happen in small Lua scripts so that a
-cancel racing a worker, or a job delivered twice, still ends with exactly one final record:
-a final state is never overwritten.
+The record is written whole at submission (`to_redis`) and read whole (`from_redis`); the fields a
+job gains later are written by the transition scripts of `sluice.streams`.
 """
 
 from __future__ import annotations
@@ -109,15 +108,6 @@ class JobRecord:
             fields["shadow_of"] = self.shadow_of
         return fields
 
-    def stream_entry(self) -> dict[str, str]:
-        """What the version's stream carries: enough to batch without reading the record."""
-        entry = {"id": self.id, "tenant": self.tenant, "cost": str(self.cost), "t": repr(self.enqueued_at)}
-        if self.shadow:
-            entry["sh"] = self.shadow
-        if self.shadow_of:
-            entry["so"] = self.shadow_of
-        return entry
-
     @classmethod
     def from_redis(cls, raw: dict[Any, Any]) -> JobRecord:
         data = {
@@ -191,85 +181,3 @@ class JobRecord:
         if self.metadata:
             body["metadata"] = self.metadata
         return body
-
-
-# Every script that makes a job final ends with this: a job submitted with a callback_url gets
-# its webhook queued on the outbox stream (`keys.WEBHOOK_OUTBOX`) in the same atomic step as its
-# final state, so no crash can keep one without the other, and since a final state is written
-# only once, a job processed twice still queues one delivery. The delivery id is derived from the
-# job id: one job, one delivery id, whoever computes it.
-_QUEUE_WEBHOOK = """
-local function queue_webhook(job, outbox)
-  if redis.call('HEXISTS', job, 'callback_url') == 0 then return end
-  local id = redis.call('HGET', job, 'id')
-  local delivery = 'dlv_' .. string.sub(redis.sha1hex('sluice-webhook:' .. id), 1, 32)
-  redis.call('HSET', job, 'delivery_id', delivery)
-  redis.call('XADD', outbox, '*', 'delivery', delivery, 'job', id)
-end
-"""
-
-# KEYS[1] job hash, KEYS[2] the tenant's queued counter, KEYS[3] the webhook outbox; ARGV: now,
-# worker, max_deliveries. Moves queued/running -> running and hands back the input. A job already
-# final answers its state and is not re-run; one past its deadline becomes `expired`, one
-# delivered max_deliveries times becomes `failed` (the caller dead-letters it).
-CLAIM_SCRIPT = _QUEUE_WEBHOOK + """
-local s = redis.call('HGET', KEYS[1], 'status')
-if not s then return {'missing'} end
-if s ~= 'queued' and s ~= 'running' then return {s} end
-if s == 'queued' and tonumber(redis.call('DECR', KEYS[2])) < 0 then redis.call('SET', KEYS[2], 0) end
-local deadline = tonumber(redis.call('HGET', KEYS[1], 'deadline') or '')
-if deadline and tonumber(ARGV[1]) > deadline then
-  redis.call('HSET', KEYS[1], 'status', 'expired', 'finished_at', ARGV[1],
-    'error', '{"code":"expired","message":"the job deadline passed before it started"}')
-  queue_webhook(KEYS[1], KEYS[3])
-  return {'expired'}
-end
-local attempts = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0')
-if attempts >= tonumber(ARGV[3]) then
-  local last = redis.call('HGET', KEYS[1], 'last_error') or 'its worker died while running it'
-  redis.call('HSET', KEYS[1], 'status', 'failed', 'finished_at', ARGV[1],
-    'error', cjson.encode({code='max_deliveries',
-      message='delivered ' .. attempts .. ' times without finishing; last error: ' .. last}))
-  queue_webhook(KEYS[1], KEYS[3])
-  return {'dead', last}
-end
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2])
-redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-return {'run', redis.call('HGET', KEYS[1], 'input'), tostring(attempts + 1)}
-"""
-
-# KEYS[1] job hash, KEYS[2] the webhook outbox; ARGV: status, output-or-'', error-or-'',
-# finished_at, model_ms, batch_size, close_reason, ttl_s, started_at. Writes the outcome once; a
-# second delivery of a finished job is a no-op, so a job processed twice still has one final
-# record (and one webhook).
-FINISH_SCRIPT = _QUEUE_WEBHOOK + """
-local s = redis.call('HGET', KEYS[1], 'status')
-if not s then return 0 end
-if s ~= 'queued' and s ~= 'running' then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[1], 'finished_at', ARGV[4], 'model_ms', ARGV[5],
-  'batch_size', ARGV[6], 'close_reason', ARGV[7], 'started_at', ARGV[9])
-if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'output', ARGV[2]) end
-if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[3]) end
-queue_webhook(KEYS[1], KEYS[2])
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[8]))
-return 1
-"""
-
-# KEYS[1] job hash; ARGV: message. Remembered so that dead-lettering can say why.
-NOTE_ERROR_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'last_error', ARGV[1]) end
-return 1
-"""
-
-# KEYS[1] job hash, KEYS[2] the tenant's queued counter, KEYS[3] the webhook outbox; ARGV: now.
-# Only a queued job can be cancelled: answers 'ok', or the state that prevents it (an already
-# cancelled job included).
-CANCEL_SCRIPT = _QUEUE_WEBHOOK + """
-local s = redis.call('HGET', KEYS[1], 'status')
-if not s then return 'missing' end
-if s ~= 'queued' then return s end
-if tonumber(redis.call('DECR', KEYS[2])) < 0 then redis.call('SET', KEYS[2], 0) end
-redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[1])
-queue_webhook(KEYS[1], KEYS[3])
-return 'ok'
-"""

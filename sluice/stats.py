@@ -1,4 +1,4 @@
-"""Per-version statistics from the finished-job samples the workers append (`keys.stats`).
+"""Per-version statistics over the finished-job samples (`sluice.samples`).
 
 Percentiles are exact over the window's samples (numpy's default 'linear' method, i.e.
 Hyndman-Fan type 7), not estimates from histogram buckets.
@@ -6,49 +6,13 @@ Hyndman-Fan type 7), not estimates from histogram buckets.
 
 from __future__ import annotations
 
-import json
-import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import redis.asyncio as aioredis
 
-from sluice import keys
-from sluice.broker import translate_redis_errors
 from sluice.quality import summarise_quality
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    status: str
-    finished_at: float
-    queue_wait_ms: float
-    model_ms: float
-    total_ms: float
-    batch_size: int
-    close_reason: str
-    # Quality proxies of the job's output (sluice.quality.proxies), plus `agreement` on a
-    # shadow version's samples.
-    quality: dict[str, Any] = field(default_factory=dict)
-
-
-async def read_samples(redis: aioredis.Redis, model: str, version: str, *, window_s: float,
-                       now: float | None = None) -> list[Sample]:
-    since_ms = int(((now or time.time()) - window_s) * 1000)
-    with translate_redis_errors():
-        entries: list[tuple[bytes, dict[bytes, bytes]]] = await redis.xrange(  # type: ignore[assignment]
-            keys.stats(model, version), min=f"{since_ms}-0", max="+"
-        )
-    samples = []
-    for _, fields in entries:
-        samples.append(Sample(
-            status=fields[b"s"].decode(), finished_at=float(fields[b"t"]), queue_wait_ms=float(fields[b"qw"]),
-            model_ms=float(fields[b"m"]), total_ms=float(fields[b"tt"]), batch_size=int(fields[b"b"]),
-            close_reason=fields[b"r"].decode(), quality=json.loads(fields[b"q"]) if b"q" in fields else {},
-        ))
-    return samples
+from sluice.samples import Sample
 
 
 def _percentiles(values: list[float]) -> dict[str, float | None]:

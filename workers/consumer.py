@@ -6,13 +6,15 @@ waits on a Redis round trip. The runner takes the best batch at the moment the m
 (`MicroBatcher.take`), so under a backlog it gets full, length-matched batches instead of the
 crumbs an eager close at read time would leave. An entry is acknowledged only after its outcome
 is stored; an entry left unacknowledged by a dead worker is taken over with XAUTOCLAIM.
+
+The worker is orchestration only: the stream protocol (reading, claiming, acknowledging, the
+heartbeat) is `sluice.streams`', and storing a batch's outcomes is `workers.results`'.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import random
@@ -20,23 +22,12 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import redis.asyncio as aioredis
 
-from sluice import keys
-from sluice.broker import ensure_groups, events_channel, queue_jobs, translate_redis_errors
+from sluice import events
 from sluice.errors import BrokerError
-from sluice.jobs import (
-    CLAIM_SCRIPT,
-    FINISH_SCRIPT,
-    NOTE_ERROR_SCRIPT,
-    SHADOW_TENANT,
-    JobRecord,
-    JobStatus,
-    new_job_id,
-)
+from sluice.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
 from sluice.metrics import (
     BATCH_CLOSED,
     BATCH_SIZE,
@@ -44,43 +35,23 @@ from sluice.metrics import (
     MODEL_TIME,
     PADDING_RATIO,
     QUEUE_WAIT,
-    SHADOW_COPIES,
 )
-from sluice.quality import agreement, proxies
-from sluice.redact import scrub
+from sluice.streams import DeadLetter, Delivered, StreamConsumer
 from workers.batcher import Batch, Item, MicroBatcher
 from workers.execution import Outcome, run_isolating
 from workers.models.handlers import ModelHandler
+from workers.results import Delivery, ResultWriter
 
 log = logging.getLogger(__name__)
 
-SAMPLES_MAXLEN = 20_000
 # The longest the reader sleeps (blocked on the streams, or napping while the model is busy)
 # before it looks at the stop flag and the prefetch room again.
 READ_BLOCK_MS = 250
-
-Entry = tuple[str, bytes, dict[bytes, bytes]]  # (lane, stream entry id, fields)
-
-
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    """What the batcher carries as an item's payload."""
-
-    job_id: str
-    lane: str
-    input: dict[str, Any]
-    attempts: int
-    shadow: str | None = None  # copy the input to this version once the job succeeds
-    shadow_of: str | None = None  # this job is a shadow copy of that primary job
 
 
 def jittered(delay: float) -> float:
     """Between half and all of a retry delay, so workers cut off together do not retry in step."""
     return delay * random.uniform(0.5, 1.0)
-
-
-def _text(value: bytes | None) -> str | None:
-    return value.decode() if value else None
 
 
 def consumer_name() -> str:
@@ -108,15 +79,12 @@ class Worker:
         top_up: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.redis = redis
         self.model = model
         self.version = version
         self.handler = handler
         self.max_batch_size = max_batch_size
         self.name = name or consumer_name()
-        self.result_ttl_s = result_ttl_s
         self.claim_after_s = claim_after_s
-        self.max_deliveries = max_deliveries
         self.prefetch = prefetch_batches * max_batch_size
         self.shutdown_grace_s = shutdown_grace_s
         self.cold_start_s = cold_start_s
@@ -125,8 +93,10 @@ class Worker:
         # topping up with shorter items raised padding 1.3-2.4x under a backlog (bench/README.md).
         self.batcher = MicroBatcher(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
                                     isolate_tenants=isolate_tenants, top_up=top_up)
-        self.streams = {lane: keys.stream(model, version, lane) for lane in keys.LANES}
-        self._events = events_channel(redis)
+        self.streams = StreamConsumer(redis=redis, model=model, version=version, name=self.name,
+                                      claim_after_s=claim_after_s, max_deliveries=max_deliveries,
+                                      result_ttl_s=result_ttl_s)
+        self.results = ResultWriter(streams=self.streams, result_ttl_s=result_ttl_s)
         self._ready: deque[Batch] = deque()  # drain batches, run before anything else
         self._held: set[str] = set()  # entry ids read and not yet acknowledged
         self._wake_runner = asyncio.Event()
@@ -135,11 +105,8 @@ class Worker:
         self._reading_done = False
         self._stopping = asyncio.Event()
         self._writes: set[asyncio.Task[None]] = set()
-        self._claim = redis.register_script(CLAIM_SCRIPT)
-        self._finish = redis.register_script(FINISH_SCRIPT)
-        self._note_error = redis.register_script(NOTE_ERROR_SCRIPT)
         self._last_claim = 0.0
-        self.state = "starting"
+        self.state = WorkerState.starting
         self.processed = 0
         self.last_batch_size = 0
         self._rate_window: deque[tuple[int, float]] = deque(maxlen=64)  # (items, model seconds)
@@ -150,14 +117,14 @@ class Worker:
         """First signal: stop reading, flush open batches (close reason `drain`), finish, ack."""
         if not self._stopping.is_set():
             log.info("worker %s draining", self.name)
-            self.state = "draining"
+            self.state = WorkerState.draining
             self._stopping.set()
             self._wake_runner.set()
             self._wake_reader.set()
 
     async def run(self) -> None:
-        await ensure_groups(self.redis, self.model, self.version)
-        self.state = "ready"
+        await self.streams.ensure_groups()
+        self.state = WorkerState.ready
         reader = asyncio.create_task(self._read_loop(), name="reader")
         runner = asyncio.create_task(self._run_loop(), name="runner")
         beat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
@@ -176,10 +143,9 @@ class Worker:
             for task in (reader, runner, beat):
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-            self.state = "stopped"
-            with contextlib.suppress(BrokerError), translate_redis_errors():
-                await self.redis.delete(keys.heartbeat(self.model, self.version, self.name))
-                await self.redis.zrem(keys.live_workers(self.model, self.version), self.name)
+            self.state = WorkerState.stopped
+            with contextlib.suppress(BrokerError):
+                await self.streams.leave()
 
     # --- reading and batch formation -----------------------------------------------------------
 
@@ -200,20 +166,17 @@ class Worker:
         # must end the nap at the bottom, not be forgotten.
         self._wake_reader.clear()
         room = self.prefetch - len(self._held)
-        entries: list[Entry] = []
+        entries: list[Delivered] = []
         if room > 0:
             entries = await self._reclaim(room) if self._claim_due() else []
             if not entries:
-                entries = await self._xread({self.streams["online"]: ">"}, room, block=None)
+                entries = await self.streams.read(["online"], count=room, block_ms=None)
             if not entries:
-                entries = await self._xread({self.streams["bulk"]: ">"}, min(room, self.max_batch_size),
-                                            block=None)
+                entries = await self.streams.read(["bulk"], count=min(room, self.max_batch_size), block_ms=None)
             # Only a worker whose model is idle blocks on the streams: a new arrival then goes to
             # a worker that can start it now, not into the prefetch of one whose model is busy.
             if not entries and self._runner_idle:
-                entries = await self._xread(
-                    {self.streams["online"]: ">", self.streams["bulk"]: ">"}, room, block=READ_BLOCK_MS
-                )
+                entries = await self.streams.read(["online", "bulk"], count=room, block_ms=READ_BLOCK_MS)
         if entries:
             await self._accept(entries)
             self._wake_runner.set()
@@ -224,95 +187,48 @@ class Worker:
     def _claim_due(self) -> bool:
         return self.clock() - self._last_claim >= self.claim_after_s / 2
 
-    async def _xread(self, streams: dict[str, str], count: int, block: int | None) -> list[Entry]:
-        with translate_redis_errors():
-            reply = await self.redis.xreadgroup(keys.GROUP, self.name, streams, count=count, block=block)  # type: ignore[arg-type]
-        found = []
-        for stream_name, messages in reply or []:
-            name = stream_name.decode() if isinstance(stream_name, bytes) else stream_name
-            lane = "online" if name == self.streams["online"] else "bulk"
-            for entry_id, fields in messages:
-                if fields:
-                    found.append((lane, entry_id, fields))
-        return found
-
-    async def _reclaim(self, room: int) -> list[Entry]:
+    async def _reclaim(self, room: int) -> list[Delivered]:
         """Take over entries a dead worker left pending for longer than claim_after_s."""
         self._last_claim = self.clock()
-        found: list[Entry] = []
-        for lane, stream_name in self.streams.items():
-            with translate_redis_errors():
-                reply = await self.redis.xautoclaim(
-                    stream_name, keys.GROUP, self.name, min_idle_time=int(self.claim_after_s * 1000),
-                    start_id="0-0", count=max(1, room - len(found)),
-                )
-            for entry_id, fields in reply[1]:
-                if fields:
-                    found.append((lane, entry_id, fields))
-            # Entries trimmed from the stream come back as deleted ids: nothing to acknowledge.
+        found = await self.streams.reclaim(room)
         if found:
             log.info("worker %s took over %d pending entries", self.name, len(found))
         return found
 
-    async def _accept(self, entries: Sequence[Entry]) -> None:
+    async def _accept(self, entries: Sequence[Delivered]) -> None:
         """Claim each job (queued -> running) and hand the runnable ones to the batcher."""
         # XAUTOCLAIM can hand back an entry this worker still holds (a slow model): not twice.
-        entries = [e for e in entries if e[1].decode() not in self._held]
+        entries = [e for e in entries if e.entry_id not in self._held]
         if not entries:
             return
         now = self.clock()
-        with translate_redis_errors():
-            pipe = self.redis.pipeline(transaction=False)
-            for _, _, fields in entries:
-                await self._claim(keys=[keys.job(fields[b"id"].decode()),
-                                        keys.queued_count(fields[b"tenant"].decode()), keys.WEBHOOK_OUTBOX],
-                                  args=[repr(now), self.name, self.max_deliveries], client=pipe)
-            replies = await pipe.execute()
-        settle: list[tuple[str, bytes]] = []
-        events: list[dict[str, Any]] = []
-        dead: list[tuple[str, str]] = []
-        for (lane, entry_id, fields), reply in zip(entries, replies, strict=True):
-            job_id = fields[b"id"].decode()
-            verdict = reply[0].decode()
-            if verdict == "run":
+        claims = await self.streams.claim(entries, now=now)
+        settle: list[Delivered] = []
+        changed: list[events.JobChanged] = []
+        dead: list[DeadLetter] = []
+        for delivered, claim in zip(entries, claims, strict=True):
+            entry = delivered.entry
+            if claim.verdict == "run":
+                assert claim.input is not None
                 item = Item(
-                    id=entry_id.decode(), tenant=fields[b"tenant"].decode(), cost=int(fields[b"cost"]),
-                    enqueued_at=float(fields[b"t"]),
-                    payload=Delivery(job_id=job_id, lane=lane, input=json.loads(reply[1]), attempts=int(reply[2]),
-                                     shadow=_text(fields.get(b"sh")), shadow_of=_text(fields.get(b"so"))),
+                    id=delivered.entry_id, tenant=entry.tenant, cost=entry.cost, enqueued_at=entry.enqueued_at,
+                    payload=Delivery(job_id=entry.job_id, lane=delivered.lane, input=claim.input,
+                                     attempts=claim.attempts, shadow=entry.shadow, shadow_of=entry.shadow_of),
                 )
                 self.batcher.add(item)
                 self._held.add(item.id)
-                events.append({"type": "job", "id": job_id, "status": "running"})
+                changed.append(events.JobChanged(id=entry.job_id, status="running"))
                 continue
-            settle.append((lane, entry_id))
-            if verdict == "expired":
+            settle.append(delivered)
+            if claim.verdict == "expired":
                 JOBS_FINISHED.labels(self.model, self.version, "expired").inc()
-                events.append({"type": "job", "id": job_id, "status": "expired"})
-            elif verdict == "dead":
+                changed.append(events.JobChanged(id=entry.job_id, status="expired"))
+            elif claim.verdict == "dead":
                 JOBS_FINISHED.labels(self.model, self.version, "failed").inc()
-                dead.append((job_id, reply[1].decode() if len(reply) > 1 else ""))
-                events.append({"type": "job", "id": job_id, "status": "failed"})
-        if settle or events:
-            with translate_redis_errors():
-                pipe = self.redis.pipeline(transaction=False)
-                for job_id, last_error in dead:
-                    pipe.xadd(keys.dead_stream(self.model, self.version),
-                              {"id": job_id, "error": last_error[:500], "t": repr(now)}, maxlen=100_000,
-                              approximate=True)
-                for event in events:
-                    pipe.publish(self._events, json.dumps(event, separators=(",", ":")))
-                self._ack(pipe, settle)
-                await pipe.execute()
-
-    def _ack(self, pipe: Any, entries: Sequence[tuple[str, bytes | str]]) -> None:
-        by_lane: dict[str, list[bytes | str]] = {}
-        for lane, entry_id in entries:
-            by_lane.setdefault(lane, []).append(entry_id)
-        for lane, ids in by_lane.items():
-            pipe.xack(self.streams[lane], keys.GROUP, *ids)
-            # Deleting acknowledged entries keeps XLEN equal to the backlog the scheduler reads.
-            pipe.xdel(self.streams[lane], *ids)
+                dead.append(DeadLetter(job_id=entry.job_id, error=claim.last_error, at=now))
+                changed.append(events.JobChanged(id=entry.job_id, status="failed"))
+        if settle or changed:
+            await self.streams.settle(settle, dead=dead, changed=changed)
 
     # --- running ---------------------------------------------------------------------------------
 
@@ -347,7 +263,7 @@ class Worker:
         backoff = 0.05
         while True:
             try:
-                await self._store(batch, outcomes, started, finished, model_ms)
+                await self.results.store(batch, outcomes, started=started, finished=finished, model_ms=model_ms)
                 break
             except BrokerError as exc:
                 # Keep the results and retry: the model's work is not thrown away on a Redis blip.
@@ -375,73 +291,6 @@ class Worker:
         if size - failed:
             JOBS_FINISHED.labels(*labels, "succeeded").inc(size - failed)
 
-    async def _primary_outputs(self, batch: Batch, outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
-        """The primary outputs that shadow copies in this batch are compared with."""
-        wanted = [item.payload.shadow_of for item, outcome in zip(batch.items, outcomes, strict=True)
-                  if item.payload.shadow_of and outcome.error is None]
-        if not wanted:
-            return {}
-        with translate_redis_errors():
-            pipe = self.redis.pipeline(transaction=False)
-            for job_id in wanted:
-                pipe.hget(keys.job(job_id), "output")
-            replies = await pipe.execute()
-        return {job_id: json.loads(raw) for job_id, raw in zip(wanted, replies, strict=True) if raw}
-
-    def _shadow_copy(self, delivery: Delivery, item: Item, now: float) -> JobRecord:
-        SHADOW_COPIES.labels(self.model, self.version).inc()
-        return JobRecord(
-            id=new_job_id(), tenant=SHADOW_TENANT, model=self.model, version=str(delivery.shadow),
-            lane="bulk", status=JobStatus.queued, input=delivery.input, cost=item.cost, enqueued_at=now,
-            shadow_of=delivery.job_id,
-        )
-
-    async def _store(self, batch: Batch, outcomes: list[Outcome], started: float, finished: float,
-                     model_ms: float) -> None:
-        size = str(len(batch.items))
-        primaries = await self._primary_outputs(batch, outcomes)
-        copies: list[JobRecord] = []
-        with translate_redis_errors():
-            pipe = self.redis.pipeline(transaction=False)
-            for item, outcome in zip(batch.items, outcomes, strict=True):
-                delivery: Delivery = item.payload
-                status = "succeeded" if outcome.error is None else "failed"
-                output = json.dumps(outcome.output, separators=(",", ":")) if outcome.output is not None else ""
-                error = json.dumps(outcome.error, separators=(",", ":")) if outcome.error is not None else ""
-                await self._finish(
-                    keys=[keys.job(delivery.job_id), keys.WEBHOOK_OUTBOX],
-                    args=[status, output, error, repr(finished), repr(model_ms), size, batch.close_reason,
-                          self.result_ttl_s, repr(started)],
-                    client=pipe,
-                )
-                sample = {
-                    "s": status, "t": repr(finished), "qw": repr(round((started - item.enqueued_at) * 1000, 3)),
-                    "m": repr(model_ms), "tt": repr(round((finished - item.enqueued_at) * 1000, 3)),
-                    "b": size, "r": batch.close_reason,
-                }
-                if outcome.error is None:
-                    proxy = proxies(outcome.output, encoded_size=len(output))
-                    primary = primaries.get(delivery.shadow_of or "")
-                    if primary is not None and outcome.output is not None:
-                        agreed = agreement(primary, outcome.output)
-                        if agreed is not None:
-                            proxy["agreement"] = agreed
-                    sample["q"] = json.dumps(proxy, separators=(",", ":"))
-                    if delivery.shadow:
-                        copies.append(self._shadow_copy(delivery, item, finished))
-                if not delivery.shadow_of:
-                    pipe.publish(self._events,
-                                 json.dumps({"type": "job", "id": delivery.job_id, "status": status}))
-                pipe.xadd(keys.stats(self.model, self.version), sample,  # type: ignore[arg-type]
-                          maxlen=SAMPLES_MAXLEN, approximate=True)
-            queue_jobs(pipe, copies, result_ttl_s=self.result_ttl_s)
-            self._ack(pipe, [(item.payload.lane, item.id) for item in batch.items])
-            await pipe.execute()
-
-    async def note_error(self, job_id: str, message: str) -> None:
-        with translate_redis_errors():
-            await self._note_error(keys=[keys.job(job_id)], args=[scrub(message)[:500]])
-
     # --- heartbeat ---------------------------------------------------------------------------------
 
     def items_per_s(self) -> float:
@@ -450,20 +299,11 @@ class Worker:
         busy = sum(seconds for _, seconds in self._rate_window)
         return sum(n for n, _ in self._rate_window) / busy if busy > 0 else 0.0
 
-    async def _heartbeat_loop(self, every_s: float = 2.0) -> None:
-        key = keys.heartbeat(self.model, self.version, self.name)
-        live = keys.live_workers(self.model, self.version)
+    async def _heartbeat_loop(self) -> None:
         while True:
-            with contextlib.suppress(BrokerError), translate_redis_errors():
-                now = self.clock()
-                pipe = self.redis.pipeline(transaction=False)
-                pipe.hset(key, mapping={
-                    "state": self.state, "items_per_s": f"{self.items_per_s():.3f}",
-                    "batch_size": str(self.last_batch_size), "cold_start_s": f"{self.cold_start_s:.3f}",
-                    "processed": str(self.processed), "pid": str(os.getpid()), "at": repr(now),
-                })
-                pipe.expire(key, int(every_s * 5))
-                pipe.zadd(live, {self.name: now})
-                pipe.zremrangebyscore(live, "-inf", now - every_s * 5)
-                await pipe.execute()
-            await asyncio.sleep(every_s)
+            with contextlib.suppress(BrokerError):
+                await self.streams.beat(Heartbeat(
+                    state=self.state, items_per_s=self.items_per_s(), batch_size=self.last_batch_size,
+                    cold_start_s=self.cold_start_s, processed=self.processed, pid=os.getpid(), at=self.clock(),
+                ))
+            await asyncio.sleep(BEAT_EVERY_S)

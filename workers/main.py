@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 
-from sluice import broker as broker_mod
+from sluice.connections import connect
 from sluice.errors import ArtifactError, SluiceError
 from sluice.metrics import COLD_START, WORKER_STATE
 from sluice.registry import queries
@@ -65,7 +65,7 @@ def run_worker(*, settings: Settings, model: str, version: str, threads: int | N
     log.info("worker for %s/%s ready after %.2fs cold start (threads=%s)", model, version, cold_start_s, threads)
 
     async def main() -> None:
-        redis = broker_mod.connect(settings.require_redis_url(), max_connections=8)
+        redis = connect(settings.require_redis_url(), max_connections=8)
         worker = Worker(
             redis=redis, model=model, version=version, handler=handler,
             max_batch_size=row.max_batch_size, max_wait_ms=row.max_wait_ms,

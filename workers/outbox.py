@@ -1,7 +1,7 @@
 """The webhook relay: outbox stream entries in, Celery tasks out.
 
 The scripts that make a job final append `{delivery, job}` to `keys.WEBHOOK_OUTBOX` in the same
-atomic step (sluice/jobs.py). The relay reads that stream with the `relay` consumer group,
+atomic step (`sluice.outbox`). The relay reads that stream with the `relay` consumer group,
 publishes one `deliver_webhook` task per entry with the delivery id as the task id, and only then
 acknowledges the entry, so a relay that dies in between leaves the entry pending and another
 relay takes it over with XAUTOCLAIM. Such an entry may be published twice; the task is a no-op
@@ -22,8 +22,9 @@ from collections.abc import Callable, Sequence
 import redis.asyncio as aioredis
 
 from sluice import keys
-from sluice.broker import translate_redis_errors
+from sluice.connections import translate_redis_errors
 from sluice.errors import BrokerError
+from sluice.outbox import OutboxEntry
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +108,9 @@ class OutboxRelay:
         published: list[bytes] = []
         try:
             for entry_id, fields in entries:
-                delivery, job = fields.get(b"delivery"), fields.get(b"job")
-                if delivery and job:
-                    await asyncio.to_thread(self.publish, delivery.decode(), job.decode())
+                entry = OutboxEntry.from_fields(fields)
+                if entry is not None:
+                    await asyncio.to_thread(self.publish, entry.delivery_id, entry.job_id)
                 else:
                     log.warning("relay %s: dropping malformed outbox entry %s", self.name, entry_id.decode())
                 published.append(entry_id)

@@ -36,8 +36,8 @@ import redis as redis_sync
 from celery import Celery, Task, bootsteps, signals
 from kombu.exceptions import KombuError
 
-from sluice import broker, keys
-from sluice.broker import translate_redis_errors
+from sluice import keys
+from sluice.connections import connect, translate_redis_errors
 from sluice.errors import BrokerError, BrokerUnavailable, SluiceError
 from sluice.jobs import JobRecord
 from sluice.redact import RedactingFilter, scrub
@@ -402,7 +402,7 @@ def _relay_step(runtime: _Runtime, publish: Callable[[str, str], None]) -> type[
 
         def start(self, parent: Any) -> None:
             settings = runtime.settings
-            client = broker.connect(settings.require_redis_url(), max_connections=4)
+            client = connect(settings.require_redis_url(), max_connections=4)
             relay = OutboxRelay(redis=client, publish=publish, claim_after_s=settings.claim_after_s)
 
             async def serve() -> None:

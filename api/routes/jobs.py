@@ -14,9 +14,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
 
 from api.deps import AppState, CurrentKey, StateDep
-from sluice import keys
-from sluice.broker import translate_redis_errors
 from sluice.errors import Conflict, InvalidInput, PayloadTooLarge, ServiceUnavailable, TooManyRequests
+from sluice.idempotency import IdempotencyClaim
 from sluice.jobs import JobRecord, JobStatus, new_job_id
 from sluice.kinds import ModelKind, validate_input
 from sluice.metrics import JOBS_REJECTED, JOBS_SUBMITTED
@@ -60,30 +59,13 @@ def _request_hash(model: str, body: BaseModel) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-async def _replay(
-    state: AppState, key: KeyInfo, idempotency_key: str | None, request_hash: str
-) -> tuple[str, list[str] | None]:
-    """Claim the Idempotency-Key, or answer the job ids it already names (409 on another body)."""
+async def _claim_key(state: AppState, key: KeyInfo, idempotency_key: str | None,
+                     request_hash: str) -> IdempotencyClaim | None:
     if not idempotency_key:
-        return "", None
+        return None
     if len(idempotency_key) > 255:
         raise InvalidInput("Idempotency-Key must be at most 255 characters")
-    redis_key = keys.idempotency(key.tenant, hashlib.sha256(idempotency_key.encode()).hexdigest())
-    with translate_redis_errors():
-        claimed = await state.broker.redis.set(
-            redis_key, json.dumps({"hash": request_hash, "ids": None}), nx=True,
-            ex=state.settings.idempotency_ttl_s,
-        )
-        if claimed:
-            return redis_key, None
-        stored = await state.broker.redis.get(redis_key)
-    previous = json.loads(stored) if stored else {"hash": request_hash, "ids": None}
-    if previous["hash"] != request_hash:
-        raise Conflict("this Idempotency-Key was already used with a different request body")
-    if previous["ids"] is None:
-        raise Conflict("a request with this Idempotency-Key is still being processed",
-                       headers={"Retry-After": "1"})
-    return redis_key, list(previous["ids"])
+    return await state.broker.claim_idempotency_key(key.tenant, idempotency_key, request_hash)
 
 
 async def _admit(
@@ -112,17 +94,16 @@ async def _admit(
         raise ServiceUnavailable("this API replica is shutting down; retry", headers={"Retry-After": "1"})
     decision = route(snapshot, model=model, tenant=key.tenant, routing_key=options.routing_key,
                      version=options.version, blocked=state.breakers.blocked(model))
-    redis_key, replayed = await _replay(state, key, idempotency_key, request_hash)
-    if replayed is not None:
-        records = [r for r in [await state.broker.get(i) for i in replayed] if r is not None]
+    claim = await _claim_key(state, key, idempotency_key, request_hash)
+    if claim is not None and claim.replay is not None:
+        records = [r for r in [await state.broker.get(i) for i in claim.replay] if r is not None]
         return records, True
     try:
         await state.admission.admit(key, decision.version, lane=options.lane, count=len(validated))
     except TooManyRequests as exc:
         JOBS_REJECTED.labels(model, exc.code).inc()
-        if redis_key:
-            with translate_redis_errors():
-                await state.broker.redis.delete(redis_key)
+        if claim is not None:
+            await state.broker.release_idempotency_key(claim)
         raise
     now = time.time()
     records = []
@@ -139,18 +120,13 @@ async def _admit(
     try:
         await state.broker.enqueue(records)
     except BaseException:
-        if redis_key:
-            with translate_redis_errors():
-                await state.broker.redis.delete(redis_key)
+        if claim is not None:
+            await state.broker.release_idempotency_key(claim)
         raise
     finally:
         state.admission.written(decision.version, lane=options.lane, count=len(records))
-    if redis_key:
-        with translate_redis_errors():
-            await state.broker.redis.set(
-                redis_key, json.dumps({"hash": request_hash, "ids": [r.id for r in records]}),
-                ex=state.settings.idempotency_ttl_s,
-            )
+    if claim is not None:
+        await state.broker.complete_idempotency_key(claim, request_hash, [r.id for r in records])
     JOBS_SUBMITTED.labels(model, decision.version.version, options.lane).inc(len(records))
     return records, False
 

@@ -9,10 +9,10 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import AdminKey, AppState, CurrentKey, StateDep
-from sluice.broker import announce_routing as publish_routing
+from sluice import events
 from sluice.errors import NotFound
 from sluice.registry import queries
-from sluice.stats import read_samples, summarise
+from sluice.stats import summarise
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
@@ -66,7 +66,7 @@ class SetRouting(BaseModel):
 async def announce_routing(state: AppState, model: str) -> None:
     """Reload this replica's routing now, then tell the others (and the scheduler)."""
     await state.routing.reload()
-    await publish_routing(state.broker.redis, model)
+    await state.broker.publish(events.RoutingChanged(model=model))
 
 
 @router.get("")
@@ -181,5 +181,5 @@ async def version_stats(
     """Exact percentiles over the finished jobs of one version in the window (never blended)."""
     if version not in state.routing.current().model(model).versions:
         raise NotFound(f"model '{model}' has no version '{version}'")
-    samples = await read_samples(state.broker.redis, model, version, window_s=window_s)
+    samples = await state.broker.samples(model, version, window_s=window_s)
     return {"model": model, "version": version, **summarise(samples, window_s=window_s)}

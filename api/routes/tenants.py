@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import AdminKey, StateDep
 from api.routes.models import Name, announce_routing
+from sluice import events
 from sluice.registry import queries
 
 router = APIRouter(prefix="/v1", tags=["tenants"])
@@ -72,7 +73,7 @@ async def revoke_key(key_id: str, key: AdminKey, state: StateDep) -> dict[str, A
 
     key_hash = await to_thread.run_sync(write)
     state.auth.forget(key_hash)
-    await state.broker.publish({"type": "key.revoked", "key_hash": key_hash})
+    await state.broker.publish(events.KeyRevoked(key_hash=key_hash))
     return {"id": key_id, "revoked": True}
 
 

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from scheduler.rollout import RolloutController
-from sluice import broker as broker_mod
+from sluice import connections, events
 from sluice.registry import rollouts
 from sluice.registry.store import Registry
 from tests.support import REPO, unique
@@ -73,9 +73,9 @@ def test_a_confidently_wrong_canary_at_5_percent_is_rolled_back(
                                             now=datetime.now(UTC)).id
 
     async def drive() -> tuple[str, Any]:
-        client = broker_mod.connect(redis_url)
+        client = connections.connect(redis_url)
         try:
-            await broker_mod.announce_routing(client, model)
+            await events.announce_routing(client, model)
             controller = RolloutController(registry=registry, redis=client)
             texts = _skewed_texts(6000, seed=11)
             sent, deadline = 0, time.monotonic() + 240

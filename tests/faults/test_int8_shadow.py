@@ -15,10 +15,10 @@ import pytest
 from bench.common import skewed_texts
 from scheduler.guardrails import SHADOW_STEP, Policy, Position, decide
 from scheduler.rollout import RolloutController, evidence_from_samples
-from sluice import broker as broker_mod
+from sluice import connections
 from sluice.registry import rollouts
 from sluice.registry.store import Registry
-from sluice.stats import read_samples
+from sluice.samples import read_samples
 from tests.support import unique
 
 JOBS = 160
@@ -61,7 +61,7 @@ def test_int8_is_promoted_from_shadow_only_when_agreement_clears_the_bar(
         assert started.step_index == SHADOW_STEP
 
     async def look() -> tuple[Any, Any]:
-        client = broker_mod.connect(redis_url)
+        client = connections.connect(redis_url)
         try:
             deadline = time.monotonic() + 60
             while True:

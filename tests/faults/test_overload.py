@@ -21,7 +21,7 @@ import redis
 from sqlalchemy import update
 
 from sluice import keys
-from sluice.broker import events_channel
+from sluice.events import channel as events_channel
 from sluice.registry.store import Registry
 from sluice.registry.tables import ModelVersion
 from tests.support import spawn_worker

@@ -7,12 +7,17 @@ import asyncio
 import time
 
 from api.admission import Admission
-from sluice import broker as broker_mod
-from sluice import keys
+from sluice import connections, heartbeats
 from sluice.errors import TooManyRequests
+from sluice.heartbeats import Heartbeat, WorkerState
 from sluice.registry.queries import KeyInfo
 from sluice.routing import VersionInfo
 from tests.support import unique
+
+
+def _serving(*, items_per_s: float) -> Heartbeat:
+    return Heartbeat(state=WorkerState.ready, items_per_s=items_per_s, batch_size=1, cold_start_s=0.0, processed=0,
+                     pid=1, at=time.time())
 
 
 def test_a_concurrent_burst_admits_only_what_the_budget_allows(redis_url: str) -> None:
@@ -22,11 +27,10 @@ def test_a_concurrent_burst_admits_only_what_the_budget_allows(redis_url: str) -
     key = KeyInfo(key_id="k", tenant=unique("t"), is_admin=False)
 
     async def burst() -> int:
-        client = broker_mod.connect(redis_url)
+        client = connections.connect(redis_url)
         try:
             # One live worker serving 10 jobs/s and an empty backlog: a 1 s budget holds 10 jobs.
-            await client.zadd(keys.live_workers(model, "v1"), {"w1": time.time()})
-            await client.hset(keys.heartbeat(model, "v1", "w1"), mapping={"items_per_s": "10"})
+            await heartbeats.beat(client, model, "v1", "w1", _serving(items_per_s=10.0))
             admission = Admission(redis=client)
 
             async def one() -> bool:
@@ -50,10 +54,9 @@ def test_jobs_admitted_but_not_yet_in_the_stream_count_against_the_budget(redis_
     key = KeyInfo(key_id="k", tenant=unique("t"), is_admin=False)
 
     async def admitted_before_refusal() -> tuple[int, bool]:
-        client = broker_mod.connect(redis_url)
+        client = connections.connect(redis_url)
         try:
-            await client.zadd(keys.live_workers(model, "v1"), {"w1": time.time()})
-            await client.hset(keys.heartbeat(model, "v1", "w1"), mapping={"items_per_s": "10"})
+            await heartbeats.beat(client, model, "v1", "w1", _serving(items_per_s=10.0))
             # No load cache: every admission reads the backlog, which never shows these jobs.
             admission = Admission(redis=client, load_cache_s=0.0)
             admitted = 0

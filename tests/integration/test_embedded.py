@@ -201,7 +201,7 @@ def test_stale_pid_files_pointing_at_unrelated_processes(home: Path) -> None:
 
 
 def test_a_busy_home_is_refused_and_a_port_in_use_is_reported(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from sluice import embedded
+    from launch import embedded
     from sluice.errors import BrokerUnavailable, RegistryUnavailable
 
     stores = start_embedded(home=home, redis_url=None, database_url=None)
@@ -222,7 +222,7 @@ def test_a_busy_home_is_refused_and_a_port_in_use_is_reported(home: Path, monkey
 
 
 def test_a_free_port_taken_before_the_server_binds_it_is_retried(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from sluice import embedded
+    from launch import embedded
 
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))

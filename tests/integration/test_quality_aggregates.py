@@ -9,8 +9,7 @@ from collections.abc import Callable
 import redis
 
 from scheduler.quality import QualityAggregator
-from sluice import broker as broker_mod
-from sluice import keys
+from sluice import connections, keys
 from sluice.registry import quality
 from sluice.registry.store import Registry
 
@@ -36,7 +35,7 @@ def test_a_closed_window_is_stored_once_with_its_quality_proxies(
     _sample(rds, model, NOW - 10, ok=True, label="open", top_p=0.1)  # the window still open
 
     async def flush_twice() -> tuple[int, int]:
-        client = broker_mod.connect(redis_url)
+        client = connections.connect(redis_url)
         try:
             aggregator = QualityAggregator(registry=registry, redis=client, window_s=WINDOW_S, clock=lambda: NOW)
             return await aggregator.flush(), await aggregator.flush()

@@ -26,8 +26,9 @@ from launch.cli import app
 from scheduler.guardrails import Policy
 from scheduler.rollout import Look, RolloutController
 from sluice import keys
-from sluice.broker import connect, events_channel
+from sluice.connections import connect
 from sluice.errors import BadRequest, Conflict
+from sluice.events import channel as events_channel
 from sluice.registry import queries, rollouts
 from sluice.registry.store import Registry
 from sluice.registry.tables import AuditEntry, Rollout, RolloutDecision

@@ -32,12 +32,13 @@ import redis
 
 from launch.seed import Seeded
 from sluice import keys
-from sluice.broker import connect
+from sluice.connections import connect
 from sluice.errors import BrokerUnavailable
-from sluice.jobs import CLAIM_SCRIPT, FINISH_SCRIPT, JobRecord, JobStatus, new_job_id
+from sluice.jobs import JobRecord, JobStatus, new_job_id
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.settings import Settings
+from sluice.streams import CLAIM_SCRIPT, FINISH_SCRIPT
 from sluice.webhooks import verify
 from tests.support import REPO, ApiServer, http_client, serving, spawn_worker, stop_process, wait_until
 from workers.outbox import OutboxRelay

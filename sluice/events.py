@@ -1,0 +1,82 @@
+"""The events channel: what crosses `sluice:events`, and its one codec.
+
+Job events wake long-polls and server-sent event streams; control events make every API replica
+and the scheduler reload routing at once, or forget a revoked key. Delivery is best effort (pub/sub
+keeps nothing): every listener also refreshes on a timer, and a listener that reconnects treats
+the gap as a `Resync`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from sluice import keys
+from sluice.connections import translate_redis_errors
+
+
+@dataclass(frozen=True, slots=True)
+class JobChanged:
+    """A job's status changed (running, or a final state)."""
+
+    id: str
+    status: str
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingChanged:
+    """A model's routing (weights, pins, version states) changed in the registry."""
+
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRevoked:
+    key_hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class Resync:
+    """Never sent: a listener makes it after a gap in its subscription, when it may have missed
+    anything."""
+
+
+Event = JobChanged | RoutingChanged | KeyRevoked | Resync
+
+_TYPES: dict[str, type[JobChanged | RoutingChanged | KeyRevoked]] = {
+    "job": JobChanged, "routing": RoutingChanged, "key.revoked": KeyRevoked,
+}
+_NAMES = {cls: name for name, cls in _TYPES.items()}
+
+
+def encode(event: JobChanged | RoutingChanged | KeyRevoked) -> str:
+    return json.dumps({"type": _NAMES[type(event)], **asdict(event)}, separators=(",", ":"))
+
+
+def parse(data: bytes | str) -> Event | None:
+    """The event in a message, or None for anything this version does not know or cannot read."""
+    try:
+        message = json.loads(data)
+        cls = _TYPES[message["type"]]
+        return cls(**{field.name: str(message[field.name]) for field in fields(cls)})
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def channel(redis: aioredis.Redis | Any) -> str:
+    """The events channel of the database this client talks to (sync or asyncio client)."""
+    return keys.events_channel(int(redis.connection_pool.connection_kwargs.get("db", 0)))
+
+
+async def publish(redis: aioredis.Redis, event: JobChanged | RoutingChanged | KeyRevoked) -> None:
+    with translate_redis_errors():
+        await redis.publish(channel(redis), encode(event))
+
+
+async def announce_routing(redis: aioredis.Redis, model: str) -> None:
+    """Tell every API replica and the scheduler that a model's routing changed (the API, the CLI and
+    the rollout controller all call this); their periodic reload is the safety net."""
+    await publish(redis, RoutingChanged(model=model))

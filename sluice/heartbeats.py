@@ -1,0 +1,107 @@
+"""Worker heartbeats: a hash per worker, and a sorted set of the version's live workers.
+
+A worker beats every `BEAT_EVERY_S`; one silent for `LIVE_WITHIN_S` is dead to every reader
+(admission's service rate, the circuit breakers, the rollout controller, the launcher). The sorted
+set maps worker name -> time of its last beat, so readers count live workers without a SCAN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from sluice import keys
+from sluice.connections import translate_redis_errors
+
+BEAT_EVERY_S = 2.0
+# Five missed beats: a worker busy on a long batch still beats (from its own task), so silence
+# this long means the process is gone or cut off.
+LIVE_WITHIN_S = 5 * BEAT_EVERY_S
+
+
+class WorkerState(StrEnum):
+    starting = "starting"
+    ready = "ready"
+    draining = "draining"
+    stopped = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    state: WorkerState
+    # Service capacity while busy (items per model-second), not wall-clock throughput.
+    items_per_s: float
+    batch_size: int
+    cold_start_s: float
+    processed: int
+    pid: int
+    at: float
+
+    def to_fields(self) -> dict[str, str]:
+        return {
+            "state": self.state.value, "items_per_s": f"{self.items_per_s:.3f}", "batch_size": str(self.batch_size),
+            "cold_start_s": f"{self.cold_start_s:.3f}", "processed": str(self.processed), "pid": str(self.pid),
+            "at": repr(self.at),
+        }
+
+    @classmethod
+    def from_fields(cls, raw: Mapping[Any, Any]) -> Heartbeat:
+        data = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+                for k, v in raw.items()}
+        return cls(state=WorkerState(data["state"]), items_per_s=float(data["items_per_s"]),
+                   batch_size=int(data["batch_size"]), cold_start_s=float(data["cold_start_s"]),
+                   processed=int(data["processed"]), pid=int(data["pid"]), at=float(data["at"]))
+
+
+def live_since(now: float) -> float:
+    """The oldest last beat that still counts as live at `now`."""
+    return now - LIVE_WITHIN_S
+
+
+async def beat(redis: aioredis.Redis, model: str, version: str, worker: str, heartbeat: Heartbeat) -> None:
+    key = keys.heartbeat(model, version, worker)
+    live = keys.live_workers(model, version)
+    with translate_redis_errors():
+        pipe = redis.pipeline(transaction=False)
+        pipe.hset(key, mapping=heartbeat.to_fields())  # type: ignore[arg-type]
+        pipe.expire(key, int(LIVE_WITHIN_S))
+        pipe.zadd(live, {worker: heartbeat.at})
+        pipe.zremrangebyscore(live, "-inf", live_since(heartbeat.at))
+        await pipe.execute()
+
+
+async def forget(redis: aioredis.Redis, model: str, version: str, worker: str) -> None:
+    """A worker that stops says so at once, rather than being counted live until its beats age out."""
+    with translate_redis_errors():
+        pipe = redis.pipeline(transaction=False)
+        pipe.delete(keys.heartbeat(model, version, worker))
+        pipe.zrem(keys.live_workers(model, version), worker)
+        await pipe.execute()
+
+
+def queue_live_count(pipe: Any, model: str, version: str, *, now: float) -> None:
+    """Add the count of the version's live workers to a pipeline (its reply is an int)."""
+    pipe.zcount(keys.live_workers(model, version), live_since(now), "+inf")
+
+
+async def live_count(redis: aioredis.Redis, model: str, version: str, *, now: float) -> int:
+    with translate_redis_errors():
+        return int(await redis.zcount(keys.live_workers(model, version), live_since(now), "+inf"))
+
+
+async def live_heartbeats(redis: aioredis.Redis, model: str, version: str, *, now: float) -> list[Heartbeat]:
+    """The last beat of every live worker of the version (a worker gone meanwhile is left out)."""
+    with translate_redis_errors():
+        names: list[bytes] = await redis.zrangebyscore(  # type: ignore[assignment]
+            keys.live_workers(model, version), live_since(now), "+inf")
+        if not names:
+            return []
+        pipe = redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hgetall(keys.heartbeat(model, version, name.decode()))
+        replies = await pipe.execute()
+    return [Heartbeat.from_fields(raw) for raw in replies if raw]

@@ -1,0 +1,319 @@
+"""The stream protocol of one model version: what its streams carry and how they are consumed.
+
+This module owns the `workers` consumer group end to end, as dramatiq's RedisBroker owns its
+consumer: queueing a job (record, then entry), reading with the group, reclaiming what a dead
+consumer left pending, claiming an entry's job (queued -> running), finishing it, noting an error,
+dead-lettering and acknowledging, and the Lua scripts behind the transitions. The job record's
+fields are `sluice.jobs`'; the heartbeat is `sluice.heartbeats`'.
+
+Transitions run in small scripts so that a cancel racing a worker, or a job delivered twice, still
+ends with exactly one final record: a final state is never overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from sluice import events, heartbeats, keys
+from sluice.connections import translate_redis_errors
+from sluice.errors import BrokerError
+from sluice.jobs import JobRecord
+from sluice.keys import Lane
+from sluice.outbox import QUEUE_WEBHOOK
+from sluice.redact import scrub
+
+DEAD_LETTER_MAXLEN = 100_000
+
+# KEYS[1] job hash, KEYS[2] the tenant's queued counter, KEYS[3] the webhook outbox; ARGV: now,
+# worker, max_deliveries. Moves queued/running -> running and hands back the input. A job already
+# final answers its state and is not re-run; one past its deadline becomes `expired`, one
+# delivered max_deliveries times becomes `failed` (the caller dead-letters it).
+CLAIM_SCRIPT = QUEUE_WEBHOOK + """
+local s = redis.call('HGET', KEYS[1], 'status')
+if not s then return {'missing'} end
+if s ~= 'queued' and s ~= 'running' then return {s} end
+if s == 'queued' and tonumber(redis.call('DECR', KEYS[2])) < 0 then redis.call('SET', KEYS[2], 0) end
+local deadline = tonumber(redis.call('HGET', KEYS[1], 'deadline') or '')
+if deadline and tonumber(ARGV[1]) > deadline then
+  redis.call('HSET', KEYS[1], 'status', 'expired', 'finished_at', ARGV[1],
+    'error', '{"code":"expired","message":"the job deadline passed before it started"}')
+  queue_webhook(KEYS[1], KEYS[3])
+  return {'expired'}
+end
+local attempts = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0')
+if attempts >= tonumber(ARGV[3]) then
+  local last = redis.call('HGET', KEYS[1], 'last_error') or 'its worker died while running it'
+  redis.call('HSET', KEYS[1], 'status', 'failed', 'finished_at', ARGV[1],
+    'error', cjson.encode({code='max_deliveries',
+      message='delivered ' .. attempts .. ' times without finishing; last error: ' .. last}))
+  queue_webhook(KEYS[1], KEYS[3])
+  return {'dead', last}
+end
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2])
+redis.call('HINCRBY', KEYS[1], 'attempts', 1)
+return {'run', redis.call('HGET', KEYS[1], 'input'), tostring(attempts + 1)}
+"""
+
+# KEYS[1] job hash, KEYS[2] the webhook outbox; ARGV: status, output-or-'', error-or-'',
+# finished_at, model_ms, batch_size, close_reason, ttl_s, started_at. Writes the outcome once; a
+# second delivery of a finished job is a no-op, so a job processed twice still has one final
+# record (and one webhook).
+FINISH_SCRIPT = QUEUE_WEBHOOK + """
+local s = redis.call('HGET', KEYS[1], 'status')
+if not s then return 0 end
+if s ~= 'queued' and s ~= 'running' then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[1], 'finished_at', ARGV[4], 'model_ms', ARGV[5],
+  'batch_size', ARGV[6], 'close_reason', ARGV[7], 'started_at', ARGV[9])
+if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'output', ARGV[2]) end
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[3]) end
+queue_webhook(KEYS[1], KEYS[2])
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[8]))
+return 1
+"""
+
+# KEYS[1] job hash; ARGV: message. Remembered so that dead-lettering can say why.
+NOTE_ERROR_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'last_error', ARGV[1]) end
+return 1
+"""
+
+# KEYS[1] job hash, KEYS[2] the tenant's queued counter, KEYS[3] the webhook outbox; ARGV: now.
+# Only a queued job can be cancelled: answers 'ok', or the state that prevents it (an already
+# cancelled job included).
+CANCEL_SCRIPT = QUEUE_WEBHOOK + """
+local s = redis.call('HGET', KEYS[1], 'status')
+if not s then return 'missing' end
+if s ~= 'queued' then return s end
+if tonumber(redis.call('DECR', KEYS[2])) < 0 then redis.call('SET', KEYS[2], 0) end
+redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[1])
+queue_webhook(KEYS[1], KEYS[3])
+return 'ok'
+"""
+
+
+def _text(value: bytes | str | None) -> str | None:
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEntry:
+    """What a lane's stream carries: enough to batch without reading the job record."""
+
+    job_id: str
+    tenant: str
+    cost: int
+    enqueued_at: float
+    shadow: str | None = None  # copy the input to this version once the job succeeds
+    shadow_of: str | None = None  # this job is a shadow copy of that primary job
+
+    @classmethod
+    def of(cls, record: JobRecord) -> StreamEntry:
+        return cls(job_id=record.id, tenant=record.tenant, cost=record.cost, enqueued_at=record.enqueued_at,
+                   shadow=record.shadow, shadow_of=record.shadow_of)
+
+    def to_fields(self) -> dict[str, str]:
+        fields = {"id": self.job_id, "tenant": self.tenant, "cost": str(self.cost), "t": repr(self.enqueued_at)}
+        if self.shadow:
+            fields["sh"] = self.shadow
+        if self.shadow_of:
+            fields["so"] = self.shadow_of
+        return fields
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[bytes, bytes]) -> StreamEntry:
+        return cls(job_id=fields[b"id"].decode(), tenant=fields[b"tenant"].decode(), cost=int(fields[b"cost"]),
+                   enqueued_at=float(fields[b"t"]), shadow=_text(fields.get(b"sh")) or None,
+                   shadow_of=_text(fields.get(b"so")) or None)
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """An entry of `keys.dead_stream`: a job given up after max_deliveries, with the last error."""
+
+    job_id: str
+    error: str
+    at: float
+
+    def to_fields(self) -> dict[str, str]:
+        return {"id": self.job_id, "error": self.error[:500], "t": repr(self.at)}
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[bytes, bytes]) -> DeadLetter:
+        return cls(job_id=fields[b"id"].decode(), error=fields[b"error"].decode(), at=float(fields[b"t"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """An entry as the group delivered it to this consumer."""
+
+    lane: Lane
+    entry_id: str
+    entry: StreamEntry
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The claim script's verdict on one entry: `run` (with the job's input and attempt number),
+    `expired`, `dead` (with the last error), `missing`, or the final state the job already has."""
+
+    verdict: str
+    input: dict[str, Any] | None = None
+    attempts: int = 0
+    last_error: str = ""
+
+
+def queue_jobs(pipe: Any, records: Sequence[JobRecord], *, result_ttl_s: int) -> None:
+    """Add the commands that queue `records` to a pipeline (the API's submit, a worker's shadow copy).
+
+    The record goes first: a worker that reads the entry must always find the job.
+    """
+    for record in records:
+        key = keys.job(record.id)
+        pipe.hset(key, mapping=record.to_redis())
+        pipe.expire(key, result_ttl_s)
+    per_tenant: dict[str, int] = {}
+    for record in records:
+        per_tenant[record.tenant] = per_tenant.get(record.tenant, 0) + 1
+    for tenant, count in per_tenant.items():
+        pipe.incrby(keys.queued_count(tenant), count)
+    for record in records:
+        pipe.xadd(keys.stream(record.model, record.version, record.lane), StreamEntry.of(record).to_fields())  # type: ignore[arg-type]
+
+
+async def ensure_groups(redis: aioredis.Redis, model: str, version: str) -> None:
+    """Create the consumer group on both lanes (and the streams) if missing."""
+    for lane in keys.LANES:
+        try:
+            with translate_redis_errors():
+                await redis.xgroup_create(keys.stream(model, version, lane), keys.GROUP, id="0", mkstream=True)
+        except BrokerError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+
+class StreamConsumer:
+    """One consumer (one worker process) of one version's lanes in the `workers` group."""
+
+    def __init__(
+        self,
+        *,
+        redis: aioredis.Redis,
+        model: str,
+        version: str,
+        name: str,
+        claim_after_s: float,
+        max_deliveries: int,
+        result_ttl_s: int,
+    ) -> None:
+        self.redis = redis
+        self.model = model
+        self.version = version
+        self.name = name
+        self.claim_after_s = claim_after_s
+        self.max_deliveries = max_deliveries
+        self.result_ttl_s = result_ttl_s
+        self.streams: dict[Lane, str] = {lane: keys.stream(model, version, lane) for lane in keys.LANES}
+        self._lanes = {name: lane for lane, name in self.streams.items()}
+        self._events = events.channel(redis)
+        self._claim = redis.register_script(CLAIM_SCRIPT)
+        self._finish = redis.register_script(FINISH_SCRIPT)
+        self._note_error = redis.register_script(NOTE_ERROR_SCRIPT)
+
+    async def ensure_groups(self) -> None:
+        await ensure_groups(self.redis, self.model, self.version)
+
+    async def read(self, lanes: Sequence[Lane], *, count: int, block_ms: int | None) -> list[Delivered]:
+        """New entries of `lanes` (in that order of preference when several have some)."""
+        with translate_redis_errors():
+            reply: list[Any] = await self.redis.xreadgroup(  # type: ignore[assignment]
+                keys.GROUP, self.name, {self.streams[lane]: ">" for lane in lanes}, count=count, block=block_ms)
+        found: list[Delivered] = []
+        for stream_name, messages in reply or []:
+            lane = self._lanes[_text(stream_name) or ""]
+            found.extend(Delivered(lane, entry_id.decode(), StreamEntry.from_fields(fields))
+                         for entry_id, fields in messages if fields)
+        return found
+
+    async def reclaim(self, count: int) -> list[Delivered]:
+        """Take over entries a dead consumer left pending for longer than claim_after_s."""
+        found: list[Delivered] = []
+        for lane, stream_name in self.streams.items():
+            with translate_redis_errors():
+                reply = await self.redis.xautoclaim(
+                    stream_name, keys.GROUP, self.name, min_idle_time=int(self.claim_after_s * 1000),
+                    start_id="0-0", count=max(1, count - len(found)),
+                )
+            # Entries trimmed from the stream come back as deleted ids: nothing to acknowledge.
+            found.extend(Delivered(lane, entry_id.decode(), StreamEntry.from_fields(fields))
+                         for entry_id, fields in reply[1] if fields)
+        return found
+
+    async def claim(self, delivered: Sequence[Delivered], *, now: float) -> list[Claim]:
+        """Move each entry's job queued -> running, in one round trip; see CLAIM_SCRIPT."""
+        with translate_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for item in delivered:
+                await self._claim(keys=[keys.job(item.entry.job_id), keys.queued_count(item.entry.tenant),
+                                        keys.WEBHOOK_OUTBOX],
+                                  args=[repr(now), self.name, self.max_deliveries], client=pipe)
+            replies = await pipe.execute()
+        claims = []
+        for reply in replies:
+            verdict = reply[0].decode()
+            if verdict == "run":
+                claims.append(Claim(verdict, input=json.loads(reply[1]), attempts=int(reply[2])))
+            elif verdict == "dead":
+                claims.append(Claim(verdict, last_error=reply[1].decode() if len(reply) > 1 else ""))
+            else:
+                claims.append(Claim(verdict))
+        return claims
+
+    async def settle(self, delivered: Sequence[Delivered], *, dead: Sequence[DeadLetter],
+                     changed: Sequence[events.JobChanged]) -> None:
+        """In one round trip: acknowledge entries whose jobs will not run here (final already,
+        expired, given up), dead-letter the given-up ones and announce what changed."""
+        with translate_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for letter in dead:
+                pipe.xadd(keys.dead_stream(self.model, self.version), letter.to_fields(),  # type: ignore[arg-type]
+                          maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+            for event in changed:
+                pipe.publish(self._events, events.encode(event))
+            self.ack(pipe, [(d.lane, d.entry_id) for d in delivered])
+            await pipe.execute()
+
+    async def finish(self, pipe: Any, job_id: str, *, status: str, output: str, error: str, started: float,
+                     finished: float, model_ms: float, batch_size: int, close_reason: str) -> None:
+        """Queue the job's outcome on `pipe` (`output` and `error` are JSON, or ''); see FINISH_SCRIPT."""
+        await self._finish(
+            keys=[keys.job(job_id), keys.WEBHOOK_OUTBOX],
+            args=[status, output, error, repr(finished), repr(model_ms), str(batch_size), close_reason,
+                  self.result_ttl_s, repr(started)],
+            client=pipe,
+        )
+
+    def ack(self, pipe: Any, entries: Iterable[tuple[Lane, str]]) -> None:
+        """Acknowledge and delete: XLEN then equals the backlog the scheduler and admission read."""
+        by_lane: dict[Lane, list[str]] = {}
+        for lane, entry_id in entries:
+            by_lane.setdefault(lane, []).append(entry_id)
+        for lane, ids in by_lane.items():
+            pipe.xack(self.streams[lane], keys.GROUP, *ids)
+            pipe.xdel(self.streams[lane], *ids)
+
+    async def note_error(self, job_id: str, message: str) -> None:
+        with translate_redis_errors():
+            await self._note_error(keys=[keys.job(job_id)], args=[scrub(message)[:500]])
+
+    async def beat(self, heartbeat: heartbeats.Heartbeat) -> None:
+        await heartbeats.beat(self.redis, self.model, self.version, self.name, heartbeat)
+
+    async def leave(self) -> None:
+        await heartbeats.forget(self.redis, self.model, self.version, self.name)

@@ -1,0 +1,105 @@
+"""Storing a batch's outcomes: each job's final state, its sample, its shadow copy, its event.
+
+One pipeline per batch, acknowledged in the same round trip: a job is never acknowledged before
+its outcome is stored. Shadow copies of successful jobs go to their shadow version's bulk lane;
+a shadow copy's own sample carries its agreement with the primary's output.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from sluice import events, keys, samples
+from sluice.connections import translate_redis_errors
+from sluice.jobs import SHADOW_TENANT, JobRecord, JobStatus, new_job_id
+from sluice.metrics import SHADOW_COPIES
+from sluice.quality import agreement, proxies
+from sluice.samples import Sample
+from sluice.streams import StreamConsumer, queue_jobs
+from workers.batcher import Batch
+from workers.execution import Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """What the batcher carries as an item's payload: a claimed job, ready to run."""
+
+    job_id: str
+    lane: keys.Lane
+    input: dict[str, Any]
+    attempts: int
+    shadow: str | None = None  # copy the input to this version once the job succeeds
+    shadow_of: str | None = None  # this job is a shadow copy of that primary job
+
+
+def _json(value: dict[str, Any] | None) -> str:
+    return json.dumps(value, separators=(",", ":")) if value is not None else ""
+
+
+class ResultWriter:
+    def __init__(self, *, streams: StreamConsumer, result_ttl_s: int) -> None:
+        self.streams = streams
+        self.redis = streams.redis
+        self.model = streams.model
+        self.version = streams.version
+        self.result_ttl_s = result_ttl_s
+        self._events = events.channel(streams.redis)
+
+    async def store(self, batch: Batch, outcomes: list[Outcome], *, started: float, finished: float,
+                    model_ms: float) -> None:
+        size = len(batch.items)
+        primaries = await self._primary_outputs(batch, outcomes)
+        copies: list[JobRecord] = []
+        with translate_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for item, outcome in zip(batch.items, outcomes, strict=True):
+                delivery: Delivery = item.payload
+                status = JobStatus.succeeded if outcome.error is None else JobStatus.failed
+                output = _json(outcome.output)
+                await self.streams.finish(pipe, delivery.job_id, status=status.value, output=output,
+                                          error=_json(outcome.error), started=started, finished=finished,
+                                          model_ms=model_ms, batch_size=size, close_reason=batch.close_reason)
+                quality: dict[str, Any] = {}
+                if outcome.error is None:
+                    quality = proxies(outcome.output, encoded_size=len(output))
+                    primary = primaries.get(delivery.shadow_of or "")
+                    if primary is not None and outcome.output is not None:
+                        agreed = agreement(primary, outcome.output)
+                        if agreed is not None:
+                            quality["agreement"] = agreed
+                    if delivery.shadow:
+                        copies.append(self._shadow_copy(delivery, item.cost, finished))
+                if not delivery.shadow_of:
+                    pipe.publish(self._events, events.encode(events.JobChanged(id=delivery.job_id, status=status)))
+                samples.append(pipe, self.model, self.version, Sample(
+                    status=status.value, finished_at=finished,
+                    queue_wait_ms=round((started - item.enqueued_at) * 1000, 3), model_ms=model_ms,
+                    total_ms=round((finished - item.enqueued_at) * 1000, 3), batch_size=size,
+                    close_reason=batch.close_reason, quality=quality,
+                ))
+            queue_jobs(pipe, copies, result_ttl_s=self.result_ttl_s)
+            self.streams.ack(pipe, [(item.payload.lane, item.id) for item in batch.items])
+            await pipe.execute()
+
+    async def _primary_outputs(self, batch: Batch, outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
+        """The primary outputs that shadow copies in this batch are compared with."""
+        wanted = [item.payload.shadow_of for item, outcome in zip(batch.items, outcomes, strict=True)
+                  if item.payload.shadow_of and outcome.error is None]
+        if not wanted:
+            return {}
+        with translate_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id in wanted:
+                pipe.hget(keys.job(job_id), "output")
+            replies = await pipe.execute()
+        return {job_id: json.loads(raw) for job_id, raw in zip(wanted, replies, strict=True) if raw}
+
+    def _shadow_copy(self, delivery: Delivery, cost: int, now: float) -> JobRecord:
+        SHADOW_COPIES.labels(self.model, self.version).inc()
+        return JobRecord(
+            id=new_job_id(), tenant=SHADOW_TENANT, model=self.model, version=str(delivery.shadow),
+            lane="bulk", status=JobStatus.queued, input=delivery.input, cost=cost, enqueued_at=now,
+            shadow_of=delivery.job_id,
+        )
