@@ -16,6 +16,8 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from sluice.shutdown import TwoStage
+
 log = logging.getLogger(__name__)
 
 
@@ -23,17 +25,24 @@ class TwoStageServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, *, app: FastAPI) -> None:
         super().__init__(config)
         self._app = app
+        self._signals = TwoStage(stop=self._start_draining, force=self._stop_waiting)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.should_exit:
-            log.warning("second signal: exiting without waiting for requests in flight")
-            self.force_exit = True
-            return
+        # uvicorn installs this handler itself (it restores the previous ones once stopped and
+        # raises the recorded signal again), so the stages are counted here, not installed.
+        self._signals(sig, frame)
+        if not self.force_exit:
+            super().handle_exit(sig, frame)
+
+    def _start_draining(self) -> None:
         log.info("draining: refusing new jobs, finishing requests in flight")
         # A signal handler may interrupt the loop anywhere: change loop state from a callback.
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().call_soon_threadsafe(self._drain)
-        super().handle_exit(sig, frame)
+
+    def _stop_waiting(self) -> None:
+        log.warning("second signal: exiting without waiting for requests in flight")
+        self.force_exit = True
 
     def _drain(self) -> None:
         state = getattr(self._app.state, "sluice", None)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import getpass
 import logging
-import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from rich.console import Console
 from sluice.errors import SluiceError
 from sluice.redact import configure_logging
 from sluice.settings import Settings
+from sluice.shutdown import install_two_stage
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -94,24 +94,9 @@ def scheduler(actuator: Annotated[str, typer.Option(help="local: supervise worke
     # the quality aggregator.
     registry = Registry(url=settings.require_database_url(), pool_size=3)
     runner = Scheduler(registry=registry, redis_url=settings.require_redis_url(), supervisor=supervisor)
-    _two_stage_signals(runner.request_stop)
+    install_two_stage(runner.request_stop, force=lambda: sys.exit(1))
     runner.run()
     registry.dispose()
-
-
-def _two_stage_signals(stop: object) -> None:
-    seen = 0
-
-    def handler(signum: int, _: object) -> None:
-        nonlocal seen
-        seen += 1
-        if seen == 1:
-            threading.Thread(target=stop, daemon=True).start()  # type: ignore[arg-type]
-        else:
-            sys.exit(1)
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
 
 
 @app.command()
@@ -124,7 +109,7 @@ def up(exit_after_demo: Annotated[bool, typer.Option(help="Stop after the demo (
     configure_logging(name="up", level="WARNING")
     platform = Platform(settings=settings)
     stop = threading.Event()
-    _two_stage_signals(stop.set)
+    install_two_stage(stop.set, force=lambda: sys.exit(1))
     try:
         with console.status("starting stores, migrating, seeding…"):
             seeded = platform.start()

@@ -57,7 +57,7 @@ class Settings(BaseSettings):
     # CIDRs a callback may reach although private or loopback (on-premise receivers, tests):
     # `SLUICE_WEBHOOK_ALLOWED_NETWORKS=10.0.0.0/8,127.0.0.0/8` (NoDecode: a comma list, not JSON).
     webhook_allowed_networks: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    # Delivery (workers/tasks.py): per-request timeout, attempts before a delivery is recorded as
+    # Delivery (workers/delivery.py): per-request timeout, attempts before a delivery is recorded as
     # failed, the capped exponential backoff between attempts (defaults: 12 attempts over about two
     # hours, well inside result_ttl_s, which bounds how long the job record is there to send),
     # how often beat re-sends overdue deliveries, and the Celery worker's delivery threads.

@@ -1,5 +1,5 @@
 """What the fixtures are built from: the API in process, `sluice worker` subprocesses, fresh
-databases, settings and a few REST helpers, each parameterised by the store URLs.
+databases, settings, a few REST helpers and a webhook receiver, each parameterised by the store URLs.
 
 tests/conftest.py binds them to the session's Redis and Postgres; tests/faults binds them to
 stores a test may stop. Plain functions and classes, so both (and a test that needs a second
@@ -20,8 +20,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import redis
@@ -298,3 +300,72 @@ def spawn_worker(*, redis_url: str, database_url: str, home: Path, log_path: Pat
     finally:
         rds.close()
     return worker
+
+
+# --- a webhook receiver ---------------------------------------------------------------------------
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+    at: float
+
+
+@dataclass
+class Receiver:
+    """Records every POST; answers each path from its plan of statuses (then 200)."""
+
+    url: str = ""
+    requests: list[Received] = field(default_factory=list)
+    plans: dict[str, list[int]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def plan(self, path: str, *statuses: int) -> str:
+        with self.lock:
+            self.plans[path] = list(statuses)
+        return f"{self.url}{path}"
+
+    def received(self, path: str) -> list[Received]:
+        with self.lock:
+            return [r for r in self.requests if r.path == path]
+
+    def wait_for(self, path: str, count: int, *, timeout_s: float = 30.0) -> list[Received]:
+        wait_until(lambda: len(self.received(path)) >= count, timeout_s=timeout_s,
+                   what=f"{count} webhook(s) on {path}")
+        return self.received(path)
+
+
+@contextmanager
+def receiving() -> Iterator[Receiver]:
+    """A webhook receiver on 127.0.0.1 for the duration of the block."""
+    state = Receiver()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            path = urlsplit(self.path).path
+            with state.lock:
+                state.requests.append(Received(path, {k.lower(): v for k, v in self.headers.items()}, body,
+                                               time.monotonic()))
+                plan = state.plans.get(path)
+                status = plan.pop(0) if plan else 200
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    state.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, name="webhook-receiver", daemon=True)
+    thread.start()
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

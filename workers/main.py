@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import sys
 import time
 
@@ -19,6 +18,7 @@ from sluice.metrics import COLD_START, WORKER_STATE
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.settings import Settings
+from sluice.shutdown import install_two_stage
 
 log = logging.getLogger(__name__)
 
@@ -74,21 +74,13 @@ def run_worker(*, settings: Settings, model: str, version: str, threads: int | N
             prefetch_batches=settings.worker_prefetch_batches, shutdown_grace_s=settings.shutdown_grace_s,
             cold_start_s=cold_start_s,
         )
-        loop = asyncio.get_running_loop()
-        signals_seen = 0
 
-        def on_signal() -> None:
-            nonlocal signals_seen
-            signals_seen += 1
-            if signals_seen == 1:
-                worker.request_stop()
-            else:
-                # Second signal: leave now. Unacknowledged entries are reclaimed by another worker.
-                log.warning("second signal: exiting without draining")
-                os._exit(1)
+        def leave_now() -> None:
+            # Unacknowledged entries are reclaimed by another worker.
+            log.warning("second signal: exiting without draining")
+            os._exit(1)
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal)
+        install_two_stage(worker.request_stop, force=leave_now, loop=asyncio.get_running_loop())
         WORKER_STATE.labels(model, version).set(1)
         try:
             await worker.run()

@@ -5,7 +5,7 @@ atomic step (`sluice.outbox`). The relay reads that stream with the `relay` cons
 publishes one `deliver_webhook` task per entry with the delivery id as the task id, and only then
 acknowledges the entry, so a relay that dies in between leaves the entry pending and another
 relay takes it over with XAUTOCLAIM. Such an entry may be published twice; the task is a no-op
-for a delivery that is done or already running (workers/tasks.py). Publishing is a plain callable,
+for a delivery that is done or already running (workers/delivery.py). Publishing is a plain callable,
 so the relay runs and is tested without Celery.
 """
 

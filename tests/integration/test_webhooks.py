@@ -17,11 +17,9 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -40,7 +38,17 @@ from sluice.registry.store import Registry
 from sluice.settings import Settings
 from sluice.streams import CLAIM_SCRIPT, FINISH_SCRIPT
 from sluice.webhooks import verify
-from tests.support import REPO, ApiServer, http_client, serving, spawn_worker, stop_process, wait_until
+from tests.support import (
+    REPO,
+    ApiServer,
+    Receiver,
+    http_client,
+    receiving,
+    serving,
+    spawn_worker,
+    stop_process,
+    wait_until,
+)
 from workers.outbox import OutboxRelay
 
 pytestmark = pytest.mark.slow
@@ -52,70 +60,10 @@ SWEEP_S = 1.0
 CLAIM_AFTER_S = 2.0
 
 
-# --- a receiver ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Received:
-    path: str
-    headers: dict[str, str]  # lower-case names
-    body: bytes
-    at: float
-
-
-@dataclass
-class Receiver:
-    """Records every POST; answers each path from its plan of statuses (then 200)."""
-
-    url: str = ""
-    requests: list[Received] = field(default_factory=list)
-    plans: dict[str, list[int]] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def plan(self, path: str, *statuses: int) -> str:
-        with self.lock:
-            self.plans[path] = list(statuses)
-        return f"{self.url}{path}"
-
-    def received(self, path: str) -> list[Received]:
-        with self.lock:
-            return [r for r in self.requests if r.path == path]
-
-    def wait_for(self, path: str, count: int, *, timeout_s: float = 30.0) -> list[Received]:
-        wait_until(lambda: len(self.received(path)) >= count, timeout_s=timeout_s,
-                   what=f"{count} webhook(s) on {path}")
-        return self.received(path)
-
-
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[Receiver]:
-    state = Receiver()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            path = urlsplit(self.path).path
-            with state.lock:
-                state.requests.append(Received(path, {k.lower(): v for k, v in self.headers.items()}, body,
-                                               time.monotonic()))
-                plan = state.plans.get(path)
-                status = plan.pop(0) if plan else 200
-            self.send_response(status)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *_: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    state.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, name="webhook-receiver", daemon=True)
-    thread.start()
-    yield state
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
+    with receiving() as state:
+        yield state
 
 
 # --- the platform around it --------------------------------------------------------------------------

@@ -1,0 +1,314 @@
+"""Webhook delivery: one attempt at one delivery, recorded in the delivery's hash, and the sweep
+that finds attempts overdue. No Celery here: workers/tasks.py calls this from its tasks, and tests
+drive it directly.
+
+Each attempt is counted in Redis (BEGIN_SCRIPT) before the request is made and its outcome recorded
+(END_SCRIPT) after, under a lease, so duplicate messages and dead workers never add attempts beyond
+`max_attempts` and a delivered webhook is never sent again.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import random
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+import httpx
+import redis as redis_sync
+
+from sluice import keys
+from sluice.connections import translate_redis_errors
+from sluice.errors import SluiceError
+from sluice.jobs import JobRecord
+from sluice.redact import scrub
+from sluice.registry import queries
+from sluice.registry.store import Registry
+from sluice.settings import Settings
+from sluice.webhooks import (
+    DELIVERY_HEADER,
+    SIGNATURE_HEADER,
+    CallbackRefused,
+    IPAddress,
+    IPNetwork,
+    allowed_networks,
+    literal_address,
+    parse_callback,
+    pin_address,
+    retry_after_s,
+    retry_delay,
+    should_retry,
+    signature,
+)
+
+log = logging.getLogger(__name__)
+
+USER_AGENT = "Sluice-Webhooks/1"
+# A retry message may run this much before its due time (clocks of two hosts) and still count.
+EARLY_SLACK_S = 2.0
+
+Resolver = Callable[[str, int], list[IPAddress]]
+
+# KEYS[1] delivery hash, KEYS[2] due set; ARGV: now, job id, lease token, lease_s, max_attempts,
+# ttl_s, delivery id, early slack. Starts an attempt unless the delivery is done ('delivered',
+# 'failed'), another copy of the task holds its lease ('busy'), or its next attempt is not due
+# ('early': a duplicate message). The attempt is counted before it is made, so duplicates and
+# dead workers can never add attempts beyond max_attempts.
+BEGIN_SCRIPT = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'delivered' or status == 'failed' then return {status} end
+local now = tonumber(ARGV[1])
+if tonumber(redis.call('HGET', KEYS[1], 'lease_until') or '0') > now then return {'busy'} end
+if tonumber(redis.call('HGET', KEYS[1], 'next_at') or '0') > now + tonumber(ARGV[8]) then return {'early'} end
+local attempts = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0')
+if attempts >= tonumber(ARGV[5]) then
+  redis.call('HSET', KEYS[1], 'status', 'failed', 'updated_at', ARGV[1])
+  redis.call('ZREM', KEYS[2], ARGV[7])
+  return {'failed'}
+end
+local lease_until = now + tonumber(ARGV[4])
+redis.call('HSET', KEYS[1], 'job', ARGV[2], 'status', 'sending', 'attempts', attempts + 1, 'lease', ARGV[3],
+  'lease_until', tostring(lease_until), 'updated_at', ARGV[1])
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[6]))
+redis.call('ZADD', KEYS[2], lease_until, ARGV[7])
+return {'go', tostring(attempts + 1)}
+"""
+
+# KEYS[1] delivery hash, KEYS[2] due set; ARGV: lease token, outcome (delivered, retrying or
+# failed), now, next attempt time ('' unless retrying), HTTP status ('' if none), error ('' if
+# none), delivery id. A delivered delivery stays delivered; an attempt whose lease was taken over
+# records only a success.
+END_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'status') == 'delivered' then return 0 end
+if ARGV[2] ~= 'delivered' and redis.call('HGET', KEYS[1], 'lease') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'updated_at', ARGV[3], 'lease_until', '0',
+  'last_status', ARGV[5], 'last_error', ARGV[6])
+if ARGV[2] == 'delivered' then redis.call('HSET', KEYS[1], 'delivered_at', ARGV[3]) end
+if ARGV[2] == 'retrying' then
+  redis.call('HSET', KEYS[1], 'next_at', ARGV[4])
+  redis.call('ZADD', KEYS[2], tonumber(ARGV[4]), ARGV[7])
+else
+  redis.call('ZREM', KEYS[2], ARGV[7])
+end
+return 1
+"""
+
+
+def resolve(host: str, port: int) -> list[IPAddress]:
+    """Every address `host` resolves to, in the resolver's order, without repeats."""
+    literal = literal_address(host)
+    if literal is not None:
+        return [literal]
+    found: list[IPAddress] = []
+    for _, _, _, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        address = ipaddress.ip_address(sockaddr[0])
+        if address not in found:
+            found.append(address)
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """What one run of the task did: `delivered`, `retry` (after retry_in_s), `failed`, or
+    `skipped` (detail says why: done already, running elsewhere, or not due yet)."""
+
+    outcome: str
+    number: int = 0
+    retry_in_s: float = 0.0
+    detail: str = ""
+
+
+class _Undeliverable(SluiceError):
+    """The delivery can never succeed (its job record or tenant is gone)."""
+
+
+class Deliverer:
+    """Makes one attempt at a delivery and records it in the delivery's hash (`keys.delivery`)."""
+
+    def __init__(
+        self,
+        *,
+        redis: redis_sync.Redis,
+        registry: Registry,
+        http: httpx.Client,
+        allowed: tuple[IPNetwork, ...],
+        max_attempts: int,
+        backoff_base_s: float,
+        backoff_cap_s: float,
+        lease_s: float,
+        ttl_s: int,
+        secret_cache_s: float = 60.0,
+        resolver: Resolver = resolve,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.redis = redis
+        self.registry = registry
+        self.http = http
+        self.allowed = allowed
+        self.max_attempts = max_attempts
+        self.backoff_base_s = backoff_base_s
+        self.backoff_cap_s = backoff_cap_s
+        self.lease_s = lease_s
+        self.ttl_s = ttl_s
+        self.secret_cache_s = secret_cache_s
+        self.resolver = resolver
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self._begin = redis.register_script(BEGIN_SCRIPT)
+        self._end = redis.register_script(END_SCRIPT)
+        self._secrets: dict[str, tuple[str, float]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Deliverer:
+        timeout = httpx.Timeout(settings.webhook_timeout_s)
+        return cls(
+            redis=redis_sync.Redis.from_url(settings.require_redis_url(), socket_timeout=5.0,
+                                            socket_connect_timeout=2.0, health_check_interval=15),
+            registry=Registry(url=settings.require_database_url(), pool_size=2),
+            # No keep-alive: connections are made to a pinned address, and one verified for one
+            # host name must not carry a request for another name that resolves there too. No
+            # redirects (a 3xx could point anywhere) and no proxy from the environment.
+            http=httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False,
+                              limits=httpx.Limits(max_keepalive_connections=0)),
+            allowed=allowed_networks(settings.webhook_allowed_networks),
+            max_attempts=settings.webhook_max_attempts,
+            backoff_base_s=settings.webhook_backoff_base_s,
+            backoff_cap_s=settings.webhook_backoff_cap_s,
+            # Connect, write, read and pool each have the timeout; the lease outlives all four.
+            lease_s=4 * settings.webhook_timeout_s + 5,
+            ttl_s=settings.result_ttl_s,
+        )
+
+    def close(self) -> None:
+        self.http.close()
+        self.registry.dispose()
+        self.redis.close()
+
+    # --- one attempt ------------------------------------------------------------------------------
+
+    def attempt(self, delivery_id: str, job_id: str) -> Attempt:
+        token = secrets.token_hex(8)
+        with translate_redis_errors():
+            reply = self._begin(keys=[keys.delivery(delivery_id), keys.WEBHOOK_DUE], args=[
+                repr(self.clock()), job_id, token, self.lease_s, self.max_attempts, self.ttl_s, delivery_id,
+                EARLY_SLACK_S,
+            ])
+        verdict = _text(reply[0])
+        if verdict != "go":
+            return Attempt("skipped", detail=verdict)
+        number = int(reply[1])
+        try:
+            status, retry_after = self._send(delivery_id, job_id)
+        except (CallbackRefused, _Undeliverable) as exc:
+            return self._record(delivery_id, token, number, "failed", error=str(exc))
+        except (httpx.TransportError, OSError, SluiceError) as exc:
+            return self._retry_or_fail(delivery_id, token, number, error=f"{type(exc).__name__}: {scrub(str(exc))}")
+        if 200 <= status < 300:
+            return self._record(delivery_id, token, number, "delivered", status=status)
+        if should_retry(status):
+            return self._retry_or_fail(delivery_id, token, number, status=status, retry_after=retry_after)
+        return self._record(delivery_id, token, number, "failed", status=status)
+
+    def _send(self, delivery_id: str, job_id: str) -> tuple[int, float | None]:
+        with translate_redis_errors():
+            raw = self.redis.hgetall(keys.job(job_id))
+        if not raw:
+            raise _Undeliverable("the job record no longer exists (past result_ttl_s)")
+        record = JobRecord.from_redis(raw)
+        if not record.callback_url:
+            raise _Undeliverable("the job has no callback_url")
+        secret = self._secret(record.tenant)
+        if secret is None:
+            raise _Undeliverable("the job's tenant no longer exists")
+        target = parse_callback(record.callback_url)
+        address = pin_address(target, self.resolver(target.host, target.port), self.allowed)
+        url = httpx.URL(record.callback_url)
+        body = json.dumps(record.resource(), separators=(",", ":")).encode()
+        headers = {
+            "Host": url.netloc.decode("ascii"),
+            "Content-Type": "application/json",
+            "User-Agent": USER_AGENT,
+            DELIVERY_HEADER: delivery_id,
+            SIGNATURE_HEADER: signature(secret, body, timestamp=int(self.clock())),
+        }
+        # Connect to the address just checked, never to what a second lookup might answer; TLS
+        # still verifies the certificate against the host name (SNI).
+        extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
+        with self.http.stream("POST", url.copy_with(host=str(address)), content=body, headers=headers,
+                              extensions=extensions) as response:
+            # The answer's body is never read: a receiver cannot make us hold a large one.
+            return response.status_code, retry_after_s(response.headers.get("Retry-After"), now=self.clock())
+
+    def _secret(self, tenant: str) -> str | None:
+        """The tenant's signing secret, from the registry, cached for secret_cache_s per process."""
+        now = self.clock()
+        with self._lock:
+            cached = self._secrets.get(tenant)
+        if cached is not None and cached[1] > now:
+            return cached[0]
+        with self.registry.session() as session:
+            secret = queries.tenant_secret(session, tenant)
+        if secret is not None:
+            with self._lock:
+                self._secrets[tenant] = (secret, now + self.secret_cache_s)
+        return secret
+
+    def _retry_or_fail(self, delivery_id: str, token: str, number: int, *, status: int | None = None,
+                       error: str = "", retry_after: float | None = None) -> Attempt:
+        if number >= self.max_attempts:
+            return self._record(delivery_id, token, number, "failed", status=status,
+                                error=f"gave up after {number} attempts; last: {error or f'answered {status}'}")
+        delay = retry_delay(number, base_s=self.backoff_base_s, cap_s=self.backoff_cap_s, retry_after=retry_after,
+                            rng=self.rng)
+        return self._record(delivery_id, token, number, "retrying", status=status, error=error, delay=delay)
+
+    def _record(self, delivery_id: str, token: str, number: int, outcome: str, *, status: int | None = None,
+                error: str = "", delay: float = 0.0) -> Attempt:
+        now = self.clock()
+        with translate_redis_errors():
+            self._end(keys=[keys.delivery(delivery_id), keys.WEBHOOK_DUE], args=[
+                token, outcome, repr(now), repr(now + delay) if outcome == "retrying" else "",
+                "" if status is None else str(status), error[:500], delivery_id,
+            ])
+        detail = error or (f"answered {status}" if status is not None else "")
+        log.info("webhook %s attempt %d: %s %s", delivery_id, number, outcome, detail)
+        return Attempt("retry" if outcome == "retrying" else outcome, number, delay, detail)
+
+    # --- the sweep --------------------------------------------------------------------------------
+
+    def overdue(self, *, grace_s: float, limit: int = 500) -> list[tuple[str, str]]:
+        """(delivery id, job id) of deliveries whose attempt is overdue by more than grace_s,
+        each pushed back by grace_s so that the next sweep does not send it again at once."""
+        now = self.clock()
+        with translate_redis_errors():
+            # Without scores redis-py answers members only; its stubs cover both shapes.
+            members = cast(list[bytes | str], self.redis.zrangebyscore(keys.WEBHOOK_DUE, "-inf", now - grace_s,
+                                                                        start=0, num=limit))
+            due = [_text(d) for d in members]
+            pipe = self.redis.pipeline(transaction=False)
+            for delivery_id in due:
+                pipe.hget(keys.delivery(delivery_id), "job")
+            jobs = pipe.execute()
+            pipe = self.redis.pipeline(transaction=False)
+            found = []
+            for delivery_id, job in zip(due, jobs, strict=True):
+                if job is None:
+                    pipe.zrem(keys.WEBHOOK_DUE, delivery_id)
+                else:
+                    pipe.zadd(keys.WEBHOOK_DUE, {delivery_id: now + grace_s}, xx=True)
+                    found.append((delivery_id, _text(job)))
+            pipe.execute()
+        return found
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
