@@ -59,7 +59,9 @@ import math
 from bisect import bisect_left, insort
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Generic, Literal, cast
+
+from typing_extensions import TypeVar
 
 __all__ = ["DEFAULT_BUCKET_BOUNDS", "Batch", "CloseReason", "Item", "MicroBatcher"]
 
@@ -69,9 +71,13 @@ CloseReason = Literal["size", "age", "drain"]
 # the overflow bucket.
 DEFAULT_BUCKET_BOUNDS: tuple[int, ...] = tuple(sorted({round(8 * 2 ** (k / 6)) for k in range(55)}))
 
+# What an item carries. It defaults to Any (PEP 696), so a bare `Item`, `Batch` or `MicroBatcher`
+# still means "any payload" and `Item(..., payload=Delivery(...))` infers `Item[Delivery]`.
+P = TypeVar("P", default=Any)
+
 
 @dataclass(frozen=True, slots=True)
-class Item:
+class Item(Generic[P]):
     """One request as the batcher sees it; ``payload`` is carried, never read."""
 
     id: str
@@ -79,14 +85,15 @@ class Item:
     cost: int
     enqueued_at: float
     # Payloads can be large tensors or bytes: keep them out of == and of logs.
-    payload: Any = field(default=None, compare=False, repr=False)
+    # An item built without one carries None (the cast: a default cannot be typed as P).
+    payload: P = field(default=cast(P, None), compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
-class Batch:
+class Batch(Generic[P]):
     """A closed batch, items oldest first."""
 
-    items: tuple[Item, ...]
+    items: tuple[Item[P], ...]
     close_reason: CloseReason
     bucket: int
     tenant: str | None
@@ -108,10 +115,10 @@ class Batch:
 _TenantKey = str | None
 # The sequence number breaks enqueued_at ties in add order, so the tuples sort
 # by arrival and Item itself (which has no ordering) is never compared.
-_Entry = tuple[float, int, Item]
+_Entry = tuple[float, int, Item[P]]
 
 
-class MicroBatcher:
+class MicroBatcher(Generic[P]):
     """Groups items by tenant and length bucket and closes batches by size or age.
 
     See the module docstring for the rules. All methods are pure bookkeeping;
@@ -162,7 +169,7 @@ class MicroBatcher:
         # tenant -> bucket -> entries sorted by (enqueued_at, seq). Nested by
         # tenant so a top-up only looks at that tenant's few buckets. Empty
         # groups are deleted so per-call scans stay proportional to live groups.
-        self._groups: dict[_TenantKey, dict[int, list[_Entry]]] = {}
+        self._groups: dict[_TenantKey, dict[int, list[_Entry[P]]]] = {}
         self._where: dict[str, tuple[_TenantKey, int]] = {}
         self._next_seq = 0
 
@@ -184,7 +191,7 @@ class MicroBatcher:
     def __contains__(self, item_id: object) -> bool:
         return item_id in self._where
 
-    def add(self, item: Item) -> None:
+    def add(self, item: Item[P]) -> None:
         # A duplicate id would make remove() ambiguous; a redelivered stream
         # entry that is still held must be skipped by the caller (see `in`).
         if item.id in self._where:
@@ -195,16 +202,16 @@ class MicroBatcher:
             raise ValueError(f"item {item.id!r} has non-finite enqueued_at")
         tenant = item.tenant if self._isolate else None
         bucket = self.bucket_of(item.cost)
-        entry: _Entry = (item.enqueued_at, self._next_seq, item)
+        entry: _Entry[P] = (item.enqueued_at, self._next_seq, item)
         self._next_seq += 1
         group = self._groups.setdefault(tenant, {}).setdefault(bucket, [])
         # Arrivals are nearly in order, so this is almost always an append.
         insort(group, entry)
         self._where[item.id] = (tenant, bucket)
 
-    def poll(self, now: float) -> list[Batch]:
+    def poll(self, now: float) -> list[Batch[P]]:
         """Close every batch that is ready at ``now``, most urgent first."""
-        batches: list[Batch] = []
+        batches: list[Batch[P]] = []
         # Size closes first: afterwards every group fits in one batch, so an
         # age close below takes its whole group and nothing overdue is left.
         for tenant, buckets in list(self._groups.items()):
@@ -219,7 +226,7 @@ class MicroBatcher:
         batches.sort(key=lambda b: b.oldest_enqueued_at)
         return batches
 
-    def take(self, now: float) -> Batch | None:
+    def take(self, now: float) -> Batch[P] | None:
         """The most urgent batch ready at ``now`` (by size or age), or None.
 
         Most urgent = the ready group whose oldest item is oldest, the order
@@ -253,15 +260,15 @@ class MicroBatcher:
         tenant, bucket = key
         return self._groups[tenant][bucket][0][0] + self._max_wait_s
 
-    def drain(self, now: float) -> list[Batch]:
+    def drain(self, now: float) -> list[Batch[P]]:
         """Close everything held, oldest first, with the same top-up rule."""
-        batches: list[Batch] = []
+        batches: list[Batch[P]] = []
         while (key := self._oldest_group()) is not None:
             batches.append(self._close(key[0], key[1], "drain", now))
         batches.sort(key=lambda b: b.oldest_enqueued_at)
         return batches
 
-    def remove(self, ids: Collection[str]) -> list[Item]:
+    def remove(self, ids: Collection[str]) -> list[Item[P]]:
         """Drop held items (e.g. cancelled); unknown ids are ignored.
 
         Unknown ids are expected: a cancel can race with the batch closing.
@@ -275,10 +282,10 @@ class MicroBatcher:
             key = self._where.pop(item_id, None)
             if key is not None:
                 doomed.setdefault(key, set()).add(item_id)
-        removed: list[_Entry] = []
+        removed: list[_Entry[P]] = []
         for (tenant, bucket), group_ids in doomed.items():
             buckets = self._groups[tenant]
-            kept: list[_Entry] = []
+            kept: list[_Entry[P]] = []
             for entry in buckets[bucket]:
                 (removed if entry[2].id in group_ids else kept).append(entry)
             if kept:
@@ -300,7 +307,7 @@ class MicroBatcher:
 
     def _close(
         self, tenant: _TenantKey, bucket: int, reason: CloseReason, now: float
-    ) -> Batch:
+    ) -> Batch[P]:
         group = self._groups[tenant][bucket]
         taken = group[: self._max_batch_size]
         del group[: self._max_batch_size]
@@ -320,7 +327,7 @@ class MicroBatcher:
             closed_at=now,
         )
 
-    def _top_up(self, tenant: _TenantKey, bucket: int, room: int) -> list[_Entry]:
+    def _top_up(self, tenant: _TenantKey, bucket: int, room: int) -> list[_Entry[P]]:
         """Take up to ``room`` oldest items from this tenant's shorter buckets."""
         buckets = self._groups.get(tenant)
         if not buckets:
@@ -328,7 +335,7 @@ class MicroBatcher:
         # Buckets are disjoint cost ranges, so "cost <= this bucket's bound" is
         # exactly "bucket index below this one".
         donors = [(b, group) for b, group in buckets.items() if b < bucket]
-        taken: list[_Entry] = []
+        taken: list[_Entry[P]] = []
         while donors and len(taken) < room:
             i = min(range(len(donors)), key=lambda j: donors[j][1][0][:2])
             donor_bucket, group = donors[i]

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
 
 from api.deps import AppState, CurrentKey, StateDep
+from api.resources import BulkAccepted, JobResource
 from sluice.errors import Conflict, InvalidInput, PayloadTooLarge, ServiceUnavailable, TooManyRequests
 from sluice.idempotency import IdempotencyClaim
 from sluice.jobs import JobRecord, JobStatus, new_job_id
@@ -45,13 +46,6 @@ class SubmitJob(_JobOptions):
 
 class SubmitBulk(_JobOptions):
     inputs: list[Any] = Field(min_length=1)
-
-
-class BulkAccepted(BaseModel):
-    ids: list[str]
-    model: str
-    version: str
-    count: int
 
 
 def _request_hash(model: str, body: BaseModel) -> str:
@@ -131,7 +125,8 @@ async def _admit(
     return records, False
 
 
-@router.post("/models/{model}/jobs", status_code=202, responses={202: {"description": "The queued job"}})
+@router.post("/models/{model}/jobs", status_code=202, response_model=JobResource,
+             responses={202: {"description": "The queued job"}})
 async def submit_job(
     model: str, body: SubmitJob, key: CurrentKey, state: StateDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
@@ -160,7 +155,7 @@ async def submit_bulk(
                         version=records[0].version if records else "", count=len(records))
 
 
-@router.get("/jobs/{job_id}")
+@router.get("/jobs/{job_id}", response_model=JobResource, response_model_exclude_unset=True)
 async def get_job(
     job_id: str, key: CurrentKey, state: StateDep,
     wait: Annotated[float, Query(ge=0, description="Long-poll up to this many seconds for a final state")] = 0,
@@ -220,7 +215,7 @@ async def job_events(job_id: str, key: CurrentKey, state: StateDep) -> Streaming
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-@router.delete("/jobs/{job_id}")
+@router.delete("/jobs/{job_id}", response_model=JobResource, response_model_exclude_unset=True)
 async def cancel_job(job_id: str, key: CurrentKey, state: StateDep) -> dict[str, Any]:
     record = await state.broker.get_for_tenant(job_id, key.tenant)
     blocking = await state.broker.cancel(job_id, key.tenant)

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import AdminKey, AppState, CurrentKey, StateDep
+from api.resources import ModelList, ModelResource, RoutingChange, StatsResource, VersionChange, VersionResource
 from sluice import events
 from sluice.errors import NotFound
 from sluice.registry import queries
@@ -69,7 +70,7 @@ async def announce_routing(state: AppState, model: str) -> None:
     await state.broker.publish(events.RoutingChanged(model=model))
 
 
-@router.get("")
+@router.get("", response_model=ModelList)
 async def list_models(_: CurrentKey, state: StateDep) -> dict[str, Any]:
     def read() -> list[dict[str, Any]]:
         with state.registry.session() as session:
@@ -78,7 +79,7 @@ async def list_models(_: CurrentKey, state: StateDep) -> dict[str, Any]:
     return {"models": await to_thread.run_sync(read)}
 
 
-@router.post("", status_code=201)
+@router.post("", status_code=201, response_model=ModelResource)
 async def create_model(body: CreateModel, key: AdminKey, state: StateDep) -> dict[str, Any]:
     def write() -> dict[str, Any]:
         with state.registry.session() as session:
@@ -91,7 +92,7 @@ async def create_model(body: CreateModel, key: AdminKey, state: StateDep) -> dic
     return resource
 
 
-@router.get("/{model}")
+@router.get("/{model}", response_model=ModelResource)
 async def get_model(model: str, _: CurrentKey, state: StateDep) -> dict[str, Any]:
     def read() -> dict[str, Any]:
         with state.registry.session() as session:
@@ -100,7 +101,7 @@ async def get_model(model: str, _: CurrentKey, state: StateDep) -> dict[str, Any
     return await to_thread.run_sync(read)
 
 
-@router.post("/{model}/versions", status_code=201)
+@router.post("/{model}/versions", status_code=201, response_model=VersionResource)
 async def register_version(model: str, body: RegisterVersion, key: AdminKey, state: StateDep) -> dict[str, Any]:
     def write() -> dict[str, Any]:
         with state.registry.session() as session:
@@ -117,7 +118,7 @@ async def register_version(model: str, body: RegisterVersion, key: AdminKey, sta
     return resource
 
 
-@router.put("/{model}/routing")
+@router.put("/{model}/routing", response_model=RoutingChange)
 async def set_routing(model: str, body: SetRouting, key: AdminKey, state: StateDep) -> dict[str, Any]:
     def write() -> dict[str, Any]:
         with state.registry.session() as session:
@@ -130,7 +131,7 @@ async def set_routing(model: str, body: SetRouting, key: AdminKey, state: StateD
     return result
 
 
-@router.get("/{model}/versions/{version}")
+@router.get("/{model}/versions/{version}", response_model=VersionResource)
 async def get_version(model: str, version: str, _: CurrentKey, state: StateDep) -> dict[str, Any]:
     def read() -> dict[str, Any]:
         with state.registry.session() as session:
@@ -139,7 +140,7 @@ async def get_version(model: str, version: str, _: CurrentKey, state: StateDep) 
     return await to_thread.run_sync(read)
 
 
-@router.patch("/{model}/versions/{version}")
+@router.patch("/{model}/versions/{version}", response_model=VersionChange)
 async def update_version(model: str, version: str, body: UpdateVersion, key: AdminKey,
                          state: StateDep) -> dict[str, Any]:
     batching = body.batching
@@ -160,7 +161,7 @@ async def update_version(model: str, version: str, body: UpdateVersion, key: Adm
     return result
 
 
-@router.post("/{model}/rollback")
+@router.post("/{model}/rollback", response_model=RoutingChange)
 async def rollback(model: str, key: AdminKey, state: StateDep, body: Rollback | None = None) -> dict[str, Any]:
     def write() -> dict[str, Any]:
         with state.registry.session() as session:
@@ -173,7 +174,7 @@ async def rollback(model: str, key: AdminKey, state: StateDep, body: Rollback | 
     return result
 
 
-@router.get("/{model}/versions/{version}/stats")
+@router.get("/{model}/versions/{version}/stats", response_model=StatsResource, response_model_exclude_unset=True)
 async def version_stats(
     model: str, version: str, _: CurrentKey, state: StateDep,
     window_s: Annotated[float, Query(gt=0, le=86_400)] = 300.0,

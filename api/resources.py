@@ -1,0 +1,207 @@
+"""The response models of the REST API (DESIGN §6): what `/openapi.json` promises clients get back.
+
+The kernel builds these bodies as plain dicts (`JobRecord.resource()`, `queries.model_resource`,
+`stats.summarise`); the routes validate them through these models on the way out.
+
+The surprising part: some keys are optional by *absence*, not by null. A job has `output`,
+`error` and `metadata` only when there is one, and a stats `quality` only the aggregates some
+sample carried, while `timings` and `batch` always hold every key, null until known. Routes that
+answer such a body set `response_model_exclude_unset=True`, which keeps exactly the keys the dict
+had; `exclude_none` would drop the nulls too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+from pydantic.json_schema import SkipJsonSchema
+
+from sluice.jobs import JobStatus
+from sluice.keys import Lane
+from sluice.registry.tables import MODEL_KINDS, VERSION_STATES
+
+__all__ = [
+    "AuditResource",
+    "BatchFacts",
+    "BulkAccepted",
+    "JobError",
+    "JobResource",
+    "ModelList",
+    "ModelResource",
+    "RoutingChange",
+    "StatsResource",
+    "Timings",
+    "VersionChange",
+    "VersionResource",
+]
+
+_ISO = {"format": "date-time"}
+_CLOSE_REASONS = ("size", "age", "drain")
+
+# Absent rather than null: the schema shows the key as optional but never null (the None default
+# only marks "not set", and `response_model_exclude_unset` leaves it out).
+_Absent = SkipJsonSchema[None]
+
+# --- jobs ----------------------------------------------------------------------------------------
+
+
+class Timings(BaseModel):
+    """Every key is always present; a time not reached yet is null."""
+
+    enqueued_at: str = Field(json_schema_extra=_ISO)
+    started_at: str | None = Field(json_schema_extra=_ISO)
+    finished_at: str | None = Field(json_schema_extra=_ISO)
+    queue_wait_ms: float | None
+    model_ms: float | None
+    total_ms: float | None
+
+
+class BatchFacts(BaseModel):
+    """The batch the job ran in; both null until it ran."""
+
+    size: int | None
+    close_reason: str | None = Field(json_schema_extra={"enum": [*_CLOSE_REASONS, None]})
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+
+
+class JobResource(BaseModel):
+    """The job resource. `output`, `error` and `metadata` are absent (not null) when there is none."""
+
+    id: str
+    status: JobStatus
+    model: str
+    version: str
+    lane: Lane
+    cache_hit: bool
+    attempts: int
+    timings: Timings
+    batch: BatchFacts
+    output: dict[str, Any] | _Absent = None
+    error: JobError | _Absent = None
+    metadata: dict[str, str | int | float | bool | None] | _Absent = None
+
+
+class BulkAccepted(BaseModel):
+    """The answer to a bulk submission: the new jobs' ids, in input order."""
+
+    ids: list[str]
+    model: str
+    version: str
+    count: int
+
+
+# --- the registry --------------------------------------------------------------------------------
+
+
+class VersionBatching(BaseModel):
+    max_batch_size: int
+    max_wait_ms: float
+    isolate_tenants: bool
+
+
+class VersionResource(BaseModel):
+    version: str
+    state: str = Field(json_schema_extra={"enum": list(VERSION_STATES)})
+    artifact: str
+    sha256: str
+    batching: VersionBatching
+    min_replicas: int
+    max_replicas: int
+    last_error: str | None = Field(description="Why the version's last load failed, if it did")
+
+
+class ModelResource(BaseModel):
+    name: str
+    kind: str = Field(json_schema_extra={"enum": list(MODEL_KINDS)})
+    versions: list[VersionResource]
+    routing: dict[str, float] = Field(description="Traffic weight per version; versions without one get none")
+
+
+class ModelList(BaseModel):
+    models: list[ModelResource]
+
+
+class AuditResource(BaseModel):
+    """One row of the registry's audit log; `before` and `after` are whatever the action changed."""
+
+    id: int
+    at: str = Field(json_schema_extra=_ISO)
+    actor: str
+    action: str
+    model: str | None
+    before: Any
+    after: Any
+    reason: str | None
+
+
+class RoutingChange(BaseModel):
+    """The routing table after a change, and the audit row that records it."""
+
+    routing: dict[str, float]
+    audit: AuditResource
+
+
+class VersionChange(VersionResource):
+    """The version after a change, and the audit row that records it."""
+
+    audit: AuditResource
+
+
+# --- stats ---------------------------------------------------------------------------------------
+
+
+class Percentiles(BaseModel):
+    """Exact over the window (linear interpolation); null when the window has no samples."""
+
+    p50: float | None
+    p95: float | None
+    p99: float | None
+
+
+class BatchSizes(BaseModel):
+    mean: float
+    histogram: dict[str, int] = Field(description="Batches per batch size")
+
+
+class CloseReasons(BaseModel):
+    """Batches per close reason."""
+
+    size: int
+    age: int
+    drain: int
+
+
+class QualitySummary(BaseModel):
+    """Aggregates of the jobs' quality proxies; a key is absent when no sample carried its proxy."""
+
+    output_size_mean: float | _Absent = None
+    mean_top_p: float | _Absent = None
+    low_confidence_rate: float | _Absent = None
+    low_confidence_threshold: float | _Absent = None
+    label_counts: dict[str, int] | _Absent = None
+    label_distribution: dict[str, float] | _Absent = None
+    mean_agreement: float | _Absent = None
+    min_agreement: float | _Absent = None
+    agreement_n: int | _Absent = None
+
+
+class StatsResource(BaseModel):
+    model: str
+    version: str
+    window_s: float
+    count: int
+    errors: int
+    error_rate: float
+    throughput_per_s: float
+    queue_wait_ms: Percentiles
+    model_ms: Percentiles
+    total_ms: Percentiles
+    batch_size: BatchSizes
+    close_reasons: CloseReasons
+    quality: QualitySummary
+    percentile_method: str
