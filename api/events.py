@@ -83,6 +83,6 @@ class EventHub:
                 delay = min(delay * 2, 5.0)
             finally:
                 try:
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
                 except (redis_errors.RedisError, OSError):
                     pass

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, Field
+from pydantic.config import JsonDict
 from pydantic.json_schema import SkipJsonSchema
 
 from sluice.jobs import JobStatus
@@ -36,7 +37,7 @@ __all__ = [
     "VersionResource",
 ]
 
-_ISO = {"format": "date-time"}
+_ISO: JsonDict = {"format": "date-time"}
 _CLOSE_REASONS = ("size", "age", "drain")
 
 # Absent rather than null: the schema shows the key as optional but never null (the None default

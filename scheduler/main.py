@@ -85,7 +85,7 @@ class Scheduler:
         while not self.stopping.is_set():
             try:
                 client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=2)
-                pubsub = client.pubsub(ignore_subscribe_messages=True)
+                pubsub = client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
                 pubsub.subscribe(events.channel(client))
                 while not self.stopping.is_set():
                     message = pubsub.get_message(timeout=1.0)

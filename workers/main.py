@@ -17,6 +17,7 @@ from sluice.errors import ArtifactError, SluiceError
 from sluice.metrics import COLD_START, WORKER_STATE
 from sluice.registry import queries
 from sluice.registry.store import Registry
+from sluice.registry.tables import ModelVersion
 from sluice.settings import Settings
 from sluice.shutdown import install_two_stage
 
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 EXIT_ARTIFACT_REFUSED = 3
 
 
-def _load_version(registry: Registry, model: str, version: str) -> tuple[str, queries.ModelVersion]:
+def _load_version(registry: Registry, model: str, version: str) -> tuple[str, ModelVersion]:
     with registry.session() as session:
         row = queries.get_version(session, model, version)
         kind = row.model_row.kind

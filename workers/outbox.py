@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -124,8 +125,8 @@ class OutboxRelay:
 
     async def _read(self, start: str, *, block: int | None) -> list[Entry]:
         with translate_redis_errors():
-            reply = await self.redis.xreadgroup(keys.RELAY_GROUP, self.name, {keys.WEBHOOK_OUTBOX: start},
-                                                count=self.batch_size, block=block)
+            reply: list[Any] = await self.redis.xreadgroup(  # type: ignore[assignment]
+                keys.RELAY_GROUP, self.name, {keys.WEBHOOK_OUTBOX: start}, count=self.batch_size, block=block)
         return [(entry_id, fields) for _, messages in reply or [] for entry_id, fields in messages if fields]
 
     async def _reclaim(self) -> list[Entry]:
