@@ -91,13 +91,13 @@ class Worker:
         self.clock = clock
         # Top-up is off by default: on one CPU thread a forward pass costs per padded token, and
         # topping up with shorter items raised padding 1.3-2.4x under a backlog (bench/README.md).
-        self.batcher = MicroBatcher(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
+        self.batcher: MicroBatcher[Delivery] = MicroBatcher(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
                                     isolate_tenants=isolate_tenants, top_up=top_up)
         self.streams = StreamConsumer(redis=redis, model=model, version=version, name=self.name,
                                       claim_after_s=claim_after_s, max_deliveries=max_deliveries,
                                       result_ttl_s=result_ttl_s)
         self.results = ResultWriter(streams=self.streams, result_ttl_s=result_ttl_s)
-        self._ready: deque[Batch] = deque()  # drain batches, run before anything else
+        self._ready: deque[Batch[Delivery]] = deque()  # drain batches, run before anything else
         self._held: set[str] = set()  # entry ids read and not yet acknowledged
         self._wake_runner = asyncio.Event()
         self._wake_reader = asyncio.Event()
@@ -255,7 +255,7 @@ class Worker:
             self._writes.add(task)
             task.add_done_callback(self._writes.discard)
 
-    async def _complete(self, batch: Batch, outcomes: list[Outcome], started: float, model_s: float) -> None:
+    async def _complete(self, batch: Batch[Delivery], outcomes: list[Outcome], started: float, model_s: float) -> None:
         """Store every outcome, then acknowledge: a job is never acked before its outcome exists."""
         finished = self.clock()
         size = len(batch.items)

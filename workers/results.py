@@ -47,7 +47,7 @@ class ResultWriter:
         self.result_ttl_s = result_ttl_s
         self._events = events.channel(streams.redis)
 
-    async def store(self, batch: Batch, outcomes: list[Outcome], *, started: float, finished: float,
+    async def store(self, batch: Batch[Delivery], outcomes: list[Outcome], *, started: float, finished: float,
                     model_ms: float) -> None:
         size = len(batch.items)
         primaries = await self._primary_outputs(batch, outcomes)
@@ -55,7 +55,7 @@ class ResultWriter:
         with translate_redis_errors():
             pipe = self.redis.pipeline(transaction=False)
             for item, outcome in zip(batch.items, outcomes, strict=True):
-                delivery: Delivery = item.payload
+                delivery = item.payload
                 status = JobStatus.succeeded if outcome.error is None else JobStatus.failed
                 output = _json(outcome.output)
                 await self.streams.finish(pipe, delivery.job_id, status=status.value, output=output,
@@ -83,7 +83,7 @@ class ResultWriter:
             self.streams.ack(pipe, [(item.payload.lane, item.id) for item in batch.items])
             await pipe.execute()
 
-    async def _primary_outputs(self, batch: Batch, outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
+    async def _primary_outputs(self, batch: Batch[Delivery], outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
         """The primary outputs that shadow copies in this batch are compared with."""
         wanted = [item.payload.shadow_of for item, outcome in zip(batch.items, outcomes, strict=True)
                   if item.payload.shadow_of and outcome.error is None]
