@@ -1,4 +1,5 @@
-"""Annotated dependencies: the whole of what a route may ask the framework for."""
+"""Annotated dependencies, the whole of what a route may ask the framework for, and the one
+step on the app state that routes share: announcing a routing change."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from api.breakers import BreakerBoard
 from api.caches import AuthCache, RoutingCache
 from api.events import EventHub
 from sluice.broker import Broker
+from sluice.broker import announce_routing as publish_routing
 from sluice.errors import Forbidden, Unauthenticated
 from sluice.registry.queries import KeyInfo
 from sluice.registry.store import Registry
@@ -40,6 +42,12 @@ def get_state(request: Request) -> AppState:
 
 
 StateDep = Annotated[AppState, Depends(get_state)]
+
+
+async def announce_routing(state: AppState, model: str) -> None:
+    """Reload this replica's routing now, then tell the others (and the scheduler)."""
+    await state.routing.reload()
+    await publish_routing(state.broker.redis, model)
 
 _bearer = HTTPBearer(auto_error=False, description="A tenant's API key: `Authorization: Bearer sk_...`")
 

@@ -8,16 +8,13 @@ from anyio import to_thread
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import AdminKey, AppState, CurrentKey, StateDep
-from sluice.broker import announce_routing as publish_routing
+from api.deps import AdminKey, CurrentKey, StateDep, announce_routing
+from api.schemas import Name
 from sluice.errors import NotFound
 from sluice.registry import queries
 from sluice.stats import read_samples, summarise
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
-
-Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
-
 
 class CreateModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -61,12 +58,6 @@ class SetRouting(BaseModel):
     model_config = ConfigDict(extra="forbid")
     weights: dict[str, Annotated[float, Field(ge=0, le=1e6)]] = Field(min_length=1, max_length=64)
     reason: str | None = Field(default=None, max_length=500)
-
-
-async def announce_routing(state: AppState, model: str) -> None:
-    """Reload this replica's routing now, then tell the others (and the scheduler)."""
-    await state.routing.reload()
-    await publish_routing(state.broker.redis, model)
 
 
 @router.get("")
