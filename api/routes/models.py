@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import AdminKey, CurrentKey, StateDep, announce_routing
-from api.schemas import Name
+from api.schemas import Kind, Name
 from sluice.errors import NotFound
 from sluice.registry import queries
 from sluice.stats import read_samples, summarise
@@ -19,7 +19,7 @@ router = APIRouter(prefix="/v1/models", tags=["models"])
 class CreateModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: Name
-    kind: Literal["embedding", "classifier", "synthetic"]
+    kind: Kind
 
 
 class Batching(BaseModel):
