@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from sluice.kinds import ModelKind
+from sluice.versions import SERVING_STATES, VersionState
 
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
 
@@ -21,3 +22,6 @@ def one_of(members: Iterable[StrEnum]) -> Any:
 
 
 Kind = one_of(ModelKind)
+State = one_of(VersionState)
+# A version is registered to serve: retiring one is a change of state, never a start.
+ServingState = one_of(s for s in VersionState if s in SERVING_STATES)

@@ -16,6 +16,7 @@ from sluice.kinds import ModelKind
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.registry.tables import Model, ModelVersion
+from sluice.versions import VersionState
 
 DEMO_TENANT = "demo"
 ADMIN_TENANT = "admin"
@@ -68,7 +69,7 @@ def seed(registry: Registry, *, home: Path, bootstrap_admin_key: str | None = No
                 sha = artifact_sha256(resolve_artifact(demo.artifact))
                 queries.register_version(
                     session, model=demo.model, version=demo.version, artifact=demo.artifact, sha256=sha,
-                    actor="seed", state="stable", max_batch_size=demo.max_batch_size,
+                    actor="seed", state=VersionState.stable, max_batch_size=demo.max_batch_size,
                     max_wait_ms=demo.max_wait_ms,
                 )
             if not queries.routing_weights(session, demo.model):

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from anyio import to_thread
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import AdminKey, CurrentKey, StateDep, announce_routing
-from api.schemas import Kind, Name
+from api.schemas import Kind, Name, ServingState, State
 from sluice.errors import NotFound
 from sluice.registry import queries
 from sluice.stats import read_samples, summarise
+from sluice.versions import VersionState
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
@@ -34,7 +35,7 @@ class RegisterVersion(BaseModel):
     version: Name
     artifact: str = Field(min_length=1, max_length=1024)
     sha256: str = Field(pattern=r"^[0-9a-fA-F]{64}$")
-    state: Literal["staged", "shadow", "canary", "stable"] = "staged"
+    state: ServingState = VersionState.staged
     batching: Batching = Field(default_factory=Batching)
     min_replicas: int = Field(default=1, ge=0, le=64)
     max_replicas: int = Field(default=4, ge=1, le=256)
@@ -42,7 +43,7 @@ class RegisterVersion(BaseModel):
 
 class UpdateVersion(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    state: Literal["staged", "shadow", "canary", "stable", "retired"] | None = None
+    state: State | None = None
     batching: Batching | None = None
     min_replicas: int | None = Field(default=None, ge=0, le=64)
     max_replicas: int | None = Field(default=None, ge=1, le=256)

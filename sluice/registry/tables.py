@@ -26,10 +26,9 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from sluice.kinds import ModelKind
+from sluice.versions import VersionState
 
 JsonDoc = JSON().with_variant(JSONB(), "postgresql")
-
-VERSION_STATES = ("staged", "shadow", "canary", "stable", "retired")
 
 
 def _one_of(column: str, values: Iterable[str]) -> str:
@@ -85,7 +84,7 @@ class ModelVersion(Base):
     version: Mapped[str] = mapped_column(String(64), primary_key=True)
     artifact: Mapped[str] = mapped_column(Text)
     sha256: Mapped[str] = mapped_column(String(64))
-    state: Mapped[str] = mapped_column(String(16), default="staged")
+    state: Mapped[str] = mapped_column(String(16), default=VersionState.staged)
     max_batch_size: Mapped[int] = mapped_column(Integer, default=32)
     max_wait_ms: Mapped[float] = mapped_column(Float, default=10.0)
     isolate_tenants: Mapped[bool] = mapped_column(Boolean, default=True)
@@ -101,7 +100,7 @@ class ModelVersion(Base):
     model_row: Mapped[Model] = relationship(back_populates="versions")
 
     __table_args__ = (
-        CheckConstraint(_one_of("state", VERSION_STATES), name="version_state"),
+        CheckConstraint(_one_of("state", VersionState), name="version_state"),
         CheckConstraint("max_batch_size >= 1", name="batch_size_positive"),
         CheckConstraint("max_wait_ms >= 0", name="wait_non_negative"),
         CheckConstraint("min_replicas >= 0 AND max_replicas >= min_replicas", name="replica_range"),
