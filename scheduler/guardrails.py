@@ -26,10 +26,10 @@ from scipy import stats as sps
 
 from sluice.errors import BadRequest
 from sluice.quality import LOW_CONFIDENCE_P
+from sluice.registry.rollouts import SHADOW_STEP
 
 Action = Literal["promote", "rollback", "continue"]
 Values: TypeAlias = Sequence[float] | npt.NDArray[np.float64]
-SHADOW_STEP = -1  # the rollout's phase before any canary weight: the candidate sees shadow copies
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,15 +14,13 @@ import sys
 import time
 
 from sluice import broker as broker_mod
-from sluice.errors import ArtifactError, SluiceError
+from sluice.errors import EXIT_ARTIFACT_REFUSED, ArtifactError, SluiceError
 from sluice.metrics import COLD_START, WORKER_STATE
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.settings import Settings
 
 log = logging.getLogger(__name__)
-
-EXIT_ARTIFACT_REFUSED = 3
 
 
 def _load_version(registry: Registry, model: str, version: str) -> tuple[str, queries.ModelVersion]:

@@ -25,7 +25,7 @@ from sluice.registry import queries
 from sluice.registry.tables import AuditEntry, ModelVersion, Rollout, RolloutDecision
 from sluice.versions import PRIMARY_STATES, VersionState
 
-SHADOW_STEP = -1
+SHADOW_STEP = -1  # the step index of the phase before any canary weight: the candidate sees shadow copies
 
 
 @dataclass(frozen=True, slots=True)

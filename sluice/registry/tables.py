@@ -186,7 +186,7 @@ class Rollout(Base):
     # The model's weights and the canary's state before the start, for abort.
     initial_weights: Mapped[Any] = mapped_column(JsonDoc)
     canary_initial_state: Mapped[str] = mapped_column(String(16))
-    step_index: Mapped[int] = mapped_column(Integer)  # -1: the shadow phase
+    step_index: Mapped[int] = mapped_column(Integer)  # into the policy's steps, or rollouts.SHADOW_STEP
     state: Mapped[str] = mapped_column(String(16), default="running")
     actor: Mapped[str] = mapped_column(String(128))
     reason: Mapped[str | None] = mapped_column(Text)
