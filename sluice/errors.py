@@ -55,6 +55,13 @@ class InferenceError(ModelError):
     """The model raised on a batch."""
 
 
+# --- rollouts -------------------------------------------------------------------------------
+
+
+class InvalidPolicy(SluiceError):
+    """A rollout policy's values are out of range or contradict each other."""
+
+
 # --- API-facing errors: each maps to one status and code of DESIGN §6 ------------------------
 
 
