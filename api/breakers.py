@@ -22,7 +22,7 @@ from sluice.breaker import BreakerState, CircuitBreaker, Health
 from sluice.connections import translate_redis_errors
 from sluice.errors import BrokerError
 from sluice.metrics import BREAKER_OPEN
-from sluice.routing import PRIMARY_STATES
+from sluice.versions import PRIMARY_STATES
 
 log = logging.getLogger(__name__)
 

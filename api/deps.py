@@ -1,4 +1,5 @@
-"""Annotated dependencies: the whole of what a route may ask the framework for."""
+"""Annotated dependencies, the whole of what a route may ask the framework for, and the one
+step on the app state that routes share: announcing a routing change."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from api.admission import Admission
 from api.breakers import BreakerBoard
 from api.caches import AuthCache, RoutingCache
 from api.events import EventHub
+from sluice import events
 from sluice.broker import Broker
 from sluice.errors import Forbidden, Unauthenticated
 from sluice.registry.queries import KeyInfo
@@ -40,6 +42,13 @@ def get_state(request: Request) -> AppState:
 
 
 StateDep = Annotated[AppState, Depends(get_state)]
+
+
+async def announce_routing(state: AppState, model: str) -> None:
+    """Reload this replica's routing now, then tell the others (and the scheduler)."""
+    await state.routing.reload()
+    await state.broker.publish(events.RoutingChanged(model=model))
+
 
 _bearer = HTTPBearer(auto_error=False, description="A tenant's API key: `Authorization: Bearer sk_...`")
 

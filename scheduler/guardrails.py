@@ -24,12 +24,12 @@ import numpy as np
 import numpy.typing as npt
 from scipy import stats as sps
 
-from sluice.errors import BadRequest
+from sluice.errors import InvalidPolicy
 from sluice.quality import LOW_CONFIDENCE_P
+from sluice.registry.rollouts import SHADOW_STEP
 
 Action = Literal["promote", "rollback", "continue"]
 Values: TypeAlias = Sequence[float] | npt.NDArray[np.float64]
-SHADOW_STEP = -1  # the rollout's phase before any canary weight: the candidate sees shadow copies
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,17 +56,17 @@ class Policy:
         steps = tuple(float(s) for s in self.steps)
         object.__setattr__(self, "steps", steps)
         if len(steps) < 2 or steps[-1] != 100.0 or any(not 0 < s <= 100 for s in steps):
-            raise BadRequest("steps must be at least two percentages in (0, 100] ending at 100")
+            raise InvalidPolicy("steps must be at least two percentages in (0, 100] ending at 100")
         if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
-            raise BadRequest("steps must increase")
+            raise InvalidPolicy("steps must increase")
         if not 0 < self.alpha < 1:
-            raise BadRequest("alpha must be in (0, 1)")
+            raise InvalidPolicy("alpha must be in (0, 1)")
         if self.soak_s < 0 or self.look_interval_s <= 0 or self.worker_grace_s < 0:
-            raise BadRequest("soak_s and worker_grace_s must be >= 0 and look_interval_s > 0")
+            raise InvalidPolicy("soak_s and worker_grace_s must be >= 0 and look_interval_s > 0")
         if not 1 <= self.min_test_samples <= self.min_samples:
-            raise BadRequest("min_test_samples must be in [1, min_samples]")
+            raise InvalidPolicy("min_test_samples must be in [1, min_samples]")
         if not 0 <= self.min_agreement <= 1 or not 0 < self.hard_error_rate <= 1:
-            raise BadRequest("min_agreement must be in [0, 1] and hard_error_rate in (0, 1]")
+            raise InvalidPolicy("min_agreement must be in [0, 1] and hard_error_rate in (0, 1]")
 
     @property
     def looks_per_step(self) -> int:
@@ -82,7 +82,7 @@ class Policy:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise BadRequest(f"unknown policy fields: {', '.join(sorted(unknown))}")
+            raise InvalidPolicy(f"unknown policy fields: {', '.join(sorted(unknown))}")
         values = dict(data)
         if "steps" in values:
             values["steps"] = tuple(values["steps"])

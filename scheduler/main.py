@@ -27,6 +27,7 @@ from sluice.metrics import DESIRED_REPLICAS, LIVE_REPLICAS
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.routing import RoutingSnapshot
+from sluice.versions import VersionState
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def desired_replicas(snapshot: RoutingSnapshot) -> dict[VersionKey, int]:
         (model.name, version.version): version.min_replicas
         for model in snapshot.models.values()
         for version in model.versions.values()
-        if version.state != "retired" and version.min_replicas > 0
+        if version.state != VersionState.retired and version.min_replicas > 0
     }
 
 

@@ -21,6 +21,7 @@ from sluice.registry import quality, queries
 from sluice.registry.store import Registry
 from sluice.samples import read_samples
 from sluice.stats import summarise
+from sluice.versions import VersionState
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class QualityAggregator:
         written = 0
         for model in snapshot.models.values():
             for version in model.versions.values():
-                if version.state == "retired":
+                if version.state == VersionState.retired:
                     continue
                 samples = [s for s in await read_samples(self.redis, model.name, version.version,
                                                          window_s=self.window_s, now=end)

@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 from scheduler.guardrails import Decision, Evidence, Policy, Position, decide
 from sluice import heartbeats
 from sluice.connections import connect
-from sluice.errors import BrokerError, SluiceError
+from sluice.errors import BrokerError, InvalidPolicy, SluiceError
 from sluice.events import announce_routing
 from sluice.registry import rollouts
 from sluice.registry.store import Registry
@@ -92,7 +92,7 @@ class RolloutController:
         for row in rows:
             try:
                 policy = Policy.from_dict(row.policy)
-            except (SluiceError, TypeError, ValueError) as exc:
+            except (InvalidPolicy, TypeError, ValueError) as exc:
                 log.error("rollout %s of %s has an unusable policy, skipping it: %s", row.id, row.model, exc)
                 continue
             active.append(Active(id=row.id, model=row.model, canary=row.canary, stable=row.stable, policy=policy,

@@ -15,7 +15,8 @@ from typing import Literal
 
 import numpy as np
 
-from scheduler.guardrails import SHADOW_STEP, Decision, Evidence, Policy, Position, decide
+from scheduler.guardrails import Decision, Evidence, Policy, Position, decide
+from sluice.registry.rollouts import SHADOW_STEP
 
 STREAM_CAP = 20_000  # the workers' samples stream keeps about this many (workers/consumer.py)
 

@@ -1,8 +1,9 @@
 """The local actuator: one object that starts, checks, reaps, respawns and stops worker processes.
 
 It is told how many replicas each (model, version) should have and makes it so. A worker that
-dies is restarted with capped exponential backoff; one that refused its artifact (exit code 3)
-waits much longer, since restarting it cannot help until an operator fixes the version.
+dies is restarted with capped exponential backoff; one that refused its artifact (it exits with
+`EXIT_ARTIFACT_REFUSED`) waits much longer, since restarting it cannot help until an operator
+fixes the version.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sluice.errors import EXIT_ARTIFACT_REFUSED
+
 log = logging.getLogger(__name__)
 
 VersionKey = tuple[str, str]
 CommandFactory = Callable[[str, str, int], list[str]]
-
-EXIT_ARTIFACT_REFUSED = 3
 
 
 @dataclass

@@ -46,8 +46,20 @@ class ArtifactMismatch(ArtifactError):
     """The artifact's sha256 differs from the one recorded in the registry."""
 
 
+# How a worker process tells its supervisor that it refused its version's artifact: a restart
+# cannot help until an operator fixes the version, so the supervisor waits much longer.
+EXIT_ARTIFACT_REFUSED = 3
+
+
 class InferenceError(ModelError):
     """The model raised on a batch."""
+
+
+# --- rollouts -------------------------------------------------------------------------------
+
+
+class InvalidPolicy(SluiceError):
+    """A rollout policy's values are out of range or contradict each other."""
 
 
 # --- API-facing errors: each maps to one status and code of DESIGN §6 ------------------------

@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from sluice.errors import Conflict, Forbidden, NotFound, ServiceUnavailable
+from sluice.versions import PRIMARY_STATES, VersionState
 
 RouteReason = Literal["explicit", "pin", "weighted", "fallback"]
-SERVING_STATES = frozenset({"staged", "shadow", "canary", "stable"})
-PRIMARY_STATES = frozenset({"staged", "canary", "stable"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +74,7 @@ def _exact(info: ModelInfo, version: str, blocked: Container[str]) -> VersionInf
     found = info.versions.get(version)
     if found is None:
         raise NotFound(f"model '{info.name}' has no version '{version}'")
-    if found.state == "retired":
+    if found.state == VersionState.retired:
         raise Conflict(f"version '{version}' of model '{info.name}' is retired")
     if version in blocked:
         raise ServiceUnavailable(
@@ -88,7 +87,7 @@ def _exact(info: ModelInfo, version: str, blocked: Container[str]) -> VersionInf
 def _fallback(info: ModelInfo, chosen: VersionInfo, blocked: Container[str]) -> RouteDecision:
     for name in sorted(info.versions):
         candidate = info.versions[name]
-        if candidate.state == "stable" and name not in blocked and name != chosen.version:
+        if candidate.state == VersionState.stable and name not in blocked and name != chosen.version:
             return RouteDecision(candidate, "fallback", fallback_from=chosen.version)
     # No healthy stable version to move to: queueing on the chosen one beats refusing the job.
     return RouteDecision(chosen, "weighted")
@@ -137,11 +136,11 @@ def route(
 def shadow_target(snapshot: RoutingSnapshot, *, model: str, primary: VersionInfo, point: float) -> str | None:
     """The shadow version a job of `primary` is copied to, if `point` (uniform in [0, 1)) falls in
     its sample. Only the stable version is shadowed: agreement is always measured against it."""
-    if primary.state != "stable":
+    if primary.state != VersionState.stable:
         return None
     info = snapshot.model(model)
     for name in sorted(info.versions):
         rate = min(100.0, max(0.0, info.weights.get(name, 0.0))) / 100.0
-        if info.versions[name].state == "shadow" and name != primary.version and point < rate:
+        if info.versions[name].state == VersionState.shadow and name != primary.version and point < rate:
             return name
     return None

@@ -13,7 +13,7 @@ import sys
 import time
 
 from sluice.connections import connect
-from sluice.errors import ArtifactError, SluiceError
+from sluice.errors import EXIT_ARTIFACT_REFUSED, ArtifactError, SluiceError
 from sluice.metrics import COLD_START, WORKER_STATE
 from sluice.registry import queries
 from sluice.registry.store import Registry
@@ -22,8 +22,6 @@ from sluice.settings import Settings
 from sluice.shutdown import install_two_stage
 
 log = logging.getLogger(__name__)
-
-EXIT_ARTIFACT_REFUSED = 3
 
 
 def _load_version(registry: Registry, model: str, version: str) -> tuple[str, ModelVersion]:

@@ -2,28 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from anyio import to_thread
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import AdminKey, AppState, CurrentKey, StateDep
+from api.deps import AdminKey, CurrentKey, StateDep, announce_routing
 from api.resources import ModelList, ModelResource, RoutingChange, StatsResource, VersionChange, VersionResource
-from sluice import events
+from api.schemas import Kind, Name, ServingState, State
 from sluice.errors import NotFound
 from sluice.registry import queries
 from sluice.stats import summarise
+from sluice.versions import VersionState
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
-
-Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
-
 
 class CreateModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: Name
-    kind: Literal["embedding", "classifier", "synthetic"]
+    kind: Kind
 
 
 class Batching(BaseModel):
@@ -38,7 +36,7 @@ class RegisterVersion(BaseModel):
     version: Name
     artifact: str = Field(min_length=1, max_length=1024)
     sha256: str = Field(pattern=r"^[0-9a-fA-F]{64}$")
-    state: Literal["staged", "shadow", "canary", "stable"] = "staged"
+    state: ServingState = VersionState.staged
     batching: Batching = Field(default_factory=Batching)
     min_replicas: int = Field(default=1, ge=0, le=64)
     max_replicas: int = Field(default=4, ge=1, le=256)
@@ -46,7 +44,7 @@ class RegisterVersion(BaseModel):
 
 class UpdateVersion(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    state: Literal["staged", "shadow", "canary", "stable", "retired"] | None = None
+    state: State | None = None
     batching: Batching | None = None
     min_replicas: int | None = Field(default=None, ge=0, le=64)
     max_replicas: int | None = Field(default=None, ge=1, le=256)
@@ -62,12 +60,6 @@ class SetRouting(BaseModel):
     model_config = ConfigDict(extra="forbid")
     weights: dict[str, Annotated[float, Field(ge=0, le=1e6)]] = Field(min_length=1, max_length=64)
     reason: str | None = Field(default=None, max_length=500)
-
-
-async def announce_routing(state: AppState, model: str) -> None:
-    """Reload this replica's routing now, then tell the others (and the scheduler)."""
-    await state.routing.reload()
-    await state.broker.publish(events.RoutingChanged(model=model))
 
 
 @router.get("", response_model=ModelList)

@@ -8,8 +8,8 @@ from anyio import to_thread
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import AdminKey, StateDep
-from api.routes.models import Name, announce_routing
+from api.deps import AdminKey, StateDep, announce_routing
+from api.schemas import Name
 from sluice import events
 from sluice.registry import queries
 

@@ -17,7 +17,6 @@ from sqlalchemy.orm import Session
 
 from sluice.errors import BadRequest, Conflict, NotFound
 from sluice.registry.tables import (
-    VERSION_STATES,
     ApiKey,
     AuditEntry,
     Model,
@@ -27,6 +26,7 @@ from sluice.registry.tables import (
     Tenant,
 )
 from sluice.routing import ModelInfo, RoutingSnapshot, VersionInfo
+from sluice.versions import VersionState
 
 KEY_PREFIX = "sk"
 
@@ -183,7 +183,7 @@ def register_version(
     artifact: str,
     sha256: str,
     actor: str,
-    state: str = "staged",
+    state: str = VersionState.staged,
     max_batch_size: int = 32,
     max_wait_ms: float = 10.0,
     isolate_tenants: bool = True,
@@ -194,8 +194,8 @@ def register_version(
         raise NotFound(f"model '{model}' does not exist")
     if session.get(ModelVersion, (model, version)) is not None:
         raise Conflict(f"model '{model}' already has a version '{version}'")
-    if state not in VERSION_STATES:
-        raise BadRequest(f"state must be one of {', '.join(VERSION_STATES)}")
+    if state not in tuple(VersionState):
+        raise BadRequest(f"state must be one of {', '.join(VersionState)}")
     if max_replicas < min_replicas:
         raise BadRequest("max_replicas must be >= min_replicas")
     row = ModelVersion(
@@ -239,7 +239,7 @@ def set_routing(
             raise NotFound(f"model '{model}' has no version '{version}'")
         if weight < 0:
             raise BadRequest("routing weights must be >= 0")
-        if weight > 0 and known[version].state == "retired":
+        if weight > 0 and known[version].state == VersionState.retired:
             raise Conflict(f"version '{version}' is retired and cannot take traffic")
     if weights and sum(weights.values()) <= 0:
         raise BadRequest("at least one routing weight must be positive")
@@ -257,7 +257,7 @@ def set_pin(session: Session, *, tenant_id: str, model: str, version: str, actor
     if session.get(Tenant, tenant_id) is None:
         raise NotFound(f"tenant '{tenant_id}' does not exist")
     row = get_version(session, model, version)
-    if row.state == "retired":
+    if row.state == VersionState.retired:
         raise Conflict(f"version '{version}' is retired")
     pin = session.get(Pin, (tenant_id, model))
     before = pin.version if pin else None
@@ -350,10 +350,10 @@ def update_version(
     row = get_version(session, model, version)
     before = version_resource(row)
     if state is not None:
-        if state not in VERSION_STATES:
-            raise BadRequest(f"state must be one of {', '.join(VERSION_STATES)}")
+        if state not in tuple(VersionState):
+            raise BadRequest(f"state must be one of {', '.join(VersionState)}")
         row.state = state
-        if state == "retired":
+        if state == VersionState.retired:
             session.execute(delete(RoutingWeight).where(RoutingWeight.model == model,
                                                         RoutingWeight.version == version))
             session.execute(delete(Pin).where(Pin.model == model, Pin.version == version))
@@ -376,13 +376,13 @@ def rollback(session: Session, *, model: str, actor: str, reason: str | None) ->
     Shadow sample rates are kept: a rollback moves traffic, it does not stop a comparison."""
     stable = session.scalars(
         select(ModelVersion)
-        .where(ModelVersion.model == model, ModelVersion.state == "stable")
+        .where(ModelVersion.model == model, ModelVersion.state == VersionState.stable)
         .order_by(ModelVersion.updated_at.desc())
     ).first()
     if stable is None:
         raise Conflict(f"model '{model}' has no stable version to roll back to")
     shadows = {v.version for v in session.scalars(
-        select(ModelVersion).where(ModelVersion.model == model, ModelVersion.state == "shadow"))}
+        select(ModelVersion).where(ModelVersion.model == model, ModelVersion.state == VersionState.shadow))}
     weights = {v: w for v, w in routing_weights(session, model).items() if v in shadows}
     weights[stable.version] = 100.0
     return set_routing(session, model=model, weights=weights, actor=actor, reason=reason or "rollback")

@@ -23,8 +23,9 @@ from sqlalchemy.orm import Session
 from sluice.errors import BadRequest, Conflict, NotFound
 from sluice.registry import queries
 from sluice.registry.tables import AuditEntry, ModelVersion, Rollout, RolloutDecision
+from sluice.versions import PRIMARY_STATES, VersionState
 
-SHADOW_STEP = -1
+SHADOW_STEP = -1  # the step index of the phase before any canary weight: the candidate sees shadow copies
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +53,12 @@ def _default_stable(session: Session, model: str, canary: str) -> str:
     states = {row.version: row.state for row in session.scalars(select(ModelVersion)
                                                                 .where(ModelVersion.model == model))}
     others = sorted(((w, v) for v, w in weights.items()
-                     if v != canary and w > 0 and states.get(v) in ("staged", "canary", "stable")), reverse=True)
+                     if v != canary and w > 0 and states.get(v) in PRIMARY_STATES), reverse=True)
     if others:
         return others[0][1]
     row = session.scalars(
         select(ModelVersion)
-        .where(ModelVersion.model == model, ModelVersion.state == "stable", ModelVersion.version != canary)
+        .where(ModelVersion.model == model, ModelVersion.state == VersionState.stable, ModelVersion.version != canary)
         .order_by(ModelVersion.updated_at.desc())
     ).first()
     if row is None:
@@ -85,10 +86,11 @@ def start_rollout(session: Session, *, model: str, canary: str, policy: dict[str
     if stable == canary:
         raise BadRequest("the canary and the stable version must differ")
     for row in (candidate, baseline):
-        if row.state == "retired":
+        if row.state == VersionState.retired:
             raise Conflict(f"version '{row.version}' is retired")
-    step = SHADOW_STEP if candidate.state == "shadow" else 0
-    if step == SHADOW_STEP and (baseline.state != "stable" or not queries.routing_weights(session, model).get(canary)):
+    step = SHADOW_STEP if candidate.state == VersionState.shadow else 0
+    if step == SHADOW_STEP and (baseline.state != VersionState.stable
+                                or not queries.routing_weights(session, model).get(canary)):
         raise BadRequest(f"a shadow phase needs '{stable}' in state stable and a weight on '{canary}' (the "
                          "percentage of stable's jobs copied to it)")
     rollout = Rollout(model=model, canary=canary, stable=stable, policy=policy,
@@ -99,8 +101,8 @@ def start_rollout(session: Session, *, model: str, canary: str, policy: dict[str
     session.flush()
     audit = None
     if step != SHADOW_STEP:
-        if candidate.state != "canary":
-            queries.update_version(session, model=model, version=canary, actor=actor, state="canary",
+        if candidate.state != VersionState.canary:
+            queries.update_version(session, model=model, version=canary, actor=actor, state=VersionState.canary,
                                    reason=f"rollout {rollout.id} started")
         audit = queries.set_routing(session, model=model, weights=_step_weights(rollout, step), actor=actor,
                                     reason=f"rollout {rollout.id}: canary '{canary}' at "
@@ -151,19 +153,19 @@ def apply_decision(session: Session, *, rollout_id: int, expected_step: int, act
             audit = queries.set_routing(session, model=rollout.model, weights={rollout.canary: 100.0}, actor=actor,
                                         reason=f"rollout {rollout.id}: '{rollout.canary}' promoted to stable")
             queries.update_version(session, model=rollout.model, version=rollout.canary, actor=actor,
-                                   state="stable", reason=f"rollout {rollout.id} promoted")
+                                   state=VersionState.stable, reason=f"rollout {rollout.id} promoted")
         else:
             if rollout.step_index == SHADOW_STEP:
                 queries.update_version(session, model=rollout.model, version=rollout.canary, actor=actor,
-                                       state="canary", reason=f"rollout {rollout.id}: shadow phase passed")
+                                       state=VersionState.canary, reason=f"rollout {rollout.id}: shadow phase passed")
             audit = queries.set_routing(session, model=rollout.model, weights=_step_weights(rollout, to_step),
                                         actor=actor, reason=f"rollout {rollout.id}: canary '{rollout.canary}' "
                                                             f"to {step_weight(rollout, to_step):g} %")
     elif action == "rollback":
         audit = queries.set_routing(session, model=rollout.model, weights=_rollback_weights(rollout),
                                     actor=actor, reason=f"rollout {rollout.id} rolled back: {reason}")
-        queries.update_version(session, model=rollout.model, version=rollout.canary, actor=actor, state="staged",
-                               reason=f"rollout {rollout.id} rolled back")
+        queries.update_version(session, model=rollout.model, version=rollout.canary, actor=actor,
+                               state=VersionState.staged, reason=f"rollout {rollout.id} rolled back")
     elif action != "continue":
         raise BadRequest(f"unknown rollout action '{action}'")
     row = _record(session, rollout, at=now, action=action, reason=reason, evidence=evidence, audit=audit)
@@ -179,7 +181,7 @@ def apply_decision(session: Session, *, rollout_id: int, expected_step: int, act
 
 def _rollback_weights(rollout: Rollout) -> dict[str, float]:
     weights = {v: float(w) for v, w in rollout.initial_weights.items()}
-    share = weights.pop(rollout.canary, 0.0) if rollout.canary_initial_state != "shadow" else 0.0
+    share = weights.pop(rollout.canary, 0.0) if rollout.canary_initial_state != VersionState.shadow else 0.0
     weights[rollout.stable] = weights.get(rollout.stable, 0.0) + share
     weights[rollout.canary] = 0.0
     return weights if sum(weights.values()) > 0 else {rollout.stable: 100.0, rollout.canary: 0.0}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -24,10 +25,16 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from sluice.kinds import ModelKind
+from sluice.versions import VersionState
+
 JsonDoc = JSON().with_variant(JSONB(), "postgresql")
 
-VERSION_STATES = ("staged", "shadow", "canary", "stable", "retired")
-MODEL_KINDS = ("embedding", "classifier", "synthetic")
+
+def _one_of(column: str, values: Iterable[str]) -> str:
+    """`column IN ('a', 'b')`, spelled as the migrations spelled it, so the ORM and the
+    migrated schema carry the same constraint text."""
+    return f"{column} IN ({', '.join(repr(str(v)) for v in values)})"
 
 
 class Base(DeclarativeBase):
@@ -67,7 +74,7 @@ class Model(Base):
         back_populates="model_row", order_by="ModelVersion.created_at"
     )
 
-    __table_args__ = (CheckConstraint(f"kind IN {MODEL_KINDS!r}", name="model_kind"),)
+    __table_args__ = (CheckConstraint(_one_of("kind", ModelKind), name="model_kind"),)
 
 
 class ModelVersion(Base):
@@ -77,7 +84,7 @@ class ModelVersion(Base):
     version: Mapped[str] = mapped_column(String(64), primary_key=True)
     artifact: Mapped[str] = mapped_column(Text)
     sha256: Mapped[str] = mapped_column(String(64))
-    state: Mapped[str] = mapped_column(String(16), default="staged")
+    state: Mapped[str] = mapped_column(String(16), default=VersionState.staged)
     max_batch_size: Mapped[int] = mapped_column(Integer, default=32)
     max_wait_ms: Mapped[float] = mapped_column(Float, default=10.0)
     isolate_tenants: Mapped[bool] = mapped_column(Boolean, default=True)
@@ -93,7 +100,7 @@ class ModelVersion(Base):
     model_row: Mapped[Model] = relationship(back_populates="versions")
 
     __table_args__ = (
-        CheckConstraint(f"state IN {VERSION_STATES!r}", name="version_state"),
+        CheckConstraint(_one_of("state", VersionState), name="version_state"),
         CheckConstraint("max_batch_size >= 1", name="batch_size_positive"),
         CheckConstraint("max_wait_ms >= 0", name="wait_non_negative"),
         CheckConstraint("min_replicas >= 0 AND max_replicas >= min_replicas", name="replica_range"),
@@ -179,7 +186,7 @@ class Rollout(Base):
     # The model's weights and the canary's state before the start, for abort.
     initial_weights: Mapped[Any] = mapped_column(JsonDoc)
     canary_initial_state: Mapped[str] = mapped_column(String(16))
-    step_index: Mapped[int] = mapped_column(Integer)  # -1: the shadow phase
+    step_index: Mapped[int] = mapped_column(Integer)  # into the policy's steps, or rollouts.SHADOW_STEP
     state: Mapped[str] = mapped_column(String(16), default="running")
     actor: Mapped[str] = mapped_column(String(128))
     reason: Mapped[str | None] = mapped_column(Text)
@@ -192,7 +199,7 @@ class Rollout(Base):
                              ondelete="CASCADE"),
         ForeignKeyConstraint(["model", "stable"], ["model_versions.model", "model_versions.version"],
                              ondelete="CASCADE"),
-        CheckConstraint(f"state IN {ROLLOUT_STATES!r}", name="rollout_state"),
+        CheckConstraint(_one_of("state", ROLLOUT_STATES), name="rollout_state"),
         CheckConstraint("canary <> stable", name="rollout_two_versions"),
         Index("one_running_rollout", "model", unique=True, postgresql_where=text("state = 'running'")),
     )
@@ -213,4 +220,4 @@ class RolloutDecision(Base):
     # The audited routing change the decision made, if any.
     audit_id: Mapped[int | None] = mapped_column(ForeignKey("audit_log.id", ondelete="SET NULL"))
 
-    __table_args__ = (CheckConstraint(f"action IN {ROLLOUT_ACTIONS!r}", name="rollout_action"),)
+    __table_args__ = (CheckConstraint(_one_of("action", ROLLOUT_ACTIONS), name="rollout_action"),)

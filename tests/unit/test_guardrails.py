@@ -23,7 +23,7 @@ from scheduler.guardrails import (
     two_proportion_greater,
 )
 from scheduler.simulate import VersionProfile, simulate
-from sluice.errors import BadRequest
+from sluice.errors import InvalidPolicy
 
 LABELS = {"billing": 0.4, "tech": 0.3, "account": 0.2, "other": 0.1}
 CLASSIFIER = VersionProfile(error_rate=0.01, labels=LABELS)
@@ -106,9 +106,9 @@ def test_policy_validates_and_round_trips() -> None:
     assert Policy.from_dict(json.loads(json.dumps(policy.to_dict()))) == policy
     for bad in ({"steps": (5, 1, 100)}, {"steps": (1, 50)}, {"steps": (100,)}, {"alpha": 0},
                 {"min_samples": 10}):
-        with pytest.raises(BadRequest):
+        with pytest.raises(InvalidPolicy):
             Policy(**bad)  # type: ignore[arg-type]
-    with pytest.raises(BadRequest, match="unknown"):
+    with pytest.raises(InvalidPolicy, match="unknown"):
         Policy.from_dict({"soak": 1})
 
 

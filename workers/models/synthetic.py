@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sluice.errors import InferenceError
-from sluice.kinds import token_estimate
+from sluice.kinds import ModelKind, token_estimate
 
 POISON_TEXT = "__poison__"
 
@@ -24,7 +24,7 @@ class SyntheticHandler:
     whole batch with InferenceError, so callers can exercise bisection.
     """
 
-    kind = "synthetic"
+    kind = ModelKind.synthetic
 
     def __init__(self, *, fixed_s: float = 0.002, per_item_s: float = 0.0005, per_token_s: float = 0.00002) -> None:
         for name, value in (

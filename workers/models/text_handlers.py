@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from sluice.errors import InferenceError
+from sluice.kinds import ModelKind
 from workers.models.head import IntentHead
 from workers.models.minilm import MiniLMEncoder
 from workers.models.synthetic import POISON_TEXT
@@ -53,7 +54,7 @@ def _encode(encoder: MiniLMEncoder, texts: list[str]) -> torch.Tensor:
 class EmbeddingHandler:
     """``{"text": str}`` -> ``{"embedding": [float, ...], "dim": 384}`` (unit length)."""
 
-    kind = "embedding"
+    kind = ModelKind.embedding
 
     def __init__(self, *, encoder: MiniLMEncoder) -> None:
         self.encoder = encoder
@@ -73,7 +74,7 @@ class EmbeddingHandler:
 class ClassifierHandler:
     """``{"text": str}`` -> ``{"label": str, "scores": {label: probability}}``."""
 
-    kind = "classifier"
+    kind = ModelKind.classifier
 
     def __init__(self, *, encoder: MiniLMEncoder, head: IntentHead, labels: Sequence[str]) -> None:
         if head.out.out_features != len(labels):
