@@ -1,0 +1,56 @@
+"""Dependencies point down: the composition root (`launch`) uses the parts (`api`, `workers`,
+`scheduler`), the parts use the kernel (`sluice`), and nothing imports upward or sideways. Routes
+share through `api.schemas` and `api.deps`, never through each other: a route module that imports
+another drags its router and its request models along. Imports inside functions count too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ROUTES = REPO / "api" / "routes"
+# What each package may not import (a prefix match on the dotted name).
+FORBIDDEN = {
+    "sluice": ("api", "workers", "scheduler", "launch", "torch", "fastapi", "celery"),
+    "api": ("workers", "scheduler", "launch", "torch"),
+    "workers": ("api", "scheduler", "launch"),
+    "scheduler": ("api", "workers", "launch", "torch"),
+}
+
+
+def _imported(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("path", sorted(ROUTES.glob("*.py")), ids=lambda p: p.name)
+def test_a_route_module_imports_no_other_route_module(path: Path) -> None:
+    assert not {name for name in _imported(path) if name.startswith("api.routes")}
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted((REPO / package).rglob("*.py"))
+
+
+def _reaches(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_a_package_imports_nothing_above_or_beside_it(package: str) -> None:
+    found = {
+        f"{path.relative_to(REPO)}: {name}"
+        for path in _modules(package)
+        for name in _imported(path)
+        if any(_reaches(name, prefix) for prefix in FORBIDDEN[package])
+    }
+    assert not found

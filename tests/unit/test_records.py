@@ -1,0 +1,91 @@
+"""Every record that crosses Redis round-trips through its one codec, as Redis hands it back
+(bytes keys and values), and a reader never mistakes one record for another."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+import pytest
+
+from sluice import events
+from sluice.heartbeats import LIVE_WITHIN_S, Heartbeat, WorkerState, live_since
+from sluice.idempotency import IdempotencyRecord
+from sluice.jobs import JobRecord, JobStatus
+from sluice.outbox import DELIVERY_FIELD, JOB_FIELD, QUEUE_WEBHOOK, OutboxEntry
+from sluice.samples import Sample
+from sluice.streams import DeadLetter, StreamEntry
+
+
+def _as_redis(fields: Mapping[str, str]) -> dict[bytes, bytes]:
+    return {key.encode(): value.encode() for key, value in fields.items()}
+
+
+@pytest.mark.parametrize("shadow, shadow_of", [(None, None), ("v2", None), (None, "job_primary")])
+def test_a_stream_entry_round_trips_and_carries_what_its_record_says(shadow: str | None,
+                                                                       shadow_of: str | None) -> None:
+    record = JobRecord(id="job_x", tenant="acme", model="m", version="v1", lane="online", status=JobStatus.queued,
+                       input={"text": "secret"}, enqueued_at=1_700_000_000.123456, cost=17, shadow=shadow,
+                       shadow_of=shadow_of)
+    entry = StreamEntry.of(record)
+    assert StreamEntry.from_fields(_as_redis(entry.to_fields())) == entry
+    assert (entry.job_id, entry.tenant, entry.cost, entry.enqueued_at) == ("job_x", "acme", 17, record.enqueued_at)
+    assert (entry.shadow, entry.shadow_of) == (shadow, shadow_of)
+    # The entry is for batching: the input never rides in the stream.
+    assert "secret" not in str(entry.to_fields())
+
+
+def test_a_dead_letter_round_trips_and_keeps_its_error_short() -> None:
+    letter = DeadLetter(job_id="job_x", error="boom " * 200, at=1_700_000_000.5)
+    parsed = DeadLetter.from_fields(_as_redis(letter.to_fields()))
+    assert (parsed.job_id, parsed.at) == ("job_x", letter.at)
+    assert parsed.error == letter.error[:500]
+
+
+@pytest.mark.parametrize("quality", [{}, {"size": 42, "top_p": 0.91, "label": "card_lost", "agreement": 1.0}])
+def test_a_sample_round_trips(quality: dict[str, object]) -> None:
+    sample = Sample(status="succeeded", finished_at=1_700_000_000.25, queue_wait_ms=3.5, model_ms=12.25,
+                    total_ms=16.0, batch_size=8, close_reason="age", quality=quality)
+    assert Sample.from_fields(_as_redis(sample.to_fields())) == sample
+    assert sample.succeeded and not replace(sample, status="failed").succeeded
+
+
+def test_a_heartbeat_round_trips_from_bytes_or_str() -> None:
+    beat = Heartbeat(state=WorkerState.ready, items_per_s=123.456, batch_size=32, cold_start_s=4.5, processed=99,
+                     pid=4242, at=1_700_000_000.75)
+    assert Heartbeat.from_fields(_as_redis(beat.to_fields())) == beat
+    assert Heartbeat.from_fields(beat.to_fields()) == beat
+    assert live_since(100.0) == 100.0 - LIVE_WITHIN_S
+
+
+@pytest.mark.parametrize("event", [
+    events.JobChanged(id="job_x", status="succeeded"),
+    events.RoutingChanged(model="intent"),
+    events.KeyRevoked(key_hash="ab" * 32),
+])
+def test_an_event_round_trips(event: events.JobChanged | events.RoutingChanged | events.KeyRevoked) -> None:
+    assert events.parse(events.encode(event)) == event
+    assert events.parse(events.encode(event).encode()) == event
+
+
+@pytest.mark.parametrize("data", [b"", b"not json", b"[]", b"{}", b'{"type":"job"}', b'{"type":"nope","id":"x"}',
+                                  b'{"type":"routing"}', b"\xff\xfe"])
+def test_an_unreadable_or_unknown_event_is_ignored(data: bytes) -> None:
+    assert events.parse(data) is None
+
+
+def test_the_routing_event_keeps_its_wire_form() -> None:
+    # API replicas of the previous release parse exactly this during a rolling upgrade.
+    assert events.encode(events.RoutingChanged(model="m")) == '{"type":"routing","model":"m"}'
+
+
+def test_an_idempotency_record_round_trips_while_pending_and_done() -> None:
+    for record in (IdempotencyRecord("h" * 64, None), IdempotencyRecord("h" * 64, ["job_a", "job_b"])):
+        assert IdempotencyRecord.parse(record.encode()) == record
+
+
+def test_an_outbox_entry_round_trips_and_the_script_writes_the_same_fields() -> None:
+    entry = OutboxEntry(delivery_id="dlv_1", job_id="job_1")
+    assert OutboxEntry.from_fields(_as_redis(entry.to_fields())) == entry
+    assert OutboxEntry.from_fields({b"delivery": b"dlv_1"}) is None
+    assert f"'{DELIVERY_FIELD}', delivery, '{JOB_FIELD}', id" in QUEUE_WEBHOOK
