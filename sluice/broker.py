@@ -17,7 +17,7 @@ from sluice import events, keys
 from sluice.connections import translate_redis_errors
 from sluice.errors import Conflict, NotFound
 from sluice.idempotency import IdempotencyClaim, IdempotencyRecord
-from sluice.jobs import JobRecord
+from sluice.jobs import JobRecord, JobStatus
 from sluice.samples import Sample, read_samples
 from sluice.streams import CANCEL_SCRIPT, queue_jobs
 
@@ -58,7 +58,7 @@ class Broker:
         state = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
         if state != "ok":
             return state
-        await self.publish(events.JobChanged(id=job_id, status="cancelled"))
+        await self.publish(events.JobChanged(id=job_id, status=JobStatus.cancelled))
         return None
 
     # --- Idempotency-Key ---------------------------------------------------------------------------

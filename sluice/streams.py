@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -164,7 +164,7 @@ class Claim:
     `expired`, `dead` (with the last error), `missing`, or the final state the job already has."""
 
     verdict: str
-    input: dict[str, Any] | None = None
+    input: dict[str, Any] = field(default_factory=dict)
     attempts: int = 0
     last_error: str = ""
 

@@ -28,6 +28,7 @@ import redis.asyncio as aioredis
 from sluice import events
 from sluice.errors import BrokerError
 from sluice.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
+from sluice.jobs import JobStatus
 from sluice.metrics import (
     BATCH_CLOSED,
     BATCH_SIZE,
@@ -209,7 +210,6 @@ class Worker:
         for delivered, claim in zip(entries, claims, strict=True):
             entry = delivered.entry
             if claim.verdict == "run":
-                assert claim.input is not None
                 item = Item(
                     id=delivered.entry_id, tenant=entry.tenant, cost=entry.cost, enqueued_at=entry.enqueued_at,
                     payload=Delivery(job_id=entry.job_id, lane=delivered.lane, input=claim.input,
@@ -217,16 +217,16 @@ class Worker:
                 )
                 self.batcher.add(item)
                 self._held.add(item.id)
-                changed.append(events.JobChanged(id=entry.job_id, status="running"))
+                changed.append(events.JobChanged(id=entry.job_id, status=JobStatus.running))
                 continue
             settle.append(delivered)
             if claim.verdict == "expired":
                 JOBS_FINISHED.labels(self.model, self.version, "expired").inc()
-                changed.append(events.JobChanged(id=entry.job_id, status="expired"))
+                changed.append(events.JobChanged(id=entry.job_id, status=JobStatus.expired))
             elif claim.verdict == "dead":
                 JOBS_FINISHED.labels(self.model, self.version, "failed").inc()
                 dead.append(DeadLetter(job_id=entry.job_id, error=claim.last_error, at=now))
-                changed.append(events.JobChanged(id=entry.job_id, status="failed"))
+                changed.append(events.JobChanged(id=entry.job_id, status=JobStatus.failed))
         if settle or changed:
             await self.streams.settle(settle, dead=dead, changed=changed)
 
