@@ -6,6 +6,7 @@ another drags its router and its request models along. Imports inside functions 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,12 @@ def test_a_package_imports_nothing_above_or_beside_it(package: str) -> None:
         if any(_reaches(name, prefix) for prefix in FORBIDDEN[package])
     }
     assert not found
+
+
+def test_the_image_copies_every_package_the_project_installs() -> None:
+    # A package missing from the image breaks the `sluice` entry point only inside the container.
+    with (REPO / "pyproject.toml").open("rb") as f:
+        packages = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text().splitlines()
+    missing = [p.rstrip("*") for p in packages if f"COPY {p.rstrip('*')} ./{p.rstrip('*')}" not in dockerfile]
+    assert not missing
