@@ -187,17 +187,6 @@ def queue_jobs(pipe: Any, records: Sequence[JobRecord], *, result_ttl_s: int) ->
         pipe.xadd(keys.stream(record.model, record.version, record.lane), StreamEntry.of(record).to_fields())  # type: ignore[arg-type]
 
 
-async def ensure_groups(redis: aioredis.Redis, model: str, version: str) -> None:
-    """Create the consumer group on both lanes (and the streams) if missing."""
-    for lane in keys.LANES:
-        try:
-            with translate_redis_errors():
-                await redis.xgroup_create(keys.stream(model, version, lane), keys.GROUP, id="0", mkstream=True)
-        except BrokerError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-
-
 class StreamConsumer:
     """One consumer (one worker process) of one version's lanes in the `workers` group."""
 
@@ -227,7 +216,14 @@ class StreamConsumer:
         self._note_error = redis.register_script(NOTE_ERROR_SCRIPT)
 
     async def ensure_groups(self) -> None:
-        await ensure_groups(self.redis, self.model, self.version)
+        """Create the consumer group on both lanes (and the streams) if missing."""
+        for stream_name in self.streams.values():
+            try:
+                with translate_redis_errors():
+                    await self.redis.xgroup_create(stream_name, keys.GROUP, id="0", mkstream=True)
+            except BrokerError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
 
     async def read(self, lanes: Sequence[Lane], *, count: int, block_ms: int | None) -> list[Delivered]:
         """New entries of `lanes` (in that order of preference when several have some)."""
