@@ -28,6 +28,9 @@ FINAL_STATES = frozenset(
 )
 
 
+# The one field read without the rest of the record: shadow copies compare with their primary's output.
+OUTPUT_FIELD = "output"
+
 # The tenant of shadow copies: not a valid tenant id (ids start with a letter or digit), so no
 # key can ever read one, and copies never count against a real tenant's quota.
 SHADOW_TENANT = "_shadow"
@@ -99,7 +102,7 @@ class JobRecord:
         if self.deadline is not None:
             fields["deadline"] = repr(self.deadline)
         if self.output is not None:
-            fields["output"] = json.dumps(self.output, separators=(",", ":"))
+            fields[OUTPUT_FIELD] = json.dumps(self.output, separators=(",", ":"))
         if self.finished_at is not None:
             fields["finished_at"] = repr(self.finished_at)
         if self.shadow:
@@ -134,7 +137,7 @@ class JobRecord:
             input=obj("input") or {},
             enqueued_at=float(data["enqueued_at"]),
             cost=int(data.get("cost") or 0),
-            output=obj("output"),
+            output=obj(OUTPUT_FIELD),
             error=obj("error"),
             started_at=num("started_at"),
             finished_at=num("finished_at"),

@@ -13,7 +13,7 @@ from typing import Any
 
 from sluice import events, keys, samples
 from sluice.connections import translate_redis_errors
-from sluice.jobs import SHADOW_TENANT, JobRecord, JobStatus, new_job_id
+from sluice.jobs import OUTPUT_FIELD, SHADOW_TENANT, JobRecord, JobStatus, new_job_id
 from sluice.metrics import SHADOW_COPIES
 from sluice.quality import agreement, proxies
 from sluice.samples import Sample
@@ -92,7 +92,7 @@ class ResultWriter:
         with translate_redis_errors():
             pipe = self.redis.pipeline(transaction=False)
             for job_id in wanted:
-                pipe.hget(keys.job(job_id), "output")
+                pipe.hget(keys.job(job_id), OUTPUT_FIELD)
             replies = await pipe.execute()
         return {job_id: json.loads(raw) for job_id, raw in zip(wanted, replies, strict=True) if raw}
 
