@@ -7,6 +7,7 @@ the I/O around it (one Redis round trip, cached for a fraction of a second) live
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import Counter
@@ -116,13 +117,16 @@ class Admission:
         if cached is not None and now - cached.read_at < self.load_cache_s:
             return cached
         mark, unwritten = self._admitted[(model, version)], self._unwritten[(model, version)]
-        with translate_redis_errors():
-            backlog = await self.redis.xlen(keys.stream(model, version, "online"))
-        beats = await heartbeats.live_heartbeats(self.redis, model, version, now=now)
-        load = _Load(backlog=int(backlog), service_rate=sum(beat.items_per_s for beat in beats),
+        backlog, beats = await asyncio.gather(self._backlog(model, version),
+                                              heartbeats.live_heartbeats(self.redis, model, version, now=now))
+        load = _Load(backlog=backlog, service_rate=sum(beat.items_per_s for beat in beats),
                      live_workers=len(beats), read_at=now, admitted_mark=mark, unwritten=unwritten)
         self._loads[(model, version)] = load
         return load
+
+    async def _backlog(self, model: str, version: str) -> int:
+        with translate_redis_errors():
+            return int(await self.redis.xlen(keys.stream(model, version, "online")))
 
     async def _shed(self, version: VersionInfo, count: int) -> None:
         key = (version.model, version.version)
