@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 from pydantic.config import JsonDict
 from pydantic.json_schema import SkipJsonSchema
 
-from sluice.jobs import JobStatus
+from sluice.jobs import CLOSE_REASONS, JobStatus
 from sluice.keys import Lane
 from sluice.kinds import ModelKind
 from sluice.versions import VersionState
@@ -39,7 +39,6 @@ __all__ = [
 ]
 
 _ISO: JsonDict = {"format": "date-time"}
-_CLOSE_REASONS = ("size", "age", "drain")
 
 # Absent rather than null: the schema shows the key as optional but never null (the None default
 # only marks "not set", and `response_model_exclude_unset` leaves it out).
@@ -63,7 +62,7 @@ class BatchFacts(BaseModel):
     """The batch the job ran in; both null until it ran."""
 
     size: int | None
-    close_reason: str | None = Field(json_schema_extra={"enum": [*_CLOSE_REASONS, None]})
+    close_reason: str | None = Field(json_schema_extra={"enum": [*CLOSE_REASONS, None]})
 
 
 class JobError(BaseModel):

@@ -11,7 +11,7 @@ import secrets
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal, get_args
 
 
 class JobStatus(StrEnum):
@@ -27,6 +27,10 @@ FINAL_STATES = frozenset(
     {JobStatus.succeeded, JobStatus.failed, JobStatus.expired, JobStatus.cancelled}
 )
 
+
+# Why a batch closed (DESIGN §3): full, its oldest job waited max_wait_ms, or the worker drained.
+CloseReason = Literal["size", "age", "drain"]
+CLOSE_REASONS: tuple[CloseReason, ...] = get_args(CloseReason)
 
 # The one field read without the rest of the record: shadow copies compare with their primary's output.
 OUTPUT_FIELD = "output"

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from sluice.jobs import CLOSE_REASONS
 from sluice.quality import summarise_quality
 from sluice.samples import Sample
 
@@ -45,7 +46,7 @@ def summarise(samples: list[Sample], *, window_s: float) -> dict[str, Any]:
             "mean": round(count / total_batches, 3) if total_batches else 0.0,
             "histogram": {str(size): round(n / size) for size, n in sorted(sizes.items())},
         },
-        "close_reasons": {reason: round(batches.get(reason, 0.0)) for reason in ("size", "age", "drain")},
+        "close_reasons": {reason: round(batches.get(reason, 0.0)) for reason in CLOSE_REASONS},
         "quality": summarise_quality(s.quality for s in samples),
         "percentile_method": "exact, linear interpolation (type 7)",
     }

@@ -59,13 +59,13 @@ import math
 from bisect import bisect_left, insort
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, cast
+from typing import Any, Generic, cast
 
 from typing_extensions import TypeVar
 
-__all__ = ["DEFAULT_BUCKET_BOUNDS", "Batch", "CloseReason", "Item", "MicroBatcher"]
+from sluice.jobs import CloseReason
 
-CloseReason = Literal["size", "age", "drain"]
+__all__ = ["DEFAULT_BUCKET_BOUNDS", "Batch", "CloseReason", "Item", "MicroBatcher"]
 
 # 8 .. 4096 in steps of 2**(1/6): 55 bounds, about 12 % apart. Costs above the last bound share
 # the overflow bucket.
