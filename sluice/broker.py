@@ -98,7 +98,7 @@ class Broker:
 
     # --- events and health -------------------------------------------------------------------------
 
-    async def publish(self, event: events.JobChanged | events.RoutingChanged | events.KeyRevoked) -> None:
+    async def publish(self, event: events.Sent) -> None:
         await events.publish(self.redis, event)
 
     async def ping(self) -> None:

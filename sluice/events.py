@@ -44,15 +44,17 @@ class Resync:
     anything."""
 
 
-Event = JobChanged | RoutingChanged | KeyRevoked | Resync
+# What crosses the channel; a listener may also see a Resync it made itself.
+Sent = JobChanged | RoutingChanged | KeyRevoked
+Event = Sent | Resync
 
-_TYPES: dict[str, type[JobChanged | RoutingChanged | KeyRevoked]] = {
+_TYPES: dict[str, type[Sent]] = {
     "job": JobChanged, "routing": RoutingChanged, "key.revoked": KeyRevoked,
 }
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
 
-def encode(event: JobChanged | RoutingChanged | KeyRevoked) -> str:
+def encode(event: Sent) -> str:
     return json.dumps({"type": _NAMES[type(event)], **asdict(event)}, separators=(",", ":"))
 
 
@@ -71,7 +73,7 @@ def channel(redis: aioredis.Redis | Any) -> str:
     return keys.events_channel(int(redis.connection_pool.connection_kwargs.get("db", 0)))
 
 
-async def publish(redis: aioredis.Redis, event: JobChanged | RoutingChanged | KeyRevoked) -> None:
+async def publish(redis: aioredis.Redis, event: Sent) -> None:
     with translate_redis_errors():
         await redis.publish(channel(redis), encode(event))
 

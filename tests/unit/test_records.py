@@ -63,7 +63,7 @@ def test_a_heartbeat_round_trips_from_bytes_or_str() -> None:
     events.RoutingChanged(model="intent"),
     events.KeyRevoked(key_hash="ab" * 32),
 ])
-def test_an_event_round_trips(event: events.JobChanged | events.RoutingChanged | events.KeyRevoked) -> None:
+def test_an_event_round_trips(event: events.Sent) -> None:
     assert events.parse(events.encode(event)) == event
     assert events.parse(events.encode(event).encode()) == event
 
