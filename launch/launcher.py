@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis.asyncio as aioredis
 
 from launch.embedded import EmbeddedStores, start_embedded
 from launch.seed import DEMO_VERSIONS, Seeded, seed
@@ -88,25 +89,28 @@ class Platform:
         """Until the API is ready, Flower answers and every demo version has a warm worker."""
         assert self.stores is not None
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self._check_children()
-            answering = self._answers(f"{self.api_url}/readyz") and self._answers(f"{self.flower_url}/healthcheck")
-            if answering and asyncio.run(self._demo_workers_ready(self.stores.redis_url)):
-                return
-            time.sleep(0.5)
+        # One loop and one client for the whole wait: the heartbeat readers are asyncio.
+        with asyncio.Runner() as runner:
+            client = connect(self.stores.redis_url, max_connections=2)
+            try:
+                while time.monotonic() < deadline:
+                    self._check_children()
+                    answering = (self._answers(f"{self.api_url}/readyz")
+                                 and self._answers(f"{self.flower_url}/healthcheck"))
+                    if answering and runner.run(self._demo_workers_ready(client)):
+                        return
+                    time.sleep(0.5)
+            finally:
+                runner.run(client.aclose())
         raise TimeoutError(f"the platform was not ready within {timeout_s:.0f}s; see {self.home / 'logs'}")
 
     @staticmethod
-    async def _demo_workers_ready(redis_url: str) -> bool:
-        client = connect(redis_url, max_connections=2)
-        try:
-            for demo in DEMO_VERSIONS:
-                beats = await heartbeats.live_heartbeats(client, demo.model, demo.version, now=time.time())
-                if not any(beat.state is WorkerState.ready for beat in beats):
-                    return False
-            return True
-        finally:
-            await client.aclose()
+    async def _demo_workers_ready(client: aioredis.Redis) -> bool:
+        for demo in DEMO_VERSIONS:
+            beats = await heartbeats.live_heartbeats(client, demo.model, demo.version, now=time.time())
+            if not any(beat.state is WorkerState.ready for beat in beats):
+                return False
+        return True
 
     @staticmethod
     def _answers(url: str) -> bool:
