@@ -7,7 +7,6 @@ the I/O around it (one Redis round trip, cached for a fraction of a second) live
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections import Counter
@@ -117,8 +116,10 @@ class Admission:
         if cached is not None and now - cached.read_at < self.load_cache_s:
             return cached
         mark, unwritten = self._admitted[(model, version)], self._unwritten[(model, version)]
-        backlog, beats = await asyncio.gather(self._backlog(model, version),
-                                              heartbeats.live_heartbeats(self.redis, model, version, now=now))
+        # One after the other, on one pooled connection: read concurrently, a second connection
+        # left stale by a Redis restart turns the first submission after it into a 503.
+        backlog = await self._backlog(model, version)
+        beats = await heartbeats.live_heartbeats(self.redis, model, version, now=now)
         load = _Load(backlog=backlog, service_rate=sum(beat.items_per_s for beat in beats),
                      live_workers=len(beats), read_at=now, admitted_mark=mark, unwritten=unwritten)
         self._loads[(model, version)] = load
