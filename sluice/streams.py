@@ -19,7 +19,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from sluice import events, heartbeats, keys
+from sluice import events, heartbeats, keys, samples
 from sluice.connections import translate_redis_errors
 from sluice.errors import BrokerError
 from sluice.jobs import JobRecord
@@ -60,9 +60,11 @@ return {'run', redis.call('HGET', KEYS[1], 'input'), tostring(attempts + 1)}
 """
 
 # KEYS[1] job hash, KEYS[2] the webhook outbox; ARGV: status, output-or-'', error-or-'',
-# finished_at, model_ms, batch_size, close_reason, ttl_s, started_at. Writes the outcome once; a
-# second delivery of a finished job is a no-op, so a job processed twice still has one final
-# record (and one webhook).
+# finished_at, model_ms, batch_size, close_reason, ttl_s, started_at. Optionally KEYS[3] the
+# version's samples stream and ARGV: the events channel, the event or '', the stream's cap, then
+# the sample's fields (`samples.script_args`). Writes the outcome once; a second delivery of a
+# finished job is a no-op, so a job processed twice still has one final record, one webhook, one
+# sample and one event: only the write that wins counts. Answers 1 for that write, else 0.
 FINISH_SCRIPT = QUEUE_WEBHOOK + """
 local s = redis.call('HGET', KEYS[1], 'status')
 if not s then return 0 end
@@ -73,6 +75,10 @@ if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'output', ARGV[2]) end
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[3]) end
 queue_webhook(KEYS[1], KEYS[2])
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[8]))
+if KEYS[3] then
+  if ARGV[11] ~= '' then redis.call('PUBLISH', ARGV[10], ARGV[11]) end
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[12], '*', unpack(ARGV, 13))
+end
 return 1
 """
 
@@ -286,12 +292,15 @@ class StreamConsumer:
             await pipe.execute()
 
     async def finish(self, pipe: Any, job_id: str, *, status: str, output: str, error: str, started: float,
-                     finished: float, model_ms: float, batch_size: int, close_reason: str) -> None:
-        """Queue the job's outcome on `pipe` (`output` and `error` are JSON, or ''); see FINISH_SCRIPT."""
+                     finished: float, model_ms: float, batch_size: int, close_reason: str, sample: samples.Sample,
+                     event: events.JobChanged | None) -> None:
+        """Queue the job's outcome on `pipe` (`output` and `error` are JSON, or ''), with its sample
+        and event; its reply is 1 where this write won (see FINISH_SCRIPT)."""
         await self._finish(
-            keys=[keys.job(job_id), keys.WEBHOOK_OUTBOX],
+            keys=[keys.job(job_id), keys.WEBHOOK_OUTBOX, keys.stats(self.model, self.version)],
             args=[status, output, error, repr(finished), repr(model_ms), str(batch_size), close_reason,
-                  self.result_ttl_s, repr(started)],
+                  self.result_ttl_s, repr(started), self._events, events.encode(event) if event else "",
+                  *samples.script_args(sample)],
             client=pipe,
         )
 

@@ -263,7 +263,8 @@ class Worker:
         backoff = 0.05
         while True:
             try:
-                await self.results.store(batch, outcomes, started=started, finished=finished, model_ms=model_ms)
+                won = await self.results.store(batch, outcomes, started=started, finished=finished,
+                                               model_ms=model_ms)
                 break
             except BrokerError as exc:
                 # Keep the results and retry: the model's work is not thrown away on a Redis blip.
@@ -285,11 +286,13 @@ class Worker:
         queue_wait = QUEUE_WAIT.labels(*labels)
         for item in batch.items:
             queue_wait.observe(max(0.0, started - item.enqueued_at))
-        failed = sum(1 for outcome in outcomes if outcome.error is not None)
+        # Only the write that made a job final counts it, as with its sample.
+        finals = [outcome for outcome, first in zip(outcomes, won, strict=True) if first]
+        failed = sum(1 for outcome in finals if outcome.error is not None)
         if failed:
             JOBS_FINISHED.labels(*labels, "failed").inc(failed)
-        if size - failed:
-            JOBS_FINISHED.labels(*labels, "succeeded").inc(size - failed)
+        if len(finals) - failed:
+            JOBS_FINISHED.labels(*labels, "succeeded").inc(len(finals) - failed)
 
     # --- heartbeat ---------------------------------------------------------------------------------
 

@@ -1,0 +1,94 @@
+"""A worker's exactly-once rules, in process over real Redis: the one
+write that counts when a job is stored twice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from sluice import events, keys
+from sluice.connections import connect
+from sluice.streams import StreamConsumer
+from tests.support import queue_in_redis, unique
+from workers.batcher import Batch, Item
+from workers.execution import Outcome
+from workers.results import Delivery, ResultWriter
+
+
+@pytest.fixture
+async def aredis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = connect(redis_url, max_connections=8)
+    yield client
+    await client.aclose()
+
+
+def consumer(redis: aioredis.Redis, model: str, name: str, *, claim_after_s: float = 0.2) -> StreamConsumer:
+    return StreamConsumer(
+        redis=redis,
+        model=model,
+        version="v1",
+        name=name,
+        claim_after_s=claim_after_s,
+        max_deliveries=3,
+        result_ttl_s=3600,
+    )
+
+
+# --- one write counts ---------------------------------------------------------------------------------
+
+
+async def test_a_second_store_of_a_finished_job_adds_no_sample_copy_or_event(aredis: aioredis.Redis) -> None:
+    model = unique("twice")
+    streams = consumer(aredis, model, "writer")
+    await streams.ensure_groups()
+    [job_id] = await queue_in_redis(aredis, model, [{"text": "stored twice"}], shadow="v2")
+    [delivered] = await streams.read(["online"], count=10, block_ms=None)
+    [claim] = await streams.claim([delivered], now=time.time())
+    assert claim.verdict == "run"
+    entry = delivered.entry
+    batch = Batch(
+        items=(
+            Item(
+                id=delivered.entry_id,
+                tenant=entry.tenant,
+                cost=entry.cost,
+                enqueued_at=entry.enqueued_at,
+                payload=Delivery(job_id=job_id, lane="online", input=claim.input, attempts=1, shadow="v2"),
+            ),
+        ),
+        close_reason="size",
+        bucket=0,
+        tenant=None,
+        closed_at=time.time(),
+    )
+    writer = ResultWriter(streams=streams, result_ttl_s=3600)
+    pubsub = aredis.pubsub()
+    await pubsub.subscribe(events.channel(aredis))
+    try:
+        first = await writer.store(
+            batch, [Outcome(output={"echo": "first"})], started=time.time(), finished=time.time(), model_ms=1.0
+        )
+        # The same job again: its entry was taken over by a second worker, which ran it too.
+        second = await writer.store(
+            batch, [Outcome(output={"echo": "second"})], started=time.time(), finished=time.time(), model_ms=1.0
+        )
+        announced = []
+        until = time.monotonic() + 0.5
+        while time.monotonic() < until:
+            # None also stands for the subscription's own confirmation: read on until the time is up.
+            message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.1)
+            if message is not None:
+                announced.append(events.parse(message["data"]))
+    finally:
+        await pubsub.aclose()
+
+    assert (first, second) == ([True], [False])
+    assert json.loads(await aredis.hget(keys.job(job_id), "output")) == {"echo": "first"}  # type: ignore[misc]
+    assert await aredis.xlen(keys.stats(model, "v1")) == 1
+    assert await aredis.xlen(keys.stream(model, "v2", "bulk")) == 1  # one shadow copy
+    assert announced == [events.JobChanged(id=job_id, status="succeeded")]
