@@ -313,9 +313,9 @@ class StreamConsumer:
             pipe.xack(self.streams[lane], keys.GROUP, *ids)
             pipe.xdel(self.streams[lane], *ids)
 
-    async def note_error(self, job_id: str, message: str) -> None:
-        with translate_redis_errors():
-            await self._note_error(keys=[keys.job(job_id)], args=[scrub(message)[:500]])
+    async def note_error(self, pipe: Any, job_id: str, message: str) -> None:
+        """Queue on `pipe`: why the job's delivery ended without an outcome, for its dead letter."""
+        await self._note_error(keys=[keys.job(job_id)], args=[scrub(message)[:500]], client=pipe)
 
     async def beat(self, heartbeat: heartbeats.Heartbeat) -> None:
         await heartbeats.beat(self.redis, self.model, self.version, self.name, heartbeat)

@@ -41,6 +41,7 @@ from sluice.migrate import upgrade
 from sluice.registry.store import normalise_url
 from sluice.settings import Settings
 from sluice.streams import queue_jobs
+from workers.consumer import Worker
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -320,6 +321,30 @@ async def queue_in_redis(redis: aioredis.Redis, model: str, inputs: list[dict[st
     queue_jobs(pipe, records, result_ttl_s=3600)
     await pipe.execute()
     return [record.id for record in records]
+
+
+async def drive(workers: list[Worker], redis: aioredis.Redis, ids: list[str], *,
+                timeout_s: float) -> dict[str, dict[str, str]]:
+    """Run in-process workers until every job of `ids` is final, drain them; answer the records."""
+    tasks = [asyncio.create_task(worker.run()) for worker in workers]
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pipe = redis.pipeline(transaction=False)
+            for job_id in ids:
+                pipe.hgetall(keys.job(job_id))
+            records = {job_id: {k.decode(): v.decode() for k, v in raw.items()}
+                       for job_id, raw in zip(ids, await pipe.execute(), strict=True)}
+            if all(record.get("status") in FINAL for record in records.values()):
+                return records
+            failed = [task for task in tasks if task.done()]
+            assert not failed, [task.exception() for task in failed]
+            assert time.monotonic() < deadline, f"jobs not final after {timeout_s}s"
+            await asyncio.sleep(0.1)
+    finally:
+        for worker in workers:
+            worker.request_stop()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
 
 
 # --- a webhook receiver ---------------------------------------------------------------------------

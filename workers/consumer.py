@@ -256,7 +256,11 @@ class Worker:
             task.add_done_callback(self._writes.discard)
 
     async def _complete(self, batch: Batch[Delivery], outcomes: list[Outcome], started: float, model_s: float) -> None:
-        """Store every outcome, then acknowledge: a job is never acked before its outcome exists."""
+        """Store every outcome, then acknowledge: a job is never acked before its outcome exists.
+
+        A faulted item's entry is released unacknowledged: it goes idle, and XAUTOCLAIM delivers it
+        again after claim_after_s (to any worker, this one included).
+        """
         finished = self.clock()
         size = len(batch.items)
         model_ms = round(model_s * 1000.0, 3)

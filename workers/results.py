@@ -7,7 +7,10 @@ that write's reply. Entries are acknowledged last, in the same round trip as the
 there is no copy to make: a job is never acknowledged before its outcome is stored. Copies are
 made at most once: a worker that dies (or loses Redis) between the outcome and the copy makes
 none, since a missing comparison sample skews nothing and a doubled one would.
-A shadow copy's own sample carries its agreement with the primary.
+
+An input whose run faulted (not the input's failure, see workers/execution.py) gets no outcome and
+its entry is not acknowledged: the fault is noted on the job for its dead letter, and the entry is
+left for another delivery. A shadow copy's own sample carries its agreement with the primary.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class ResultWriter:
         """Store and acknowledge; answer, per item, whether this write made its job final."""
         size = len(batch.items)
         primaries = await self._primary_outputs(batch, outcomes)
-        done = list(zip(batch.items, outcomes, strict=True))
+        done = [(item, outcome) for item, outcome in zip(batch.items, outcomes, strict=True) if outcome.fault is None]
         copying = any(item.payload.shadow and outcome.output is not None for item, outcome in done)
         entries = [(item.payload.lane, item.id) for item, _ in done]
         with translate_redis_errors():
@@ -64,6 +67,9 @@ class ResultWriter:
             for item, outcome in done:
                 await self._finish(pipe, item, outcome, primaries, started=started, finished=finished,
                                    model_ms=model_ms, size=size, close_reason=batch.close_reason)
+            for item, outcome in zip(batch.items, outcomes, strict=True):
+                if outcome.fault is not None:
+                    await self.streams.note_error(pipe, item.payload.job_id, outcome.fault)
             if not copying:
                 self.streams.ack(pipe, entries)
             replies = await pipe.execute()

@@ -1,21 +1,25 @@
 """A worker's exactly-once rules, in process over real Redis: the one
-write that counts when a job is stored twice.
+write that counts when a job is stored twice, and a worker-side fault that is retried and then
+dead-lettered with its real error.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
 from sluice import events, keys
 from sluice.connections import connect
-from sluice.streams import StreamConsumer
-from tests.support import queue_in_redis, unique
+from sluice.kinds import ModelKind
+from sluice.streams import DeadLetter, StreamConsumer
+from tests.support import drive, queue_in_redis, unique
 from workers.batcher import Batch, Item
+from workers.consumer import Worker
 from workers.execution import Outcome
 from workers.results import Delivery, ResultWriter
 
@@ -92,3 +96,60 @@ async def test_a_second_store_of_a_finished_job_adds_no_sample_copy_or_event(are
     assert await aredis.xlen(keys.stats(model, "v1")) == 1
     assert await aredis.xlen(keys.stream(model, "v2", "bulk")) == 1  # one shadow copy
     assert announced == [events.JobChanged(id=job_id, status="succeeded")]
+
+
+# --- a worker-side fault is retried, then dead-lettered with its error -----------------------------------
+
+MARK = "the marked input"
+
+
+class FaultyHandler:
+    """Echoes its inputs, but a batch holding MARK raises what a broken device would: not an
+    InferenceError (the input is not at fault), quoting the input as careless messages do."""
+
+    kind = ModelKind.synthetic
+
+    def warmup(self) -> None:
+        """Nothing to warm."""
+
+    def run(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        for item in inputs:
+            if item["text"] == MARK:
+                raise RuntimeError(f"device lost while running {item['text']!r}")
+        return [{"echo": dict(item)} for item in inputs]
+
+
+async def test_a_fault_is_retried_and_its_dead_letter_carries_the_real_error(aredis: aioredis.Redis) -> None:
+    model = unique("fault")
+    inputs = [{"text": f"ordinary text {i}"} for i in range(5)]
+    inputs[2] = {"text": MARK}
+    ids = await queue_in_redis(aredis, model, inputs)
+    worker = Worker(
+        redis=aredis,
+        model=model,
+        version="v1",
+        handler=FaultyHandler(),
+        max_batch_size=8,
+        max_wait_ms=5,
+        claim_after_s=0.3,
+        max_deliveries=3,
+        shutdown_grace_s=5,
+    )
+
+    records = await drive([worker], aredis, ids, timeout_s=30)
+
+    marked = records.pop(ids[2])
+    assert [r["status"] for r in records.values()] == ["succeeded"] * 4
+    assert {r["attempts"] for r in records.values()} == {"1"}
+    assert marked["status"] == "failed" and marked["attempts"] == "3", marked
+    error = json.loads(marked["error"])
+    assert error["code"] == "max_deliveries"
+    assert "RuntimeError: device lost while running '[input]'" in error["message"], error
+    letters = await aredis.xrange(keys.dead_stream(model, "v1"))
+    assert [DeadLetter.from_fields(fields).job_id for _, fields in letters] == [ids[2]]
+    [(_, fields)] = letters
+    assert DeadLetter.from_fields(fields).error == "RuntimeError: device lost while running '[input]'"
+    assert MARK not in marked["error"] and MARK not in marked["last_error"]
+    # Only the four jobs that finished left a sample; the faulted runs stored no outcome.
+    assert await aredis.xlen(keys.stats(model, "v1")) == 4
+    assert await aredis.xlen(keys.stream(model, "v1", "online")) == 0
