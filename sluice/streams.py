@@ -13,7 +13,7 @@ ends with exactly one final record: a final state is never overwritten.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +86,29 @@ return 1
 NOTE_ERROR_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'last_error', ARGV[1]) end
 return 1
+"""
+
+# KEYS[1] a lane's stream; ARGV: group, consumer, then entry ids. A worker keeps the entries it
+# holds (in its batcher, on its model, being stored) from looking idle to XAUTOCLAIM: it claims
+# again each one still pending under its own name, JUSTID, which resets the idle time without
+# counting a delivery. An id pending under another consumer (taken over while this one stalled)
+# or no longer pending (acknowledged) is never claimed back; those ids are answered.
+REFRESH_SCRIPT = """
+local mine, lost = {}, {}
+for i = 3, #ARGV do
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 1 then
+    mine[#mine + 1] = ARGV[i]
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+for first = 1, #mine, 1000 do
+  local args = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}
+  for i = first, math.min(first + 999, #mine) do args[#args + 1] = mine[i] end
+  args[#args + 1] = 'JUSTID'
+  redis.call(unpack(args))
+end
+return lost
 """
 
 # KEYS[1] job hash, KEYS[2] the tenant's queued counter, KEYS[3] the webhook outbox; ARGV: now.
@@ -220,6 +243,7 @@ class StreamConsumer:
         self._claim = redis.register_script(CLAIM_SCRIPT)
         self._finish = redis.register_script(FINISH_SCRIPT)
         self._note_error = redis.register_script(NOTE_ERROR_SCRIPT)
+        self._refresh = redis.register_script(REFRESH_SCRIPT)
 
     async def ensure_groups(self) -> None:
         """Create the consumer group on both lanes (and the streams) if missing."""
@@ -316,6 +340,19 @@ class StreamConsumer:
     async def note_error(self, pipe: Any, job_id: str, message: str) -> None:
         """Queue on `pipe`: why the job's delivery ended without an outcome, for its dead letter."""
         await self._note_error(keys=[keys.job(job_id)], args=[scrub(message)[:500]], client=pipe)
+
+    async def refresh(self, held: Mapping[Lane, Collection[str]]) -> set[str]:
+        """Keep the entries this consumer holds from being taken over, in one round trip; answer
+        the ones it no longer owns (see REFRESH_SCRIPT)."""
+        lanes = [(lane, list(ids)) for lane, ids in held.items() if ids]
+        if not lanes:
+            return set()
+        with translate_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for lane, ids in lanes:
+                await self._refresh(keys=[self.streams[lane]], args=[keys.GROUP, self.name, *ids], client=pipe)
+            replies = await pipe.execute()
+        return {entry_id.decode() for reply in replies for entry_id in reply}
 
     async def beat(self, heartbeat: heartbeats.Heartbeat) -> None:
         await heartbeats.beat(self.redis, self.model, self.version, self.name, heartbeat)

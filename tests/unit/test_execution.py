@@ -1,13 +1,16 @@
-"""Which failures end a job and which leave it for another delivery (workers/execution.py): pure,
-no Redis."""
+"""Which failures end a job and which leave it for another delivery (workers/execution.py), and how
+much a worker may hold (workers/consumer.held_limit): pure, no Redis."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import pytest
+
 from sluice.errors import InferenceError
 from sluice.kinds import ModelKind
+from workers.consumer import held_limit
 from workers.execution import fault_message, run_isolating
 
 
@@ -68,3 +71,16 @@ def test_a_fault_message_leaves_the_input_out() -> None:
     item = {"text": "my secret diagnosis, reach me at someone@example.com", "extra": ["abc", "nested words"]}
     message = fault_message(KeyError(f"{item['text']} / nested words / abc"), item)
     assert message == "KeyError: '[input] / [input] / abc'"
+
+
+@pytest.mark.parametrize(
+    ("items_per_s", "expected"),
+    [
+        (0.0, 128),  # nothing measured yet: the configured prefetch
+        (10.0, 64),  # a batch of 32 takes 3.2 s: still two batches, one running and one formed
+        (100.0, 100),  # 100 items start within half of the 2 s threshold
+        (10_000.0, 128),  # never above the configured prefetch
+    ],
+)
+def test_a_worker_holds_what_it_can_start_within_half_the_claim_threshold(items_per_s: float, expected: int) -> None:
+    assert held_limit(prefetch=128, max_batch_size=32, items_per_s=items_per_s, claim_after_s=2.0) == expected
