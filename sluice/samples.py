@@ -1,12 +1,14 @@
 """Finished-job samples: one capped stream entry per finished job, per version (`keys.stats`).
 
-Workers append them (workers/results.py); `/stats`, the rollout controller, the quality
-aggregator and the API's circuit breakers read them. A sample carries timings, batch facts and
-the job's quality proxies (`sluice.quality`), never its input or output.
+Workers append them in the script that stores the job's outcome (`streams.FINISH_SCRIPT`, from
+workers/results.py), so only the write that wins adds one; `/stats`, the rollout controller, the
+quality aggregator and the API's circuit breakers read them. A sample carries timings, batch facts
+and the job's quality proxies (`sluice.quality`), never its input or output.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Mapping
@@ -56,9 +58,10 @@ class Sample:
         )
 
 
-def append(pipe: Any, model: str, version: str, sample: Sample) -> None:
-    """Add the sample to a pipeline; the stream is capped at about SAMPLES_MAXLEN."""
-    pipe.xadd(keys.stats(model, version), sample.to_fields(), maxlen=SAMPLES_MAXLEN, approximate=True)
+def script_args(sample: Sample) -> list[str]:
+    """The arguments a script appends the sample with (`streams.FINISH_SCRIPT`, atomically with the
+    job's outcome): the stream's approximate cap, then the fields as name, value pairs."""
+    return [str(SAMPLES_MAXLEN), *itertools.chain.from_iterable(sample.to_fields().items())]
 
 
 def queue_recent(pipe: Any, model: str, version: str, *, count: int) -> None:

@@ -13,13 +13,13 @@ ends with exactly one final record: a final state is never overwritten.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
 
-from sluice import events, heartbeats, keys
+from sluice import events, heartbeats, keys, samples
 from sluice.connections import translate_redis_errors
 from sluice.errors import BrokerError
 from sluice.jobs import JobRecord
@@ -60,9 +60,11 @@ return {'run', redis.call('HGET', KEYS[1], 'input'), tostring(attempts + 1)}
 """
 
 # KEYS[1] job hash, KEYS[2] the webhook outbox; ARGV: status, output-or-'', error-or-'',
-# finished_at, model_ms, batch_size, close_reason, ttl_s, started_at. Writes the outcome once; a
-# second delivery of a finished job is a no-op, so a job processed twice still has one final
-# record (and one webhook).
+# finished_at, model_ms, batch_size, close_reason, ttl_s, started_at. Optionally KEYS[3] the
+# version's samples stream and ARGV: the events channel, the event or '', the stream's cap, then
+# the sample's fields (`samples.script_args`). Writes the outcome once; a second delivery of a
+# finished job is a no-op, so a job processed twice still has one final record, one webhook, one
+# sample and one event: only the write that wins counts. Answers 1 for that write, else 0.
 FINISH_SCRIPT = QUEUE_WEBHOOK + """
 local s = redis.call('HGET', KEYS[1], 'status')
 if not s then return 0 end
@@ -73,6 +75,10 @@ if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'output', ARGV[2]) end
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[3]) end
 queue_webhook(KEYS[1], KEYS[2])
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[8]))
+if KEYS[3] then
+  if ARGV[11] ~= '' then redis.call('PUBLISH', ARGV[10], ARGV[11]) end
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[12], '*', unpack(ARGV, 13))
+end
 return 1
 """
 
@@ -80,6 +86,29 @@ return 1
 NOTE_ERROR_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'last_error', ARGV[1]) end
 return 1
+"""
+
+# KEYS[1] a lane's stream; ARGV: group, consumer, then entry ids. A worker keeps the entries it
+# holds (in its batcher, on its model, being stored) from looking idle to XAUTOCLAIM: it claims
+# again each one still pending under its own name, JUSTID, which resets the idle time without
+# counting a delivery. An id pending under another consumer (taken over while this one stalled)
+# or no longer pending (acknowledged) is never claimed back; those ids are answered.
+REFRESH_SCRIPT = """
+local mine, lost = {}, {}
+for i = 3, #ARGV do
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 1 then
+    mine[#mine + 1] = ARGV[i]
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+for first = 1, #mine, 1000 do
+  local args = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}
+  for i = first, math.min(first + 999, #mine) do args[#args + 1] = mine[i] end
+  args[#args + 1] = 'JUSTID'
+  redis.call(unpack(args))
+end
+return lost
 """
 
 # KEYS[1] job hash, KEYS[2] the tenant's queued counter, KEYS[3] the webhook outbox; ARGV: now.
@@ -214,6 +243,7 @@ class StreamConsumer:
         self._claim = redis.register_script(CLAIM_SCRIPT)
         self._finish = redis.register_script(FINISH_SCRIPT)
         self._note_error = redis.register_script(NOTE_ERROR_SCRIPT)
+        self._refresh = redis.register_script(REFRESH_SCRIPT)
 
     async def ensure_groups(self) -> None:
         """Create the consumer group on both lanes (and the streams) if missing."""
@@ -286,12 +316,15 @@ class StreamConsumer:
             await pipe.execute()
 
     async def finish(self, pipe: Any, job_id: str, *, status: str, output: str, error: str, started: float,
-                     finished: float, model_ms: float, batch_size: int, close_reason: str) -> None:
-        """Queue the job's outcome on `pipe` (`output` and `error` are JSON, or ''); see FINISH_SCRIPT."""
+                     finished: float, model_ms: float, batch_size: int, close_reason: str, sample: samples.Sample,
+                     event: events.JobChanged | None) -> None:
+        """Queue the job's outcome on `pipe` (`output` and `error` are JSON, or ''), with its sample
+        and event; its reply is 1 where this write won (see FINISH_SCRIPT)."""
         await self._finish(
-            keys=[keys.job(job_id), keys.WEBHOOK_OUTBOX],
+            keys=[keys.job(job_id), keys.WEBHOOK_OUTBOX, keys.stats(self.model, self.version)],
             args=[status, output, error, repr(finished), repr(model_ms), str(batch_size), close_reason,
-                  self.result_ttl_s, repr(started)],
+                  self.result_ttl_s, repr(started), self._events, events.encode(event) if event else "",
+                  *samples.script_args(sample)],
             client=pipe,
         )
 
@@ -304,9 +337,22 @@ class StreamConsumer:
             pipe.xack(self.streams[lane], keys.GROUP, *ids)
             pipe.xdel(self.streams[lane], *ids)
 
-    async def note_error(self, job_id: str, message: str) -> None:
+    async def note_error(self, pipe: Any, job_id: str, message: str) -> None:
+        """Queue on `pipe`: why the job's delivery ended without an outcome, for its dead letter."""
+        await self._note_error(keys=[keys.job(job_id)], args=[scrub(message)[:500]], client=pipe)
+
+    async def refresh(self, held: Mapping[Lane, Collection[str]]) -> set[str]:
+        """Keep the entries this consumer holds from being taken over, in one round trip; answer
+        the ones it no longer owns (see REFRESH_SCRIPT)."""
+        lanes = [(lane, list(ids)) for lane, ids in held.items() if ids]
+        if not lanes:
+            return set()
         with translate_redis_errors():
-            await self._note_error(keys=[keys.job(job_id)], args=[scrub(message)[:500]])
+            pipe = self.redis.pipeline(transaction=False)
+            for lane, ids in lanes:
+                await self._refresh(keys=[self.streams[lane]], args=[keys.GROUP, self.name, *ids], client=pipe)
+            replies = await pipe.execute()
+        return {entry_id.decode() for reply in replies for entry_id in reply}
 
     async def beat(self, heartbeat: heartbeats.Heartbeat) -> None:
         await heartbeats.beat(self.redis, self.model, self.version, self.name, heartbeat)

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import redis
+import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI
 from sqlalchemy import create_engine
@@ -34,9 +35,13 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 from sluice import keys
+from sluice.jobs import JobRecord, JobStatus, new_job_id
+from sluice.kinds import token_estimate
 from sluice.migrate import upgrade
 from sluice.registry.store import normalise_url
 from sluice.settings import Settings
+from sluice.streams import queue_jobs
+from workers.consumer import Worker
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -300,6 +305,46 @@ def spawn_worker(*, redis_url: str, database_url: str, home: Path, log_path: Pat
     finally:
         rds.close()
     return worker
+
+
+# --- workers in this process, over real Redis --------------------------------------------------------
+
+
+async def queue_in_redis(redis: aioredis.Redis, model: str, inputs: list[dict[str, Any]], *, version: str = "v1",
+                         tenant: str = "demo", shadow: str | None = None) -> list[str]:
+    """Queue jobs as the API does (record, then stream entry), without the API; answer their ids."""
+    now = time.time()
+    records = [JobRecord(id=new_job_id(), tenant=tenant, model=model, version=version, lane="online",
+                         status=JobStatus.queued, input=given, enqueued_at=now, cost=token_estimate(given["text"]),
+                         shadow=shadow) for given in inputs]
+    pipe = redis.pipeline(transaction=False)
+    queue_jobs(pipe, records, result_ttl_s=3600)
+    await pipe.execute()
+    return [record.id for record in records]
+
+
+async def drive(workers: list[Worker], redis: aioredis.Redis, ids: list[str], *,
+                timeout_s: float) -> dict[str, dict[str, str]]:
+    """Run in-process workers until every job of `ids` is final, drain them; answer the records."""
+    tasks = [asyncio.create_task(worker.run()) for worker in workers]
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pipe = redis.pipeline(transaction=False)
+            for job_id in ids:
+                pipe.hgetall(keys.job(job_id))
+            records = {job_id: {k.decode(): v.decode() for k, v in raw.items()}
+                       for job_id, raw in zip(ids, await pipe.execute(), strict=True)}
+            if all(record.get("status") in FINAL for record in records.values()):
+                return records
+            failed = [task for task in tasks if task.done()]
+            assert not failed, [task.exception() for task in failed]
+            assert time.monotonic() < deadline, f"jobs not final after {timeout_s}s"
+            await asyncio.sleep(0.1)
+    finally:
+        for worker in workers:
+            worker.request_stop()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
 
 
 # --- a webhook receiver ---------------------------------------------------------------------------

@@ -7,6 +7,13 @@ waits on a Redis round trip. The runner takes the best batch at the moment the m
 crumbs an eager close at read time would leave. An entry is acknowledged only after its outcome
 is stored; an entry left unacknowledged by a dead worker is taken over with XAUTOCLAIM.
 
+Exactly once while workers live: an entry can wait in the prefetch, or on a model slower than
+`claim_after_s`, for longer than XAUTOCLAIM's idle threshold, so the worker refreshes everything
+it holds every third of that threshold (`StreamConsumer.refresh`); only a worker that stops
+refreshing (dead, or stalled that long) has its entries taken over. It also holds no more than
+it can start within half the threshold (`held_limit`), so waiting work stays where an idle
+worker can read it.
+
 The worker is orchestration only: the stream protocol (reading, claiming, acknowledging, the
 heartbeat) is `sluice.streams`', and storing a batch's outcomes is `workers.results`'.
 """
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import random
 import socket
@@ -29,6 +37,7 @@ from sluice import events
 from sluice.errors import BrokerError
 from sluice.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
 from sluice.jobs import JobStatus
+from sluice.keys import Lane
 from sluice.metrics import (
     BATCH_CLOSED,
     BATCH_SIZE,
@@ -48,6 +57,9 @@ log = logging.getLogger(__name__)
 # The longest the reader sleeps (blocked on the streams, or napping while the model is busy)
 # before it looks at the stop flag and the prefetch room again.
 READ_BLOCK_MS = 250
+# Held entries are refreshed this many times per claim_after_s: two refreshes can fail (a Redis
+# blip) before another worker could take them over.
+REFRESHES_PER_CLAIM = 3
 
 
 def jittered(delay: float) -> float:
@@ -57,6 +69,18 @@ def jittered(delay: float) -> float:
 
 def consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+def held_limit(*, prefetch: int, max_batch_size: int, items_per_s: float, claim_after_s: float) -> int:
+    """How many entries a worker may hold (read and not yet acknowledged).
+
+    `prefetch` at most; once the service rate is measured, no more than the worker can start
+    within half of `claim_after_s`, but never under two batches (one on the model, the next one
+    formed), or the model would wait on Redis between batches.
+    """
+    if items_per_s <= 0:
+        return prefetch
+    return min(prefetch, max(2 * max_batch_size, math.floor(items_per_s * claim_after_s / 2)))
 
 
 class Worker:
@@ -99,7 +123,7 @@ class Worker:
                                       result_ttl_s=result_ttl_s)
         self.results = ResultWriter(streams=self.streams, result_ttl_s=result_ttl_s)
         self._ready: deque[Batch[Delivery]] = deque()  # drain batches, run before anything else
-        self._held: set[str] = set()  # entry ids read and not yet acknowledged
+        self._held: dict[str, Lane] = {}  # entry id -> lane: read, not yet acknowledged nor released
         self._wake_runner = asyncio.Event()
         self._wake_reader = asyncio.Event()
         self._runner_idle = True  # no batch running: the model waits for work
@@ -129,6 +153,7 @@ class Worker:
         reader = asyncio.create_task(self._read_loop(), name="reader")
         runner = asyncio.create_task(self._run_loop(), name="runner")
         beat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+        refresh = asyncio.create_task(self._refresh_loop(), name="refresh")
         try:
             await reader
             # Reading has stopped: everything held is flushed and finished within the grace period.
@@ -139,9 +164,9 @@ class Worker:
             if self._writes:
                 await asyncio.wait_for(asyncio.gather(*self._writes), timeout=self.shutdown_grace_s)
         finally:
-            for task in (reader, runner, beat):
+            for task in (reader, runner, beat, refresh):
                 task.cancel()
-            for task in (reader, runner, beat):
+            for task in (reader, runner, beat, refresh):
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             self.state = WorkerState.stopped
@@ -166,7 +191,8 @@ class Worker:
         # Cleared first: a batch completing or the model going idle during the reads below
         # must end the nap at the bottom, not be forgotten.
         self._wake_reader.clear()
-        room = self.prefetch - len(self._held)
+        room = held_limit(prefetch=self.prefetch, max_batch_size=self.max_batch_size,
+                          items_per_s=self.items_per_s(), claim_after_s=self.claim_after_s) - len(self._held)
         entries: list[Delivered] = []
         if room > 0:
             entries = await self._reclaim(room) if self._claim_due() else []
@@ -216,7 +242,7 @@ class Worker:
                                      attempts=claim.attempts, shadow=entry.shadow, shadow_of=entry.shadow_of),
                 )
                 self.batcher.add(item)
-                self._held.add(item.id)
+                self._held[item.id] = delivered.lane
                 changed.append(events.JobChanged(id=entry.job_id, status=JobStatus.running))
                 continue
             settle.append(delivered)
@@ -256,14 +282,19 @@ class Worker:
             task.add_done_callback(self._writes.discard)
 
     async def _complete(self, batch: Batch[Delivery], outcomes: list[Outcome], started: float, model_s: float) -> None:
-        """Store every outcome, then acknowledge: a job is never acked before its outcome exists."""
+        """Store every outcome, then acknowledge: a job is never acked before its outcome exists.
+
+        A faulted item's entry is released unacknowledged: no longer refreshed, it goes idle and
+        XAUTOCLAIM delivers it again after claim_after_s (to any worker, this one included).
+        """
         finished = self.clock()
         size = len(batch.items)
         model_ms = round(model_s * 1000.0, 3)
         backoff = 0.05
         while True:
             try:
-                await self.results.store(batch, outcomes, started=started, finished=finished, model_ms=model_ms)
+                won = await self.results.store(batch, outcomes, started=started, finished=finished,
+                                               model_ms=model_ms)
                 break
             except BrokerError as exc:
                 # Keep the results and retry: the model's work is not thrown away on a Redis blip.
@@ -271,7 +302,8 @@ class Worker:
                     log.warning("storing a batch failed, retrying: %s", exc)
                 await asyncio.sleep(jittered(backoff))
                 backoff = min(backoff * 2, 5.0)
-        self._held.difference_update(item.id for item in batch.items)
+        for item in batch.items:
+            self._held.pop(item.id, None)
         self._wake_reader.set()
         self.processed += size
         self.last_batch_size = size
@@ -285,11 +317,45 @@ class Worker:
         queue_wait = QUEUE_WAIT.labels(*labels)
         for item in batch.items:
             queue_wait.observe(max(0.0, started - item.enqueued_at))
-        failed = sum(1 for outcome in outcomes if outcome.error is not None)
+        # Only the write that made a job final counts it, as with its sample.
+        finals = [outcome for outcome, first in zip(outcomes, won, strict=True) if first]
+        failed = sum(1 for outcome in finals if outcome.error is not None)
         if failed:
             JOBS_FINISHED.labels(*labels, "failed").inc(failed)
-        if size - failed:
-            JOBS_FINISHED.labels(*labels, "succeeded").inc(size - failed)
+        if len(finals) - failed:
+            JOBS_FINISHED.labels(*labels, "succeeded").inc(len(finals) - failed)
+
+    # --- keeping what this worker holds -----------------------------------------------------------
+
+    async def _refresh_loop(self) -> None:
+        warned = False
+        while True:
+            await asyncio.sleep(self.claim_after_s / REFRESHES_PER_CLAIM)
+            held: dict[Lane, list[str]] = {}
+            for entry_id, lane in self._held.items():
+                held.setdefault(lane, []).append(entry_id)
+            try:
+                lost = await self.streams.refresh(held)
+            except BrokerError as exc:
+                if not warned:
+                    log.warning("worker %s could not refresh the entries it holds: %s", self.name, exc)
+                warned = True
+                continue
+            warned = False
+            if lost:
+                self._give_up(lost)
+
+    def _give_up(self, lost: set[str]) -> None:
+        """Entries this worker no longer owns: acknowledged meanwhile, or taken over by another
+        worker while this one stalled past claim_after_s. Those still waiting in the batcher are
+        the other worker's to run now; a batch already on the model finishes, and FINISH keeps
+        the first outcome (and its sample) of the two."""
+        dropped = self.batcher.remove(lost)
+        for item in dropped:
+            self._held.pop(item.id, None)
+        if dropped:
+            log.warning("worker %s gave up %d entries another worker took over", self.name, len(dropped))
+            self._wake_reader.set()
 
     # --- heartbeat ---------------------------------------------------------------------------------
 

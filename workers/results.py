@@ -1,8 +1,16 @@
-"""Storing a batch's outcomes: each job's final state, its sample, its shadow copy, its event.
+"""Storing a batch's outcomes: each job's final state, its sample, its event, its shadow copy.
 
-One pipeline per batch, acknowledged in the same round trip: a job is never acknowledged before
-its outcome is stored. Shadow copies of successful jobs go to their shadow version's bulk lane;
-a shadow copy's own sample carries its agreement with the primary's output.
+Only the write that makes a job final counts: the outcome, the sample and the event are one
+script (`streams.FINISH_SCRIPT`), so a job run twice (its entry taken over from a worker that
+stalled) still has one of each, and a shadow copy is queued only for a job whose write won, after
+that write's reply. Entries are acknowledged last, in the same round trip as the outcomes when
+there is no copy to make: a job is never acknowledged before its outcome is stored. Copies are
+made at most once: a worker that dies (or loses Redis) between the outcome and the copy makes
+none, since a missing comparison sample skews nothing and a doubled one would.
+
+An input whose run faulted (not the input's failure, see workers/execution.py) gets no outcome and
+its entry is not acknowledged: the fault is noted on the job for its dead letter, and the entry is
+left for another delivery. A shadow copy's own sample carries its agreement with the primary.
 """
 
 from __future__ import annotations
@@ -11,14 +19,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from sluice import events, keys, samples
+from sluice import events, keys
 from sluice.connections import translate_redis_errors
 from sluice.jobs import OUTPUT_FIELD, SHADOW_TENANT, JobRecord, JobStatus, new_job_id
 from sluice.metrics import SHADOW_COPIES
 from sluice.quality import agreement, proxies
 from sluice.samples import Sample
 from sluice.streams import StreamConsumer, queue_jobs
-from workers.batcher import Batch
+from workers.batcher import Batch, Item
 from workers.execution import Outcome
 
 
@@ -45,48 +53,65 @@ class ResultWriter:
         self.model = streams.model
         self.version = streams.version
         self.result_ttl_s = result_ttl_s
-        self._events = events.channel(streams.redis)
 
     async def store(self, batch: Batch[Delivery], outcomes: list[Outcome], *, started: float, finished: float,
-                    model_ms: float) -> None:
+                    model_ms: float) -> list[bool]:
+        """Store and acknowledge; answer, per item, whether this write made its job final."""
         size = len(batch.items)
         primaries = await self._primary_outputs(batch, outcomes)
-        copies: list[JobRecord] = []
+        done = [(item, outcome) for item, outcome in zip(batch.items, outcomes, strict=True) if outcome.fault is None]
+        copying = any(item.payload.shadow and outcome.output is not None for item, outcome in done)
+        entries = [(item.payload.lane, item.id) for item, _ in done]
         with translate_redis_errors():
             pipe = self.redis.pipeline(transaction=False)
+            for item, outcome in done:
+                await self._finish(pipe, item, outcome, primaries, started=started, finished=finished,
+                                   model_ms=model_ms, size=size, close_reason=batch.close_reason)
             for item, outcome in zip(batch.items, outcomes, strict=True):
-                delivery = item.payload
-                status = JobStatus.succeeded if outcome.error is None else JobStatus.failed
-                output = _json(outcome.output)
-                await self.streams.finish(pipe, delivery.job_id, status=status.value, output=output,
-                                          error=_json(outcome.error), started=started, finished=finished,
-                                          model_ms=model_ms, batch_size=size, close_reason=batch.close_reason)
-                quality: dict[str, Any] = {}
-                if outcome.error is None:
-                    quality = proxies(outcome.output, encoded_size=len(output))
-                    primary = primaries.get(delivery.shadow_of or "")
-                    if primary is not None and outcome.output is not None:
-                        agreed = agreement(primary, outcome.output)
-                        if agreed is not None:
-                            quality["agreement"] = agreed
-                    if delivery.shadow:
-                        copies.append(self._shadow_copy(delivery, item.cost, finished))
-                if not delivery.shadow_of:
-                    pipe.publish(self._events, events.encode(events.JobChanged(id=delivery.job_id, status=status)))
-                samples.append(pipe, self.model, self.version, Sample(
-                    status=status.value, finished_at=finished,
-                    queue_wait_ms=round((started - item.enqueued_at) * 1000, 3), model_ms=model_ms,
-                    total_ms=round((finished - item.enqueued_at) * 1000, 3), batch_size=size,
-                    close_reason=batch.close_reason, quality=quality,
-                ))
-            queue_jobs(pipe, copies, result_ttl_s=self.result_ttl_s)
-            self.streams.ack(pipe, [(item.payload.lane, item.id) for item in batch.items])
-            await pipe.execute()
+                if outcome.fault is not None:
+                    await self.streams.note_error(pipe, item.payload.job_id, outcome.fault)
+            if not copying:
+                self.streams.ack(pipe, entries)
+            replies = await pipe.execute()
+        won = {item.id for (item, _), reply in zip(done, replies[:len(done)], strict=True) if reply == 1}
+        if copying:
+            copies = [self._shadow_copy(item.payload, item.cost, finished) for item, outcome in done
+                      if item.id in won and item.payload.shadow and outcome.output is not None]
+            with translate_redis_errors():
+                pipe = self.redis.pipeline(transaction=False)
+                queue_jobs(pipe, copies, result_ttl_s=self.result_ttl_s)
+                self.streams.ack(pipe, entries)
+                await pipe.execute()
+        return [item.id in won for item in batch.items]
+
+    async def _finish(self, pipe: Any, item: Item[Delivery], outcome: Outcome, primaries: dict[str, dict[str, Any]],
+                      *, started: float, finished: float, model_ms: float, size: int, close_reason: str) -> None:
+        delivery = item.payload
+        status = JobStatus.succeeded if outcome.error is None else JobStatus.failed
+        output = _json(outcome.output)
+        quality: dict[str, Any] = {}
+        if outcome.error is None:
+            quality = proxies(outcome.output, encoded_size=len(output))
+            primary = primaries.get(delivery.shadow_of or "")
+            if primary is not None and outcome.output is not None:
+                agreed = agreement(primary, outcome.output)
+                if agreed is not None:
+                    quality["agreement"] = agreed
+        sample = Sample(
+            status=status.value, finished_at=finished, queue_wait_ms=round((started - item.enqueued_at) * 1000, 3),
+            model_ms=model_ms, total_ms=round((finished - item.enqueued_at) * 1000, 3), batch_size=size,
+            close_reason=close_reason, quality=quality,
+        )
+        # A shadow copy's state is nobody's to wait for: only primaries announce theirs.
+        event = None if delivery.shadow_of else events.JobChanged(id=delivery.job_id, status=status)
+        await self.streams.finish(pipe, delivery.job_id, status=status.value, output=output,
+                                  error=_json(outcome.error), started=started, finished=finished, model_ms=model_ms,
+                                  batch_size=size, close_reason=close_reason, sample=sample, event=event)
 
     async def _primary_outputs(self, batch: Batch[Delivery], outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
         """The primary outputs that shadow copies in this batch are compared with."""
         wanted = [item.payload.shadow_of for item, outcome in zip(batch.items, outcomes, strict=True)
-                  if item.payload.shadow_of and outcome.error is None]
+                  if item.payload.shadow_of and outcome.output is not None]
         if not wanted:
             return {}
         with translate_redis_errors():
