@@ -17,7 +17,7 @@ from api.breakers import BreakerBoard
 from api.caches import AuthCache, RoutingCache
 from api.deps import AppState
 from api.events import EventHub
-from api.middleware import BodyLimitMiddleware, MetricsMiddleware
+from api.middleware import BodyLimitMiddleware, MetricsMiddleware, StrictJsonMiddleware
 from api.routes import health, jobs, models, tenants
 from sluice import events
 from sluice.breaker import CircuitBreaker
@@ -91,6 +91,8 @@ def create_app(
     errors.install(app)
     for module in (health, jobs, models, tenants):
         app.include_router(module.router)
+    # The last added runs first: metrics see every answer, and the JSON check reads bounded bodies.
+    app.add_middleware(StrictJsonMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware)
     return app
