@@ -44,14 +44,14 @@ def create_app(
         routing = RoutingCache(registry=reg, refresh_s=settings.routing_refresh_s)
         auth = AuthCache(registry=reg, ttl_s=settings.auth_cache_s)
 
-        async def on_control(event: events.Event) -> None:
+        def on_control(event: events.Event) -> None:
             if isinstance(event, events.RoutingChanged):
-                await routing.reload()
+                routing.request_reload()
             elif isinstance(event, events.KeyRevoked):
                 auth.forget(event.key_hash)
             elif isinstance(event, events.Resync):
                 auth.forget()
-                await routing.reload()
+                routing.request_reload()
 
         hub = EventHub(redis=client, on_control=on_control)
         breakers = BreakerBoard(redis=client, routing=routing, make_breaker=lambda: CircuitBreaker(
@@ -67,7 +67,7 @@ def create_app(
         app.state.sluice = state
         await routing.reload()
         tasks = [asyncio.create_task(hub.run(), name="events"),
-                 asyncio.create_task(routing.refresh_forever(), name="routing-refresh"),
+                 asyncio.create_task(routing.refresh_forever(), name="routing-reload"),
                  asyncio.create_task(breakers.run_forever(), name="breakers")]
         try:
             yield
