@@ -17,7 +17,7 @@ from api.breakers import BreakerBoard
 from api.caches import AuthCache, RoutingCache
 from api.deps import AppState
 from api.events import EventHub
-from api.middleware import BodyLimitMiddleware, MetricsMiddleware
+from api.middleware import BodyLimitMiddleware, MetricsMiddleware, StrictJsonMiddleware
 from api.routes import health, jobs, models, tenants
 from sluice import events
 from sluice.breaker import CircuitBreaker
@@ -44,14 +44,14 @@ def create_app(
         routing = RoutingCache(registry=reg, refresh_s=settings.routing_refresh_s)
         auth = AuthCache(registry=reg, ttl_s=settings.auth_cache_s)
 
-        async def on_control(event: events.Event) -> None:
+        def on_control(event: events.Event) -> None:
             if isinstance(event, events.RoutingChanged):
-                await routing.reload()
+                routing.request_reload()
             elif isinstance(event, events.KeyRevoked):
                 auth.forget(event.key_hash)
             elif isinstance(event, events.Resync):
                 auth.forget()
-                await routing.reload()
+                routing.request_reload()
 
         hub = EventHub(redis=client, on_control=on_control)
         breakers = BreakerBoard(redis=client, routing=routing, make_breaker=lambda: CircuitBreaker(
@@ -67,7 +67,7 @@ def create_app(
         app.state.sluice = state
         await routing.reload()
         tasks = [asyncio.create_task(hub.run(), name="events"),
-                 asyncio.create_task(routing.refresh_forever(), name="routing-refresh"),
+                 asyncio.create_task(routing.refresh_forever(), name="routing-reload"),
                  asyncio.create_task(breakers.run_forever(), name="breakers")]
         try:
             yield
@@ -91,6 +91,8 @@ def create_app(
     errors.install(app)
     for module in (health, jobs, models, tenants):
         app.include_router(module.router)
+    # The last added runs first: metrics see every answer, and the JSON check reads bounded bodies.
+    app.add_middleware(StrictJsonMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware)
     return app

@@ -29,6 +29,7 @@ class RoutingCache:
         self.loaded_at: float | None = None
         self.degraded: str | None = None
         self._lock = asyncio.Lock()
+        self._wanted = asyncio.Event()
 
     @property
     def loaded(self) -> bool:
@@ -58,11 +59,22 @@ class RoutingCache:
         with self.registry.session() as session:
             return queries.routing_snapshot(session)
 
+    def request_reload(self) -> None:
+        """Have `refresh_forever` reload soon, without waiting for it. Requests made while a reload
+        runs are folded into one more after it, which reads whatever they announced."""
+        self._wanted.set()
+
     async def refresh_forever(self) -> None:
-        """The safety net behind event-driven reloads: a missed event heals within refresh_s."""
+        """Reload on request, and every refresh_s as the safety net behind the events: a missed
+        event heals within refresh_s."""
         while True:
             # Retry sooner while degraded so recovery is noticed quickly.
-            await asyncio.sleep(min(self.refresh_s, 2.0) if self.degraded else self.refresh_s)
+            period = min(self.refresh_s, 2.0) if self.degraded else self.refresh_s
+            try:
+                await asyncio.wait_for(self._wanted.wait(), timeout=period)
+            except TimeoutError:
+                pass
+            self._wanted.clear()
             await self.reload()
 
 

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import random
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
@@ -15,7 +15,9 @@ from sluice import events
 
 log = logging.getLogger(__name__)
 
-EventHandler = Callable[[events.Event], Awaitable[None]]
+# Called on the loop that wakes every long-poll, so it must not wait: a routing reload that it
+# starts runs elsewhere (`RoutingCache.request_reload`), never inside it.
+EventHandler = Callable[[events.Event], None]
 
 
 class EventHub:
@@ -44,12 +46,12 @@ class EventHub:
             for event in waiters:
                 event.set()
 
-    async def _dispatch(self, event: events.Event) -> None:
+    def _dispatch(self, event: events.Event) -> None:
         if isinstance(event, events.JobChanged):
             for waiter in self._waiters.get(event.id, ()):
                 waiter.set()
         else:
-            await self.on_control(event)
+            self.on_control(event)
 
     async def run(self) -> None:
         """Listen forever, reconnecting with capped, jittered backoff; never floods the log."""
@@ -62,7 +64,7 @@ class EventHub:
                 if delay > 0.1:
                     log.info("event subscription restored")
                     # Routing may have changed while we were deaf.
-                    await self.on_control(events.Resync())
+                    self.on_control(events.Resync())
                 delay = 0.1
                 while True:
                     message = await pubsub.get_message(timeout=30.0)
@@ -70,7 +72,7 @@ class EventHub:
                         continue
                     event = events.parse(message["data"])
                     if event is not None:
-                        await self._dispatch(event)
+                        self._dispatch(event)
             except asyncio.CancelledError:
                 raise
             except (redis_errors.RedisError, OSError) as exc:

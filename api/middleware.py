@@ -7,7 +7,11 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.strict_json import JsonRefused, parse
 from sluice.metrics import API_LATENCY, API_REQUESTS
+
+# No route reads a body sent with these: neither middleware reads one (so neither holds one unbounded).
+_BODILESS_METHODS = ("GET", "HEAD", "DELETE", "OPTIONS")
 
 
 async def _send_error(send: Send, status: int, code: str, message: str) -> None:
@@ -45,7 +49,7 @@ class BodyLimitMiddleware:
                 return
             await self.app(scope, receive, send)
             return
-        if scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS"):
+        if scope.get("method") in _BODILESS_METHODS:
             await self.app(scope, receive, send)
             return
         chunks: list[bytes] = []
@@ -62,17 +66,65 @@ class BodyLimitMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
+        await self.app(scope, _replaying(b"".join(chunks), receive), send)
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands the app a body already read, then whatever comes after it."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _is_json(scope: Scope) -> bool:
+    """The content types FastAPI parses as JSON: application/json and application/*+json."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-type":
+            main, _, sub = bytes(value).split(b";", 1)[0].strip().lower().partition(b"/")
+            return main == b"application" and (sub == b"json" or sub.endswith(b"+json"))
+    return False
+
+
+class StrictJsonMiddleware:
+    """Refuse, with 422 `invalid_json`, a JSON body that `strict_json.parse` refuses, whatever the
+    route: no handler, validation message or store ever sees a lone surrogate, NaN or the like.
+
+    Runs inside BodyLimitMiddleware, so the body it reads is already bounded. FastAPI parses an
+    accepted body again; that costs about what the check does (microseconds for one job, about a
+    quarter of a millisecond for 500 bulk inputs), cheaper than keeping a route class in step
+    with FastAPI's body handling.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") in _BODILESS_METHODS or not _is_json(scope):
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body: there is no one to answer
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
         body = b"".join(chunks)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        if body:
+            try:
+                parse(body)
+            except JsonRefused as exc:
+                await _send_error(send, 422, "invalid_json", str(exc))
+                return
+        await self.app(scope, _replaying(body, receive), send)
 
 
 class MetricsMiddleware:

@@ -157,7 +157,8 @@ class VersionChange(VersionResource):
 
 
 class Percentiles(BaseModel):
-    """Exact over the window (linear interpolation); null when the window has no samples."""
+    """Exact over the window (linear interpolation); null when the window has no samples, and p99
+    also while the window has fewer than `p99_min_samples`."""
 
     p50: float | None
     p95: float | None
@@ -206,3 +207,4 @@ class StatsResource(BaseModel):
     close_reasons: CloseReasons
     quality: QualitySummary
     percentile_method: str
+    p99_min_samples: int = Field(description="The samples a p99 needs; with fewer `count`, every p99 is null")

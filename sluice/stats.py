@@ -1,7 +1,8 @@
 """Per-version statistics over the finished-job samples (`sluice.samples`).
 
 Percentiles are exact over the window's samples (numpy's default 'linear' method, i.e.
-Hyndman-Fan type 7), not estimates from histogram buckets.
+Hyndman-Fan type 7), not estimates from histogram buckets. A p99 needs P99_MIN_SAMPLES of them:
+below that it is null, and `count` says how many there were.
 """
 
 from __future__ import annotations
@@ -15,12 +16,17 @@ from sluice.jobs import CLOSE_REASONS
 from sluice.quality import summarise_quality
 from sluice.samples import Sample
 
+# DESIGN §9: a p99 of fewer than a few hundred samples is not reported as one. Of 100 samples it
+# is an interpolation between the two largest, so it says little more than the maximum does.
+P99_MIN_SAMPLES = 300
+
 
 def _percentiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p95": None, "p99": None}
     p50, p95, p99 = np.percentile(np.asarray(values), [50, 95, 99], method="linear")
-    return {"p50": round(float(p50), 3), "p95": round(float(p95), 3), "p99": round(float(p99), 3)}
+    return {"p50": round(float(p50), 3), "p95": round(float(p95), 3),
+            "p99": round(float(p99), 3) if len(values) >= P99_MIN_SAMPLES else None}
 
 
 def summarise(samples: list[Sample], *, window_s: float) -> dict[str, Any]:
@@ -49,4 +55,5 @@ def summarise(samples: list[Sample], *, window_s: float) -> dict[str, Any]:
         "close_reasons": {reason: round(batches.get(reason, 0.0)) for reason in CLOSE_REASONS},
         "quality": summarise_quality(s.quality for s in samples),
         "percentile_method": "exact, linear interpolation (type 7)",
+        "p99_min_samples": P99_MIN_SAMPLES,
     }

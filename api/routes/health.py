@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Annotated, Any
 
 from anyio import to_thread
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Depends, Response
 from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api.deps import StateDep
-from sluice.errors import SluiceError
+from api.deps import AppState, StateDep
+from sluice.errors import ApiError, SluiceError
 
 router = APIRouter(tags=["health"])
+
+_bearer = HTTPBearer(auto_error=False, description="Optional: an admin key also gets why a check failed")
 
 
 @router.get("/healthz")
@@ -21,33 +24,60 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+def _why(exc: BaseException, timeout_s: float) -> str:
+    return str(exc) if isinstance(exc, SluiceError) else f"no answer within {timeout_s:g} s"
+
+
+async def _is_admin(state: AppState, credentials: HTTPAuthorizationCredentials | None) -> bool:
+    """Whether the caller showed an admin key; anything else, a registry that cannot check the key
+    included, makes it an anonymous caller (a probe is never refused for its key)."""
+    if credentials is None or not credentials.credentials:
+        return False
+    try:
+        key = await state.auth.authenticate(credentials.credentials)
+    except ApiError:
+        return False
+    return key.is_admin
+
+
 @router.get("/readyz")
-async def readyz(state: StateDep) -> JSONResponse:
+async def readyz(
+    state: StateDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> JSONResponse:
     """Ready means jobs can be accepted: Redis answers and a routing table is loaded.
 
-    Postgres down is `degraded`, not unready: submissions go on against the cached table.
+    Postgres down is `degraded`, not unready: submissions go on against the cached table. Each
+    dependency is `ok` or `unavailable`: the driver's message (hosts, ports, database and user
+    names) goes only to a caller with an admin key, under `detail`.
     """
     checks: dict[str, Any] = {}
+    detail: dict[str, str] = {}
     try:
         await asyncio.wait_for(state.broker.ping(), timeout=2.0)
         checks["redis"] = "ok"
     except (SluiceError, TimeoutError) as exc:
-        checks["redis"] = f"down: {exc}"
+        checks["redis"] = "unavailable"
+        detail["redis"] = _why(exc, 2.0)
     try:
         await asyncio.wait_for(to_thread.run_sync(state.registry.ping), timeout=3.0)
         checks["postgres"] = "ok"
     except (SluiceError, TimeoutError) as exc:
-        checks["postgres"] = f"down: {exc}"
+        checks["postgres"] = "unavailable"
+        detail["postgres"] = _why(exc, 3.0)
     checks["routing"] = (
         "not loaded" if not state.routing.loaded else ("stale" if state.routing.degraded else "ok")
     )
-    checks["events"] = "ok" if state.hub.connected.is_set() else "down"
+    if state.routing.degraded:
+        detail["routing"] = state.routing.degraded
+    checks["events"] = "ok" if state.hub.connected.is_set() else "unavailable"
     if state.draining.is_set():
         return JSONResponse({"status": "draining", "checks": checks}, status_code=503)
     ready = checks["redis"] == "ok" and state.routing.loaded
     status = "ok" if ready and all(v == "ok" for v in checks.values()) else ("degraded" if ready else "unready")
-    return JSONResponse({"status": status, "checks": checks, "breakers": state.breakers.states()},
-                        status_code=200 if ready else 503)
+    body: dict[str, Any] = {"status": status, "checks": checks, "breakers": state.breakers.states()}
+    if detail and await _is_admin(state, credentials):
+        body["detail"] = detail
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 @router.get("/metrics", include_in_schema=False)

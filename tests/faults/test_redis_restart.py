@@ -80,7 +80,7 @@ def test_every_accepted_job_survives_a_redis_restart(
         ready = api.readyz()
         assert ready["_status_code"] == 503, ready
         assert ready["status"] == "unready", ready
-        assert ready["checks"]["redis"].startswith("down"), ready
+        assert ready["checks"]["redis"] == "unavailable", ready
         # Bad input is still refused for what it is before the queue is needed.
         assert demo.post(f"/v1/models/{model}/jobs", json={"input": {"nope": 1}}).status_code == 422
 
