@@ -91,6 +91,12 @@ class Forbidden(ApiError):
     status, code = 403, "forbidden"
 
 
+class NotServable(Forbidden):
+    """A tenant named a version that takes no callers' traffic (staged, shadow); admins may."""
+
+    code = "not_servable"
+
+
 class NotFound(ApiError):
     status, code = 404, "not_found"
 

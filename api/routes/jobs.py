@@ -87,7 +87,7 @@ async def _admit(
     if state.draining.is_set():
         raise ServiceUnavailable("this API replica is shutting down; retry", headers={"Retry-After": "1"})
     decision = route(snapshot, model=model, tenant=key.tenant, routing_key=options.routing_key,
-                     version=options.version, blocked=state.breakers.blocked(model))
+                     version=options.version, blocked=state.breakers.blocked(model), admin=key.is_admin)
     claim = await _claim_key(state, key, idempotency_key, request_hash)
     if claim is not None and claim.replay is not None:
         records = [r for r in [await state.broker.get(i) for i in claim.replay] if r is not None]
