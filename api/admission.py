@@ -141,8 +141,14 @@ class Admission:
             self._admitted[key] += count
             self._unwritten[key] += count
             return
+        budget_s = version.latency_budget_ms / 1000.0
+        message = (f"version '{version.version}' of '{version.model}' is overloaded: the predicted queue wait "
+                   f"exceeds its {version.latency_budget_ms:g} ms budget")
+        if count / load.service_rate > budget_s:
+            # Waiting cannot help: these jobs would overrun the budget behind an empty queue.
+            message += (f" even with nothing queued ({count} jobs take {count / load.service_rate:.1f} s "
+                        "at its measured rate)")
         raise TooManyRequests(
-            f"version '{version.version}' of '{version.model}' is overloaded: the predicted queue wait "
-            f"exceeds its {version.latency_budget_ms:g} ms budget",
-            headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            f'{message}; submit batch work on the bulk lane ("lane": "bulk"), which is never shed',
+            headers={"Retry-After": str(max(1, math.ceil(wait)))}, details={"retry_with": {"lane": "bulk"}},
         )

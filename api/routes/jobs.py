@@ -7,17 +7,18 @@ import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
 
 from api.deps import AppState, CurrentKey, StateDep
-from api.resources import BulkAccepted, JobResource
+from api.resources import BulkAccepted, ErrorResource, JobResource
 from sluice.errors import Conflict, InvalidInput, PayloadTooLarge, ServiceUnavailable, TooManyRequests
 from sluice.idempotency import IdempotencyClaim
 from sluice.jobs import JobRecord, JobStatus, new_job_id
+from sluice.keys import Lane
 from sluice.kinds import ModelKind, validate_input
 from sluice.metrics import JOBS_REJECTED, JOBS_SUBMITTED
 from sluice.registry.queries import KeyInfo
@@ -28,6 +29,22 @@ router = APIRouter(prefix="/v1", tags=["jobs"])
 
 MetadataValue = str | int | float | bool | None
 
+_SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
+    403: {"model": ErrorResource, "description": "Not entitled to the version: `forbidden`, or `not_servable` "
+                                                 "for a staged or shadow version named by a tenant"},
+    404: {"model": ErrorResource, "description": "Unknown model or version; `job_expired` when an "
+                                                 "Idempotency-Key replay's jobs have expired"},
+    409: {"model": ErrorResource, "description": "Retired version, or Idempotency-Key reused or in flight"},
+    429: {"model": ErrorResource, "description": "Rate limit, quota or load shedding, with `Retry-After`; "
+                                                 "load shedding of the online lane says `retry_with: {lane: bulk}`"},
+    503: {"model": ErrorResource, "description": "No servable version, an open circuit breaker, or draining"},
+}
+
+_LANES = ("`online`: load-shed, a 429 (with `retry_with`) when the predicted queue wait exceeds the version's "
+          "latency budget. `bulk`: batch scoring, never shed, run when the online lane has nothing ready. "
+          "A single job defaults to `online`, a bulk submission to `bulk`.")
+
+
 
 class _JobOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -35,17 +52,18 @@ class _JobOptions(BaseModel):
     version: str | None = Field(default=None, min_length=1, max_length=64)
     routing_key: str | None = Field(default=None, min_length=1, max_length=256)
     callback_url: AnyHttpUrl | None = None
-    lane: Literal["online", "bulk"] = "online"
     timeout_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
     metadata: dict[str, MetadataValue] | None = Field(default=None, max_length=32)
 
 
 class SubmitJob(_JobOptions):
     input: Any = Field(description="The model kind's input, e.g. {\"text\": \"...\"}")
+    lane: Lane = Field(default="online", description=_LANES)
 
 
 class SubmitBulk(_JobOptions):
     inputs: list[Any] = Field(min_length=1)
+    lane: Lane = Field(default="bulk", description=_LANES)
 
 
 def _request_hash(model: str, body: BaseModel) -> str:
@@ -63,7 +81,7 @@ async def _claim_key(state: AppState, key: KeyInfo, idempotency_key: str | None,
 
 
 async def _admit(
-    state: AppState, key: KeyInfo, model: str, options: _JobOptions, inputs: list[Any],
+    state: AppState, key: KeyInfo, model: str, options: SubmitJob | SubmitBulk, inputs: list[Any],
     idempotency_key: str | None, request_hash: str,
 ) -> tuple[list[JobRecord], bool]:
     snapshot = state.routing.current()
@@ -126,7 +144,7 @@ async def _admit(
 
 
 @router.post("/models/{model}/jobs", status_code=202, response_model=JobResource,
-             responses={202: {"description": "The queued job"}})
+             responses={202: {"description": "The queued job"}, **_SUBMIT_ERRORS})
 async def submit_job(
     model: str, body: SubmitJob, key: CurrentKey, state: StateDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
@@ -140,7 +158,7 @@ async def submit_job(
     return JSONResponse(record.resource(), status_code=202, headers=headers)
 
 
-@router.post("/models/{model}/jobs:bulk", status_code=202, response_model=BulkAccepted)
+@router.post("/models/{model}/jobs:bulk", status_code=202, response_model=BulkAccepted, responses=_SUBMIT_ERRORS)
 async def submit_bulk(
     model: str, body: SubmitBulk, key: CurrentKey, state: StateDep, response: Response,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
