@@ -18,8 +18,9 @@ from sluice.connections import translate_redis_errors
 from sluice.errors import Conflict, NotFound
 from sluice.idempotency import IdempotencyClaim, IdempotencyRecord
 from sluice.jobs import JobRecord, JobStatus
+from sluice.quota import Refusal, TenantLimits
 from sluice.samples import Sample, read_samples
-from sluice.streams import CANCEL_SCRIPT, queue_jobs
+from sluice.streams import CANCEL_SCRIPT, ENQUEUE_SCRIPT, enqueue_call, enqueue_verdict
 
 
 class Broker:
@@ -30,13 +31,19 @@ class Broker:
         self.result_ttl_s = result_ttl_s
         self.idempotency_ttl_s = idempotency_ttl_s
         self._cancel = redis.register_script(CANCEL_SCRIPT)
+        self._enqueue = redis.register_script(ENQUEUE_SCRIPT)
 
-    async def enqueue(self, records: Sequence[JobRecord]) -> None:
-        """Write each job's record, then its stream entry, in one round trip."""
+    async def enqueue(self, records: Sequence[JobRecord], *, limits: TenantLimits) -> Refusal | None:
+        """Queue one submission's jobs (records and stream entries) if the tenant's quota and rate
+        allow, charging both in the same atomic script; answer the refusal otherwise, with nothing
+        written. See `streams.ENQUEUE_SCRIPT`."""
+        script_keys, args = enqueue_call(records, limits=limits, now=time.time(), result_ttl_s=self.result_ttl_s)
         with translate_redis_errors():
-            pipe = self.redis.pipeline(transaction=False)
-            queue_jobs(pipe, records, result_ttl_s=self.result_ttl_s)
-            await pipe.execute()
+            reply = await self._enqueue(keys=script_keys, args=args)
+        verdict, value = enqueue_verdict(reply)
+        if verdict == "ok":
+            return None
+        return Refusal(verdict, queued=int(value)) if verdict == "quota" else Refusal(verdict, wait_s=value)
 
     async def get(self, job_id: str) -> JobRecord | None:
         with translate_redis_errors():
@@ -53,7 +60,7 @@ class Broker:
     async def cancel(self, job_id: str, tenant: str) -> str | None:
         """Cancel a queued job; answer None when done, else the state that prevents it."""
         with translate_redis_errors():
-            outcome = await self._cancel(keys=[keys.job(job_id), keys.queued_count(tenant), keys.WEBHOOK_OUTBOX],
+            outcome = await self._cancel(keys=[keys.job(job_id), keys.queued_jobs(tenant), keys.WEBHOOK_OUTBOX],
                                          args=[repr(time.time())])
         state = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
         if state != "ok":

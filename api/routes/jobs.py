@@ -110,13 +110,6 @@ async def _admit(
     if claim is not None and claim.replay is not None:
         records = [r for r in [await state.broker.get(i) for i in claim.replay] if r is not None]
         return records, True
-    try:
-        await state.admission.admit(key, decision.version, lane=options.lane, count=len(validated))
-    except TooManyRequests as exc:
-        JOBS_REJECTED.labels(model, exc.code).inc()
-        if claim is not None:
-            await state.broker.release_idempotency_key(claim)
-        raise
     now = time.time()
     records = []
     for canonical, cost in validated:
@@ -130,13 +123,13 @@ async def _admit(
             shadow=shadow_target(snapshot, model=model, primary=decision.version, point=hash_unit(model, job_id)),
         ))
     try:
-        await state.broker.enqueue(records)
-    except BaseException:
+        await state.admission.queue(key, decision.version, records)
+    except BaseException as exc:
+        if isinstance(exc, TooManyRequests):
+            JOBS_REJECTED.labels(model, exc.code).inc()
         if claim is not None:
             await state.broker.release_idempotency_key(claim)
         raise
-    finally:
-        state.admission.written(decision.version, lane=options.lane, count=len(records))
     if claim is not None:
         await state.broker.complete_idempotency_key(claim, request_hash, [r.id for r in records])
     JOBS_SUBMITTED.labels(model, decision.version.version, options.lane).inc(len(records))
