@@ -23,6 +23,7 @@ from sluice import heartbeats, keys
 from sluice.broker import Broker
 from sluice.connections import translate_redis_errors
 from sluice.errors import TooManyRequests
+from sluice.idempotency import IdempotencyClaim
 from sluice.jobs import JobRecord
 from sluice.quota import Refusal, TenantLimits
 from sluice.registry.queries import KeyInfo
@@ -68,14 +69,15 @@ class Admission:
         self._admitted: Counter[tuple[str, str]] = Counter()
         self._unwritten: Counter[tuple[str, str]] = Counter()
 
-    async def queue(self, key: KeyInfo, version: VersionInfo, records: Sequence[JobRecord]) -> None:
+    async def queue(self, key: KeyInfo, version: VersionInfo, records: Sequence[JobRecord], *,
+                    idempotency: IdempotencyClaim | None = None) -> None:
         """Queue one submission's jobs (one lane of `version`), or raise TooManyRequests."""
         lane, count = records[0].lane, len(records)
         await self.shed(version, lane=lane, count=count)
         refusal: Refusal | None = None
         queued = False
         try:
-            refusal = await self.broker.enqueue(records, limits=TenantLimits(
+            refusal = await self.broker.enqueue(records, idempotency=idempotency, limits=TenantLimits(
                 tenant=key.tenant, rate_per_s=key.rate_limit_per_s,
                 # A submission larger than the burst could never pass otherwise.
                 burst=max(key.rate_burst, count), max_queued=key.max_queued))

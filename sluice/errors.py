@@ -109,6 +109,12 @@ class NotFound(ApiError):
     status, code = 404, "not_found"
 
 
+class JobExpired(NotFound):
+    """An Idempotency-Key replay whose jobs' records have outlived `result_ttl_s`."""
+
+    code = "job_expired"
+
+
 class Conflict(ApiError):
     status, code = 409, "conflict"
 

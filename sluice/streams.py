@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from sluice import events, heartbeats, keys
 from sluice.connections import translate_redis_errors
 from sluice.errors import BrokerError
+from sluice.idempotency import IdempotencyClaim
 from sluice.jobs import JobRecord
 from sluice.keys import Lane
 from sluice.outbox import QUEUE_WEBHOOK
@@ -170,22 +171,27 @@ class Claim:
     last_error: str = ""
 
 
-# KEYS[1] the lane stream, KEYS[2] the tenant's queued set, KEYS[3] its rate bucket, then one job
-# hash per job. ARGV: now, max_queued, rate/s, burst, result_ttl_s, then per job: id, when its
-# quota place frees (`quota.frees_at`), the number of record fields and the fields, the number of
-# entry fields and the fields.
-# Checks, then charges, in this order: the quota ({'quota', queued jobs}), the rate ({'rate',
-# seconds to wait}); then writes every record, entry and quota place: {'ok'}. A refusal writes
-# nothing.
+# KEYS[1] the lane stream, KEYS[2] the tenant's queued set, KEYS[3] its rate bucket, then the
+# Idempotency-Key record if ARGV[6] is not '', then one job hash per job. ARGV: now, max_queued,
+# rate/s, burst, result_ttl_s, the key's in-progress marker or '', its completed record,
+# idempotency_ttl_s, then per job: id, when its quota place frees (`quota.frees_at`), the number of
+# record fields and the fields, the number of entry fields and the fields.
+# Checks, then charges, in this order: the key is still this request's claim ({'lost'}), the
+# quota ({'quota', queued jobs}), the rate ({'rate', seconds to wait}); then writes every record,
+# entry and quota place, and completes the key: {'ok'}. A refusal writes nothing.
 ENQUEUE_SCRIPT = TENANT_LUA + """
 local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[5])
 local first = 4
+if ARGV[6] ~= '' then
+  if redis.call('GET', KEYS[4]) ~= ARGV[6] then return {'lost'} end
+  first = 5
+end
 local count = #KEYS - first + 1
 local queued = queued_jobs(KEYS[2], ARGV[1])
 if queued + count > tonumber(ARGV[2]) then return {'quota', queued} end
 local wait = take_tokens(KEYS[3], tonumber(ARGV[3]), tonumber(ARGV[4]), now, count)
 if wait then return {'rate', tostring(wait)} end
-local i = 6
+local i = 9
 for k = first, #KEYS do
   local id, frees_at, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
   redis.call('HSET', KEYS[k], unpack(ARGV, i + 3, i + 2 + 2 * n))
@@ -197,10 +203,11 @@ for k = first, #KEYS do
   redis.call('ZADD', KEYS[2], frees_at, id)
 end
 redis.call('EXPIRE', KEYS[2], ttl)
+if first == 5 then redis.call('SET', KEYS[4], ARGV[7], 'EX', ARGV[8]) end
 return {'ok'}
 """
 
-EnqueueVerdict = Literal["ok", "quota", "rate"]
+EnqueueVerdict = Literal["ok", "lost", "quota", "rate"]
 
 
 def queue_jobs(pipe: Any, records: Sequence[JobRecord], *, result_ttl_s: int) -> None:
@@ -221,8 +228,8 @@ def _flat(fields: Mapping[str, str]) -> list[str]:
     return [str(len(fields)), *(part for pair in fields.items() for part in pair)]
 
 
-def enqueue_call(records: Sequence[JobRecord], *, limits: TenantLimits, now: float,
-                 result_ttl_s: int) -> tuple[list[str], list[str]]:
+def enqueue_call(records: Sequence[JobRecord], *, limits: TenantLimits, now: float, result_ttl_s: int,
+                 idempotency: IdempotencyClaim | None, idempotency_ttl_s: int) -> tuple[list[str], list[str]]:
     """KEYS and ARGV of ENQUEUE_SCRIPT for one submission: one tenant's jobs, for one lane of one
     version (so the stream and the tenant's keys are the same for all)."""
     first = records[0]
@@ -232,6 +239,11 @@ def enqueue_call(records: Sequence[JobRecord], *, limits: TenantLimits, now: flo
     script_keys = [keys.stream(first.model, first.version, first.lane),  # type: ignore[arg-type]
                    keys.queued_jobs(limits.tenant), keys.rate_bucket(limits.tenant)]
     args = [repr(now), str(limits.max_queued), repr(limits.rate_per_s), str(limits.burst), str(result_ttl_s)]
+    if idempotency is None:
+        args += ["", "", ""]
+    else:
+        script_keys.append(idempotency.redis_key)
+        args += [idempotency.marker, idempotency.completed([r.id for r in records]), str(idempotency_ttl_s)]
     for record in records:
         script_keys.append(keys.job(record.id))
         args += [record.id, repr(frees_at(record, result_ttl_s=result_ttl_s)), *_flat(record.to_redis()),

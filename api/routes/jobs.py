@@ -15,7 +15,7 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
 
 from api.deps import AppState, CurrentKey, StateDep
 from api.resources import BulkAccepted, ErrorResource, JobResource
-from sluice.errors import Conflict, InvalidInput, PayloadTooLarge, ServiceUnavailable, TooManyRequests
+from sluice.errors import Conflict, InvalidInput, JobExpired, PayloadTooLarge, ServiceUnavailable, TooManyRequests
 from sluice.idempotency import IdempotencyClaim
 from sluice.jobs import JobRecord, JobStatus, new_job_id
 from sluice.keys import Lane
@@ -43,7 +43,6 @@ _SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
 _LANES = ("`online`: load-shed, a 429 (with `retry_with`) when the predicted queue wait exceeds the version's "
           "latency budget. `bulk`: batch scoring, never shed, run when the online lane has nothing ready. "
           "A single job defaults to `online`, a bulk submission to `bulk`.")
-
 
 
 class _JobOptions(BaseModel):
@@ -84,6 +83,35 @@ async def _admit(
     state: AppState, key: KeyInfo, model: str, options: SubmitJob | SubmitBulk, inputs: list[Any],
     idempotency_key: str | None, request_hash: str,
 ) -> tuple[list[JobRecord], bool]:
+    """The jobs of this submission, and whether they were made by an earlier identical one.
+
+    A replay is answered before anything else is checked: the request was accepted once, and a
+    client retrying it must get that answer from a draining replica or past an open breaker too.
+    """
+    claim = await _claim_key(state, key, idempotency_key, request_hash)
+    if claim is not None and claim.replay is not None:
+        return await _replayed(state, claim.replay), True
+    try:
+        return await _queue(state, key, model, options, inputs, claim), False
+    except BaseException:
+        if claim is not None:
+            await state.broker.release_idempotency_key(claim)
+        raise
+
+
+async def _replayed(state: AppState, job_ids: list[str]) -> list[JobRecord]:
+    records = await state.broker.get_many(job_ids)
+    found = [record for record in records if record is not None]
+    if len(found) < len(records):
+        raise JobExpired("the jobs this Idempotency-Key created have expired and their results are gone; "
+                         "submit with a new key to run the request again")
+    return found
+
+
+async def _queue(
+    state: AppState, key: KeyInfo, model: str, options: SubmitJob | SubmitBulk, inputs: list[Any],
+    claim: IdempotencyClaim | None,
+) -> list[JobRecord]:
     snapshot = state.routing.current()
     info = snapshot.model(model)
     kind = ModelKind(info.kind)
@@ -106,10 +134,6 @@ async def _admit(
         raise ServiceUnavailable("this API replica is shutting down; retry", headers={"Retry-After": "1"})
     decision = route(snapshot, model=model, tenant=key.tenant, routing_key=options.routing_key,
                      version=options.version, blocked=state.breakers.blocked(model), admin=key.is_admin)
-    claim = await _claim_key(state, key, idempotency_key, request_hash)
-    if claim is not None and claim.replay is not None:
-        records = [r for r in [await state.broker.get(i) for i in claim.replay] if r is not None]
-        return records, True
     now = time.time()
     records = []
     for canonical, cost in validated:
@@ -123,17 +147,12 @@ async def _admit(
             shadow=shadow_target(snapshot, model=model, primary=decision.version, point=hash_unit(model, job_id)),
         ))
     try:
-        await state.admission.queue(key, decision.version, records)
-    except BaseException as exc:
-        if isinstance(exc, TooManyRequests):
-            JOBS_REJECTED.labels(model, exc.code).inc()
-        if claim is not None:
-            await state.broker.release_idempotency_key(claim)
+        await state.admission.queue(key, decision.version, records, idempotency=claim)
+    except TooManyRequests as exc:
+        JOBS_REJECTED.labels(model, exc.code).inc()
         raise
-    if claim is not None:
-        await state.broker.complete_idempotency_key(claim, request_hash, [r.id for r in records])
     JOBS_SUBMITTED.labels(model, decision.version.version, options.lane).inc(len(records))
-    return records, False
+    return records
 
 
 @router.post("/models/{model}/jobs", status_code=202, response_model=JobResource,
