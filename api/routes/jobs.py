@@ -134,6 +134,8 @@ async def _queue(
         raise ServiceUnavailable("this API replica is shutting down; retry", headers={"Retry-After": "1"})
     decision = route(snapshot, model=model, tenant=key.tenant, routing_key=options.routing_key,
                      version=options.version, blocked=state.breakers.blocked(model), admin=key.is_admin)
+    # No await since `blocked`: a half-open version this job was routed to still has its slot free.
+    probe = state.breakers.take_probe(model, decision.version.version)
     now = time.time()
     records = []
     for canonical, cost in validated:
@@ -148,8 +150,11 @@ async def _queue(
         ))
     try:
         await state.admission.queue(key, decision.version, records, idempotency=claim)
-    except TooManyRequests as exc:
-        JOBS_REJECTED.labels(model, exc.code).inc()
+    except BaseException as exc:
+        if probe is not None:
+            state.breakers.return_probe(probe)
+        if isinstance(exc, TooManyRequests):
+            JOBS_REJECTED.labels(model, exc.code).inc()
         raise
     JOBS_SUBMITTED.labels(model, decision.version.version, options.lane).inc(len(records))
     return records
