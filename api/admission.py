@@ -1,8 +1,12 @@
-"""Admission control: per-tenant rate limit and queued-job quota, and load shedding per version.
+"""Admission control: load shedding per version, then the tenant's quota and rate limit, then the
+enqueue.
 
 Every refusal is a 429 with `Retry-After`. The shedding rule is a pure function of the backlog,
 the measured service rate and the latency budget, so the simulator and tests use it unchanged;
 the I/O around it (one Redis round trip, cached for a fraction of a second) lives in `Admission`.
+Shedding runs first and in process; the quota and rate limit are checked and charged in the
+enqueue script itself (`sluice.quota`), so a job refused for any reason takes no rate tokens and
+concurrent submissions cannot overrun the quota.
 """
 
 from __future__ import annotations
@@ -10,34 +14,20 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
 from sluice import heartbeats, keys
+from sluice.broker import Broker
 from sluice.connections import translate_redis_errors
 from sluice.errors import TooManyRequests
+from sluice.idempotency import IdempotencyClaim
+from sluice.jobs import JobRecord
+from sluice.quota import Refusal, TenantLimits
 from sluice.registry.queries import KeyInfo
 from sluice.routing import VersionInfo
-
-# KEYS[1] the tenant's bucket; ARGV: rate/s, burst, now, cost. Answers {1} or {0, wait seconds}.
-TOKEN_BUCKET_SCRIPT = """
-local rate, burst, now, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
-local tokens = tonumber(state[1]) or burst
-local ts = tonumber(state[2]) or now
-tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
-local ttl = math.ceil(burst / rate) + 1
-if tokens >= cost then
-  redis.call('HSET', KEYS[1], 'tokens', tostring(tokens - cost), 'ts', tostring(now))
-  redis.call('EXPIRE', KEYS[1], ttl)
-  return {1}
-end
-redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
-redis.call('EXPIRE', KEYS[1], ttl)
-return {0, tostring((cost - tokens) / rate)}
-"""
 
 
 def shed_retry_after(*, backlog: int, service_rate: float, budget_s: float) -> float | None:
@@ -69,46 +59,46 @@ class _Load:
 
 
 class Admission:
-    def __init__(self, *, redis: aioredis.Redis, load_cache_s: float = 0.25,
+    def __init__(self, *, redis: aioredis.Redis, broker: Broker, load_cache_s: float = 0.25,
                  clock: Callable[[], float] = time.time) -> None:
         self.redis = redis
+        self.broker = broker
         self.load_cache_s = load_cache_s
         self.clock = clock
-        self._bucket = redis.register_script(TOKEN_BUCKET_SCRIPT)
         self._loads: dict[tuple[str, str], _Load] = {}
         self._admitted: Counter[tuple[str, str]] = Counter()
         self._unwritten: Counter[tuple[str, str]] = Counter()
 
-    async def admit(self, key: KeyInfo, version: VersionInfo, *, lane: str, count: int) -> None:
-        """Admit `count` jobs or raise TooManyRequests; after admitting, call `written` once the
-        jobs are in the stream (or failed to get there)."""
-        await self._rate_limit(key, count)
-        await self._quota(key, count)
+    async def queue(self, key: KeyInfo, version: VersionInfo, records: Sequence[JobRecord], *,
+                    idempotency: IdempotencyClaim | None = None) -> None:
+        """Queue one submission's jobs (one lane of `version`), or raise TooManyRequests."""
+        lane, count = records[0].lane, len(records)
+        await self.shed(version, lane=lane, count=count)
+        refusal: Refusal | None = None
+        queued = False
+        try:
+            refusal = await self.broker.enqueue(records, idempotency=idempotency, limits=TenantLimits(
+                tenant=key.tenant, rate_per_s=key.rate_limit_per_s,
+                # A submission larger than the burst could never pass otherwise.
+                burst=max(key.rate_burst, count), max_queued=key.max_queued))
+            queued = refusal is None
+        finally:
+            self.written(version, lane=lane, count=count, queued=queued)
+        if refusal is not None:
+            raise _refused(key, refusal)
+
+    async def shed(self, version: VersionInfo, *, lane: str, count: int) -> None:
+        """Raise TooManyRequests if `count` more jobs on `lane` would wait past the version's budget;
+        otherwise count them as admitted until `written` says what became of them."""
         if lane == "online":
             await self._shed(version, count)
 
-    def written(self, version: VersionInfo, *, lane: str, count: int) -> None:
+    def written(self, version: VersionInfo, *, lane: str, count: int, queued: bool = True) -> None:
+        """The jobs `shed` admitted are in the stream, or (`queued` False) never will be."""
         if lane == "online":
             self._unwritten[(version.model, version.version)] -= count
-
-    async def _rate_limit(self, key: KeyInfo, count: int) -> None:
-        burst = max(key.rate_burst, count)  # a bulk larger than the burst could never pass otherwise
-        with translate_redis_errors():
-            verdict = await self._bucket(keys=[keys.rate_bucket(key.tenant)],
-                                         args=[key.rate_limit_per_s, burst, repr(self.clock()), count])
-        if int(verdict[0]) == 0:
-            wait = float(verdict[1])
-            raise TooManyRequests(f"tenant '{key.tenant}' is over its rate limit of {key.rate_limit_per_s:g} jobs/s",
-                                  headers={"Retry-After": str(max(1, math.ceil(wait)))})
-
-    async def _quota(self, key: KeyInfo, count: int) -> None:
-        with translate_redis_errors():
-            queued = int(await self.redis.get(keys.queued_count(key.tenant)) or 0)
-        if queued + count > key.max_queued:
-            raise TooManyRequests(
-                f"tenant '{key.tenant}' has {queued} queued jobs; its quota is {key.max_queued}",
-                headers={"Retry-After": "5"},
-            )
+            if not queued:
+                self._admitted[(version.model, version.version)] -= count
 
     async def load(self, model: str, version: str) -> _Load:
         now = self.clock()
@@ -141,8 +131,22 @@ class Admission:
             self._admitted[key] += count
             self._unwritten[key] += count
             return
+        budget_s = version.latency_budget_ms / 1000.0
+        message = (f"version '{version.version}' of '{version.model}' is overloaded: the predicted queue wait "
+                   f"exceeds its {version.latency_budget_ms:g} ms budget")
+        if count / load.service_rate > budget_s:
+            # Waiting cannot help: these jobs would overrun the budget behind an empty queue.
+            message += (f" even with nothing queued ({count} jobs take {count / load.service_rate:.1f} s "
+                        "at its measured rate)")
         raise TooManyRequests(
-            f"version '{version.version}' of '{version.model}' is overloaded: the predicted queue wait "
-            f"exceeds its {version.latency_budget_ms:g} ms budget",
-            headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            f'{message}; submit batch work on the bulk lane ("lane": "bulk"), which is never shed',
+            headers={"Retry-After": str(max(1, math.ceil(wait)))}, details={"retry_with": {"lane": "bulk"}},
         )
+
+
+def _refused(key: KeyInfo, refusal: Refusal) -> TooManyRequests:
+    if refusal.reason == "quota":
+        return TooManyRequests(f"tenant '{key.tenant}' has {refusal.queued} queued jobs; its quota is {key.max_queued}",
+                               headers={"Retry-After": "5"})
+    return TooManyRequests(f"tenant '{key.tenant}' is over its rate limit of {key.rate_limit_per_s:g} jobs/s",
+                           headers={"Retry-After": str(max(1, math.ceil(refusal.wait_s)))})

@@ -59,11 +59,10 @@ def create_app(
             window_s=settings.breaker_window_s, no_worker_grace_s=settings.breaker_no_worker_grace_s,
             open_s=settings.breaker_open_s,
         ))
-        state = AppState(settings=settings, broker=Broker(
-                             redis=client, result_ttl_s=settings.result_ttl_s,
-                             idempotency_ttl_s=settings.idempotency_ttl_s),
-                         registry=reg, routing=routing, auth=auth, hub=hub,
-                         admission=Admission(redis=client), breakers=breakers)
+        broker = Broker(redis=client, result_ttl_s=settings.result_ttl_s,
+                        idempotency_ttl_s=settings.idempotency_ttl_s)
+        state = AppState(settings=settings, broker=broker, registry=reg, routing=routing, auth=auth, hub=hub,
+                         admission=Admission(redis=client, broker=broker), breakers=breakers)
         app.state.sluice = state
         await routing.reload()
         tasks = [asyncio.create_task(hub.run(), name="events"),

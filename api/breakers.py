@@ -3,6 +3,10 @@
 Each API replica keeps its own breakers but feeds them the same shared facts (live workers from
 the heartbeat set, recent outcomes from the version's sample stream), so replicas agree within
 a refresh. The decision logic is `sluice.breaker.CircuitBreaker`, pure and tested on its own.
+
+A submission reads `blocked` to route, then the version it was routed to takes the probe slot
+(`take_probe`) with no await in between, so concurrent submissions cannot share one slot, and
+jobs that went elsewhere never spend it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -27,6 +32,15 @@ from sluice.versions import PRIMARY_STATES
 log = logging.getLogger(__name__)
 
 RECENT_OUTCOMES = 200
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """A half-open version's probe slot, held by the job being queued to it."""
+
+    model: str
+    version: str
+    taken_at: float
 
 
 class BreakerBoard:
@@ -53,6 +67,20 @@ class BreakerBoard:
             version for (name, version), breaker in self._breakers.items()
             if name == model and not breaker.admits(now)
         )
+
+    def take_probe(self, model: str, version: str) -> Probe | None:
+        """A job was routed to `version`: the probe, if its breaker is half-open (else None)."""
+        breaker = self._breakers.get((model, version))
+        now = self.clock()
+        if breaker is None or not breaker.take_probe(now):
+            return None
+        return Probe(model=model, version=version, taken_at=now)
+
+    def return_probe(self, probe: Probe) -> None:
+        """The probe job was not queued (refused, or Redis failed): the next job may probe."""
+        breaker = self._breakers.get((probe.model, probe.version))
+        if breaker is not None:
+            breaker.return_probe(probe.taken_at)
 
     def states(self) -> dict[str, dict[str, str]]:
         return {f"{m}/{v}": {"state": b.state.value, "reason": b.reason} for (m, v), b in self._breakers.items()}

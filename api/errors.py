@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,8 +21,10 @@ _HTTP_CODES = {
 }
 
 
-def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None,
+                   details: dict[str, Any] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message, **(details or {})}}, status_code=status,
+                        headers=headers)
 
 
 def _describe_validation(exc: RequestValidationError) -> str:
@@ -35,7 +38,7 @@ def _describe_validation(exc: RequestValidationError) -> str:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.code, exc.message, exc.headers)
+        return error_response(exc.status, exc.code, exc.message, exc.headers, exc.details)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -27,6 +27,7 @@ __all__ = [
     "AuditResource",
     "BatchFacts",
     "BulkAccepted",
+    "ErrorResource",
     "JobError",
     "JobResource",
     "ModelList",
@@ -94,6 +95,27 @@ class BulkAccepted(BaseModel):
     model: str
     version: str
     count: int
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+class RetryWith(BaseModel):
+    """What to change for the retry to pass: a 429 of the online lane names the bulk lane."""
+
+    lane: Lane
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="Machine-readable: e.g. too_many_requests, not_servable, job_expired")
+    message: str
+    retry_with: RetryWith | _Absent = None
+
+
+class ErrorResource(BaseModel):
+    """Every error answer: `{"error": {"code", "message"}}`, plus `retry_with` where it applies."""
+
+    error: ErrorDetail
 
 
 # --- the registry --------------------------------------------------------------------------------

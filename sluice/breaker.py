@@ -5,8 +5,10 @@ Closed: the version takes traffic. It opens when its recent error rate crosses a
 API sends its unpinned traffic to the stable version and refuses pinned callers with a 503
 naming it. After `open_s` it turns half-open and lets one probe job through every
 `probe_every_s`; the first job of the version to succeed after that closes it again, the
-first to fail reopens it. Outcomes from before the latest state change are ignored, so a
-closed breaker is not tripped again by the errors that opened it.
+first to fail reopens it. Asking whether it admits a job spends nothing: only a job actually
+routed to the version takes the probe slot (`take_probe`), and gives it back if it is not
+queued. Outcomes from before the latest state change are ignored, so a closed breaker is not
+tripped again by the errors that opened it.
 """
 
 from __future__ import annotations
@@ -82,10 +84,21 @@ class CircuitBreaker:
         return self.state
 
     def admits(self, now: float) -> bool:
-        """Whether a job may go to this version now; a half-open breaker spends a probe slot."""
+        """Whether a job may go to this version now (half-open: whether the probe slot is free)."""
         if self.state is BreakerState.closed:
             return True
+        return self.state is BreakerState.half_open and now >= self._next_probe
+
+    def take_probe(self, now: float) -> bool:
+        """A job was routed here: when half-open with the slot free, it is the probe and holds the
+        slot for `probe_every_s`. Answers whether it took the slot."""
         if self.state is BreakerState.half_open and now >= self._next_probe:
             self._next_probe = now + self.probe_every_s
             return True
         return False
+
+    def return_probe(self, taken_at: float) -> None:
+        """The probe taken at `taken_at` was not queued after all: free its slot, unless the state
+        moved on or a later probe holds the slot."""
+        if self.state is BreakerState.half_open and self._next_probe == taken_at + self.probe_every_s:
+            self._next_probe = taken_at

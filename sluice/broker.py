@@ -8,6 +8,7 @@ and passed in.
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
 from collections.abc import Sequence
 
@@ -16,32 +17,56 @@ import redis.asyncio as aioredis
 from sluice import events, keys
 from sluice.connections import translate_redis_errors
 from sluice.errors import Conflict, NotFound
-from sluice.idempotency import IdempotencyClaim, IdempotencyRecord
+from sluice.idempotency import LEASE_S, RELEASE_SCRIPT, IdempotencyClaim, IdempotencyRecord
 from sluice.jobs import JobRecord, JobStatus
+from sluice.quota import Refusal, TenantLimits
 from sluice.samples import Sample, read_samples
-from sluice.streams import CANCEL_SCRIPT, queue_jobs
+from sluice.streams import CANCEL_SCRIPT, ENQUEUE_SCRIPT, enqueue_call, enqueue_verdict
 
 
 class Broker:
     """Submit, read, cancel and announce jobs; one instance per process over a shared client."""
 
-    def __init__(self, *, redis: aioredis.Redis, result_ttl_s: int, idempotency_ttl_s: int = 86_400) -> None:
+    def __init__(self, *, redis: aioredis.Redis, result_ttl_s: int, idempotency_ttl_s: int = 86_400,
+                 idempotency_lease_s: float = LEASE_S) -> None:
         self.redis = redis
         self.result_ttl_s = result_ttl_s
         self.idempotency_ttl_s = idempotency_ttl_s
+        self.idempotency_lease_s = idempotency_lease_s
         self._cancel = redis.register_script(CANCEL_SCRIPT)
+        self._enqueue = redis.register_script(ENQUEUE_SCRIPT)
+        self._release = redis.register_script(RELEASE_SCRIPT)
 
-    async def enqueue(self, records: Sequence[JobRecord]) -> None:
-        """Write each job's record, then its stream entry, in one round trip."""
+    async def enqueue(self, records: Sequence[JobRecord], *, limits: TenantLimits,
+                      idempotency: IdempotencyClaim | None = None) -> Refusal | None:
+        """Queue one submission's jobs (records and stream entries) if the tenant's quota and rate
+        allow, charging both and completing the Idempotency-Key in the same atomic script; answer
+        the refusal otherwise, with nothing written. See `streams.ENQUEUE_SCRIPT`."""
+        script_keys, args = enqueue_call(records, limits=limits, now=time.time(), result_ttl_s=self.result_ttl_s,
+                                         idempotency=idempotency, idempotency_ttl_s=self.idempotency_ttl_s)
         with translate_redis_errors():
-            pipe = self.redis.pipeline(transaction=False)
-            queue_jobs(pipe, records, result_ttl_s=self.result_ttl_s)
-            await pipe.execute()
+            reply = await self._enqueue(keys=script_keys, args=args)
+        verdict, value = enqueue_verdict(reply)
+        if verdict == "lost":
+            raise Conflict("this request held its Idempotency-Key too long and another request took it; "
+                           "retry to get that request's answer", headers={"Retry-After": "1"})
+        if verdict == "ok":
+            return None
+        return Refusal(verdict, queued=int(value)) if verdict == "quota" else Refusal(verdict, wait_s=value)
 
     async def get(self, job_id: str) -> JobRecord | None:
         with translate_redis_errors():
             raw = await self.redis.hgetall(keys.job(job_id))
         return JobRecord.from_redis(raw) if raw else None
+
+    async def get_many(self, job_ids: Sequence[str]) -> list[JobRecord | None]:
+        """The records of `job_ids` in one round trip, None where a record has expired."""
+        with translate_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id in job_ids:
+                pipe.hgetall(keys.job(job_id))
+            replies = await pipe.execute()
+        return [JobRecord.from_redis(raw) if raw else None for raw in replies]
 
     async def get_for_tenant(self, job_id: str, tenant: str) -> JobRecord:
         """Another tenant's job answers exactly like a missing one: nothing leaks its existence."""
@@ -53,7 +78,7 @@ class Broker:
     async def cancel(self, job_id: str, tenant: str) -> str | None:
         """Cancel a queued job; answer None when done, else the state that prevents it."""
         with translate_redis_errors():
-            outcome = await self._cancel(keys=[keys.job(job_id), keys.queued_count(tenant), keys.WEBHOOK_OUTBOX],
+            outcome = await self._cancel(keys=[keys.job(job_id), keys.queued_jobs(tenant), keys.WEBHOOK_OUTBOX],
                                          args=[repr(time.time())])
         state = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
         if state != "ok":
@@ -66,32 +91,28 @@ class Broker:
     async def claim_idempotency_key(self, tenant: str, key: str, request_hash: str) -> IdempotencyClaim:
         """Claim `key` for this request, or answer the job ids an earlier identical request made.
 
-        Conflict when the key was used with another body, or its first request is still running.
+        Conflict when the key was used with another body, or its first request is still running
+        (a claim lapses after `idempotency_lease_s`: one left by an API that died frees itself).
         """
         redis_key = keys.idempotency(tenant, hashlib.sha256(key.encode()).hexdigest())
+        marker = IdempotencyRecord(request_hash, None, owner=secrets.token_hex(8)).encode()
         with translate_redis_errors():
-            if await self.redis.set(redis_key, IdempotencyRecord(request_hash, None).encode(), nx=True,
-                                    ex=self.idempotency_ttl_s):
-                return IdempotencyClaim(redis_key)
+            if await self.redis.set(redis_key, marker, nx=True, px=max(1, int(self.idempotency_lease_s * 1000))):
+                return IdempotencyClaim(redis_key, request_hash, marker=marker)
             stored = await self.redis.get(redis_key)
-        # Expired between the two commands: answered as still running, so the retry claims it afresh.
+        # Lapsed between the two commands: answered as still running, so the retry claims it afresh.
         previous = IdempotencyRecord.parse(stored) if stored else IdempotencyRecord(request_hash, None)
         if previous.request_hash != request_hash:
             raise Conflict("this Idempotency-Key was already used with a different request body")
         if previous.job_ids is None:
             raise Conflict("a request with this Idempotency-Key is still being processed",
                            headers={"Retry-After": "1"})
-        return IdempotencyClaim(redis_key, replay=previous.job_ids)
-
-    async def complete_idempotency_key(self, claim: IdempotencyClaim, request_hash: str, job_ids: list[str]) -> None:
-        with translate_redis_errors():
-            await self.redis.set(claim.redis_key, IdempotencyRecord(request_hash, job_ids).encode(),
-                                 ex=self.idempotency_ttl_s)
+        return IdempotencyClaim(redis_key, request_hash, replay=previous.job_ids)
 
     async def release_idempotency_key(self, claim: IdempotencyClaim) -> None:
         """The request failed before queueing anything: a retry with the key must run it again."""
         with translate_redis_errors():
-            await self.redis.delete(claim.redis_key)
+            await self._release(keys=[claim.redis_key], args=[claim.marker])
 
     async def samples(self, model: str, version: str, *, window_s: float) -> list[Sample]:
         return await read_samples(self.redis, model, version, window_s=window_s)

@@ -7,6 +7,8 @@ API errors carry the HTTP status and the machine-readable code of the REST contr
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class SluiceError(Exception):
     """Root of every error Sluice raises on purpose."""
@@ -66,13 +68,19 @@ class InvalidPolicy(SluiceError):
 
 
 class ApiError(SluiceError):
+    """`details` are extra members of the error body beside `code` and `message`, for a client to
+    act on (a 429 of the online lane names the lane to use instead)."""
+
     status: int = 400
     code: str = "bad_request"
 
-    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, message: str, *, headers: dict[str, str] | None = None, details: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.headers = headers or {}
+        self.details = details or {}
 
 
 class InvalidInput(ApiError):
@@ -91,8 +99,20 @@ class Forbidden(ApiError):
     status, code = 403, "forbidden"
 
 
+class NotServable(Forbidden):
+    """A tenant named a version that takes no callers' traffic (staged, shadow); admins may."""
+
+    code = "not_servable"
+
+
 class NotFound(ApiError):
     status, code = 404, "not_found"
+
+
+class JobExpired(NotFound):
+    """An Idempotency-Key replay whose jobs' records have outlived `result_ttl_s`."""
+
+    code = "job_expired"
 
 
 class Conflict(ApiError):

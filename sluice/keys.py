@@ -61,9 +61,10 @@ def rate_bucket(tenant: str) -> str:
     return f"sluice:rate:{{{tenant}}}"
 
 
-def queued_count(tenant: str) -> str:
-    """Jobs of this tenant accepted and not yet started (the quota's counter)."""
-    return f"sluice:queued:{{{tenant}}}"
+def queued_jobs(tenant: str) -> str:
+    """Sorted set: job id -> when its place frees on its own, of this tenant's jobs accepted and not
+    yet started (the quota; `sluice.quota`). A new name: the counter it replaces was a string."""
+    return f"sluice:queued-jobs:{{{tenant}}}"
 
 
 def live_workers(model: str, version: str) -> str:

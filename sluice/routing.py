@@ -7,6 +7,8 @@ caller keeps landing on one version for as long as the weights stay as they are.
 A version in state `shadow` never serves: its weight is the percentage of the stable version's
 jobs copied to it (`shadow_target`). Versions whose circuit breaker is open (`blocked`) lose
 their unpinned traffic to the stable version; callers pinned to one, or naming it, get a 503.
+A tenant may not name a `staged` or `shadow` version, by a pin or in the request (403
+`not_servable`); admin keys may, to smoke-test a version before it takes traffic.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Literal
 
-from sluice.errors import Conflict, Forbidden, NotFound, ServiceUnavailable
+from sluice.errors import Conflict, Forbidden, NotFound, NotServable, ServiceUnavailable
 from sluice.versions import PRIMARY_STATES, VersionState
 
 RouteReason = Literal["explicit", "pin", "weighted", "fallback"]
+
+# Versions a tenant may not name: they take traffic only by weight, or only copies (shadow).
+NOT_NAMEABLE = frozenset({VersionState.staged, VersionState.shadow})
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,12 +75,14 @@ def hash_unit(model: str, routing_key: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
-def _exact(info: ModelInfo, version: str, blocked: Container[str]) -> VersionInfo:
+def _exact(info: ModelInfo, version: str, blocked: Container[str], *, admin: bool) -> VersionInfo:
     found = info.versions.get(version)
     if found is None:
         raise NotFound(f"model '{info.name}' has no version '{version}'")
     if found.state == VersionState.retired:
         raise Conflict(f"version '{version}' of model '{info.name}' is retired")
+    if found.state in NOT_NAMEABLE and not admin:
+        raise NotServable(f"version '{version}' of model '{info.name}' is {found.state}: only admin keys may name it")
     if version in blocked:
         raise ServiceUnavailable(
             f"version '{version}' of model '{info.name}' is unavailable: its circuit breaker is open",
@@ -101,6 +108,7 @@ def route(
     routing_key: str | None = None,
     version: str | None = None,
     blocked: Container[str] = frozenset(),
+    admin: bool = False,
 ) -> RouteDecision:
     info = snapshot.model(model)
     pinned = snapshot.pins.get((tenant, model))
@@ -109,9 +117,9 @@ def route(
             raise Forbidden(
                 f"tenant '{tenant}' is pinned to version '{pinned}' of '{model}' and may not use '{version}'"
             )
-        return RouteDecision(_exact(info, version, blocked), "explicit")
+        return RouteDecision(_exact(info, version, blocked, admin=admin), "explicit")
     if pinned is not None:
-        return RouteDecision(_exact(info, pinned, blocked), "pin")
+        return RouteDecision(_exact(info, pinned, blocked, admin=admin), "pin")
     candidates = sorted(
         (v, w)
         for v, w in info.weights.items()

@@ -15,21 +15,23 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast
 
 import redis.asyncio as aioredis
 
 from sluice import events, heartbeats, keys, samples
 from sluice.connections import translate_redis_errors
 from sluice.errors import BrokerError
+from sluice.idempotency import IdempotencyClaim
 from sluice.jobs import JobRecord
 from sluice.keys import Lane
 from sluice.outbox import QUEUE_WEBHOOK
+from sluice.quota import TENANT_LUA, TenantLimits, frees_at
 from sluice.redact import scrub
 
 DEAD_LETTER_MAXLEN = 100_000
 
-# KEYS[1] job hash, KEYS[2] the tenant's queued counter, KEYS[3] the webhook outbox; ARGV: now,
+# KEYS[1] job hash, KEYS[2] the tenant's queued set, KEYS[3] the webhook outbox; ARGV: now,
 # worker, max_deliveries. Moves queued/running -> running and hands back the input. A job already
 # final answers its state and is not re-run; one past its deadline becomes `expired`, one
 # delivered max_deliveries times becomes `failed` (the caller dead-letters it).
@@ -37,7 +39,7 @@ CLAIM_SCRIPT = QUEUE_WEBHOOK + """
 local s = redis.call('HGET', KEYS[1], 'status')
 if not s then return {'missing'} end
 if s ~= 'queued' and s ~= 'running' then return {s} end
-if s == 'queued' and tonumber(redis.call('DECR', KEYS[2])) < 0 then redis.call('SET', KEYS[2], 0) end
+if s == 'queued' then redis.call('ZREM', KEYS[2], redis.call('HGET', KEYS[1], 'id')) end
 local deadline = tonumber(redis.call('HGET', KEYS[1], 'deadline') or '')
 if deadline and tonumber(ARGV[1]) > deadline then
   redis.call('HSET', KEYS[1], 'status', 'expired', 'finished_at', ARGV[1],
@@ -111,14 +113,14 @@ end
 return lost
 """
 
-# KEYS[1] job hash, KEYS[2] the tenant's queued counter, KEYS[3] the webhook outbox; ARGV: now.
+# KEYS[1] job hash, KEYS[2] the tenant's queued set, KEYS[3] the webhook outbox; ARGV: now.
 # Only a queued job can be cancelled: answers 'ok', or the state that prevents it (an already
 # cancelled job included).
 CANCEL_SCRIPT = QUEUE_WEBHOOK + """
 local s = redis.call('HGET', KEYS[1], 'status')
 if not s then return 'missing' end
 if s ~= 'queued' then return s end
-if tonumber(redis.call('DECR', KEYS[2])) < 0 then redis.call('SET', KEYS[2], 0) end
+redis.call('ZREM', KEYS[2], redis.call('HGET', KEYS[1], 'id'))
 redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[1])
 queue_webhook(KEYS[1], KEYS[3])
 return 'ok'
@@ -198,8 +200,48 @@ class Claim:
     last_error: str = ""
 
 
+# KEYS[1] the lane stream, KEYS[2] the tenant's queued set, KEYS[3] its rate bucket, then the
+# Idempotency-Key record if ARGV[6] is not '', then one job hash per job. ARGV: now, max_queued,
+# rate/s, burst, result_ttl_s, the key's in-progress marker or '', its completed record,
+# idempotency_ttl_s, then per job: id, when its quota place frees (`quota.frees_at`), the number of
+# record fields and the fields, the number of entry fields and the fields.
+# Checks, then charges, in this order: the key is still this request's claim ({'lost'}), the
+# quota ({'quota', queued jobs}), the rate ({'rate', seconds to wait}); then writes every record,
+# entry and quota place, and completes the key: {'ok'}. A refusal writes nothing.
+ENQUEUE_SCRIPT = TENANT_LUA + """
+local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[5])
+local first = 4
+if ARGV[6] ~= '' then
+  if redis.call('GET', KEYS[4]) ~= ARGV[6] then return {'lost'} end
+  first = 5
+end
+local count = #KEYS - first + 1
+local queued = queued_jobs(KEYS[2], ARGV[1])
+if queued + count > tonumber(ARGV[2]) then return {'quota', queued} end
+local wait = take_tokens(KEYS[3], tonumber(ARGV[3]), tonumber(ARGV[4]), now, count)
+if wait then return {'rate', tostring(wait)} end
+local i = 9
+for k = first, #KEYS do
+  local id, frees_at, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+  redis.call('HSET', KEYS[k], unpack(ARGV, i + 3, i + 2 + 2 * n))
+  redis.call('EXPIRE', KEYS[k], ttl)
+  i = i + 3 + 2 * n
+  local m = tonumber(ARGV[i])
+  redis.call('XADD', KEYS[1], '*', unpack(ARGV, i + 1, i + 2 * m))
+  i = i + 1 + 2 * m
+  redis.call('ZADD', KEYS[2], frees_at, id)
+end
+redis.call('EXPIRE', KEYS[2], ttl)
+if first == 5 then redis.call('SET', KEYS[4], ARGV[7], 'EX', ARGV[8]) end
+return {'ok'}
+"""
+
+EnqueueVerdict = Literal["ok", "lost", "quota", "rate"]
+
+
 def queue_jobs(pipe: Any, records: Sequence[JobRecord], *, result_ttl_s: int) -> None:
-    """Add the commands that queue `records` to a pipeline (the API's submit, a worker's shadow copy).
+    """Add the commands that queue `records` to a pipeline, unchecked and outside any quota (a
+    worker's shadow copies: the platform's work, not a tenant's).
 
     The record goes first: a worker that reads the entry must always find the job.
     """
@@ -207,13 +249,42 @@ def queue_jobs(pipe: Any, records: Sequence[JobRecord], *, result_ttl_s: int) ->
         key = keys.job(record.id)
         pipe.hset(key, mapping=record.to_redis())
         pipe.expire(key, result_ttl_s)
-    per_tenant: dict[str, int] = {}
-    for record in records:
-        per_tenant[record.tenant] = per_tenant.get(record.tenant, 0) + 1
-    for tenant, count in per_tenant.items():
-        pipe.incrby(keys.queued_count(tenant), count)
     for record in records:
         pipe.xadd(keys.stream(record.model, record.version, record.lane), StreamEntry.of(record).to_fields())  # type: ignore[arg-type]
+
+
+def _flat(fields: Mapping[str, str]) -> list[str]:
+    return [str(len(fields)), *(part for pair in fields.items() for part in pair)]
+
+
+def enqueue_call(records: Sequence[JobRecord], *, limits: TenantLimits, now: float, result_ttl_s: int,
+                 idempotency: IdempotencyClaim | None, idempotency_ttl_s: int) -> tuple[list[str], list[str]]:
+    """KEYS and ARGV of ENQUEUE_SCRIPT for one submission: one tenant's jobs, for one lane of one
+    version (so the stream and the tenant's keys are the same for all)."""
+    first = records[0]
+    if any((r.tenant, r.model, r.version, r.lane) != (first.tenant, first.model, first.version, first.lane)
+           for r in records):
+        raise ValueError("one submission queues one tenant's jobs on one lane of one version")
+    script_keys = [keys.stream(first.model, first.version, first.lane),  # type: ignore[arg-type]
+                   keys.queued_jobs(limits.tenant), keys.rate_bucket(limits.tenant)]
+    args = [repr(now), str(limits.max_queued), repr(limits.rate_per_s), str(limits.burst), str(result_ttl_s)]
+    if idempotency is None:
+        args += ["", "", ""]
+    else:
+        script_keys.append(idempotency.redis_key)
+        args += [idempotency.marker, idempotency.completed([r.id for r in records]), str(idempotency_ttl_s)]
+    for record in records:
+        script_keys.append(keys.job(record.id))
+        args += [record.id, repr(frees_at(record, result_ttl_s=result_ttl_s)), *_flat(record.to_redis()),
+                 *_flat(StreamEntry.of(record).to_fields())]
+    return script_keys, args
+
+
+def enqueue_verdict(reply: list[Any]) -> tuple[EnqueueVerdict, float]:
+    """ENQUEUE_SCRIPT's verdict, with the tenant's queued jobs (`quota`) or the seconds until its
+    tokens are there (`rate`)."""
+    verdict = cast(EnqueueVerdict, _text(reply[0]))
+    return verdict, float(_text(reply[1]) or 0) if len(reply) > 1 else 0.0
 
 
 class StreamConsumer:
@@ -286,7 +357,7 @@ class StreamConsumer:
         with translate_redis_errors():
             pipe = self.redis.pipeline(transaction=False)
             for item in delivered:
-                await self._claim(keys=[keys.job(item.entry.job_id), keys.queued_count(item.entry.tenant),
+                await self._claim(keys=[keys.job(item.entry.job_id), keys.queued_jobs(item.entry.tenant),
                                         keys.WEBHOOK_OUTBOX],
                                   args=[repr(now), self.name, self.max_deliveries], client=pipe)
             replies = await pipe.execute()

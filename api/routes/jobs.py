@@ -7,17 +7,18 @@ import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
 
 from api.deps import AppState, CurrentKey, StateDep
-from api.resources import BulkAccepted, JobResource
-from sluice.errors import Conflict, InvalidInput, PayloadTooLarge, ServiceUnavailable, TooManyRequests
+from api.resources import BulkAccepted, ErrorResource, JobResource
+from sluice.errors import Conflict, InvalidInput, JobExpired, PayloadTooLarge, ServiceUnavailable, TooManyRequests
 from sluice.idempotency import IdempotencyClaim
 from sluice.jobs import JobRecord, JobStatus, new_job_id
+from sluice.keys import Lane
 from sluice.kinds import ModelKind, validate_input
 from sluice.metrics import JOBS_REJECTED, JOBS_SUBMITTED
 from sluice.registry.queries import KeyInfo
@@ -28,6 +29,21 @@ router = APIRouter(prefix="/v1", tags=["jobs"])
 
 MetadataValue = str | int | float | bool | None
 
+_SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
+    403: {"model": ErrorResource, "description": "Not entitled to the version: `forbidden`, or `not_servable` "
+                                                 "for a staged or shadow version named by a tenant"},
+    404: {"model": ErrorResource, "description": "Unknown model or version; `job_expired` when an "
+                                                 "Idempotency-Key replay's jobs have expired"},
+    409: {"model": ErrorResource, "description": "Retired version, or Idempotency-Key reused or in flight"},
+    429: {"model": ErrorResource, "description": "Rate limit, quota or load shedding, with `Retry-After`; "
+                                                 "load shedding of the online lane says `retry_with: {lane: bulk}`"},
+    503: {"model": ErrorResource, "description": "No servable version, an open circuit breaker, or draining"},
+}
+
+_LANES = ("`online`: load-shed, a 429 (with `retry_with`) when the predicted queue wait exceeds the version's "
+          "latency budget. `bulk`: batch scoring, never shed, run when the online lane has nothing ready. "
+          "A single job defaults to `online`, a bulk submission to `bulk`.")
+
 
 class _JobOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -35,17 +51,18 @@ class _JobOptions(BaseModel):
     version: str | None = Field(default=None, min_length=1, max_length=64)
     routing_key: str | None = Field(default=None, min_length=1, max_length=256)
     callback_url: AnyHttpUrl | None = None
-    lane: Literal["online", "bulk"] = "online"
     timeout_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
     metadata: dict[str, MetadataValue] | None = Field(default=None, max_length=32)
 
 
 class SubmitJob(_JobOptions):
     input: Any = Field(description="The model kind's input, e.g. {\"text\": \"...\"}")
+    lane: Lane = Field(default="online", description=_LANES)
 
 
 class SubmitBulk(_JobOptions):
     inputs: list[Any] = Field(min_length=1)
+    lane: Lane = Field(default="bulk", description=_LANES)
 
 
 def _request_hash(model: str, body: BaseModel) -> str:
@@ -63,9 +80,38 @@ async def _claim_key(state: AppState, key: KeyInfo, idempotency_key: str | None,
 
 
 async def _admit(
-    state: AppState, key: KeyInfo, model: str, options: _JobOptions, inputs: list[Any],
+    state: AppState, key: KeyInfo, model: str, options: SubmitJob | SubmitBulk, inputs: list[Any],
     idempotency_key: str | None, request_hash: str,
 ) -> tuple[list[JobRecord], bool]:
+    """The jobs of this submission, and whether they were made by an earlier identical one.
+
+    A replay is answered before anything else is checked: the request was accepted once, and a
+    client retrying it must get that answer from a draining replica or past an open breaker too.
+    """
+    claim = await _claim_key(state, key, idempotency_key, request_hash)
+    if claim is not None and claim.replay is not None:
+        return await _replayed(state, claim.replay), True
+    try:
+        return await _queue(state, key, model, options, inputs, claim), False
+    except BaseException:
+        if claim is not None:
+            await state.broker.release_idempotency_key(claim)
+        raise
+
+
+async def _replayed(state: AppState, job_ids: list[str]) -> list[JobRecord]:
+    records = await state.broker.get_many(job_ids)
+    found = [record for record in records if record is not None]
+    if len(found) < len(records):
+        raise JobExpired("the jobs this Idempotency-Key created have expired and their results are gone; "
+                         "submit with a new key to run the request again")
+    return found
+
+
+async def _queue(
+    state: AppState, key: KeyInfo, model: str, options: SubmitJob | SubmitBulk, inputs: list[Any],
+    claim: IdempotencyClaim | None,
+) -> list[JobRecord]:
     snapshot = state.routing.current()
     info = snapshot.model(model)
     kind = ModelKind(info.kind)
@@ -87,18 +133,9 @@ async def _admit(
     if state.draining.is_set():
         raise ServiceUnavailable("this API replica is shutting down; retry", headers={"Retry-After": "1"})
     decision = route(snapshot, model=model, tenant=key.tenant, routing_key=options.routing_key,
-                     version=options.version, blocked=state.breakers.blocked(model))
-    claim = await _claim_key(state, key, idempotency_key, request_hash)
-    if claim is not None and claim.replay is not None:
-        records = [r for r in [await state.broker.get(i) for i in claim.replay] if r is not None]
-        return records, True
-    try:
-        await state.admission.admit(key, decision.version, lane=options.lane, count=len(validated))
-    except TooManyRequests as exc:
-        JOBS_REJECTED.labels(model, exc.code).inc()
-        if claim is not None:
-            await state.broker.release_idempotency_key(claim)
-        raise
+                     version=options.version, blocked=state.breakers.blocked(model), admin=key.is_admin)
+    # No await since `blocked`: a half-open version this job was routed to still has its slot free.
+    probe = state.breakers.take_probe(model, decision.version.version)
     now = time.time()
     records = []
     for canonical, cost in validated:
@@ -112,21 +149,19 @@ async def _admit(
             shadow=shadow_target(snapshot, model=model, primary=decision.version, point=hash_unit(model, job_id)),
         ))
     try:
-        await state.broker.enqueue(records)
-    except BaseException:
-        if claim is not None:
-            await state.broker.release_idempotency_key(claim)
+        await state.admission.queue(key, decision.version, records, idempotency=claim)
+    except BaseException as exc:
+        if probe is not None:
+            state.breakers.return_probe(probe)
+        if isinstance(exc, TooManyRequests):
+            JOBS_REJECTED.labels(model, exc.code).inc()
         raise
-    finally:
-        state.admission.written(decision.version, lane=options.lane, count=len(records))
-    if claim is not None:
-        await state.broker.complete_idempotency_key(claim, request_hash, [r.id for r in records])
     JOBS_SUBMITTED.labels(model, decision.version.version, options.lane).inc(len(records))
-    return records, False
+    return records
 
 
 @router.post("/models/{model}/jobs", status_code=202, response_model=JobResource,
-             responses={202: {"description": "The queued job"}})
+             responses={202: {"description": "The queued job"}, **_SUBMIT_ERRORS})
 async def submit_job(
     model: str, body: SubmitJob, key: CurrentKey, state: StateDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
@@ -140,7 +175,7 @@ async def submit_job(
     return JSONResponse(record.resource(), status_code=202, headers=headers)
 
 
-@router.post("/models/{model}/jobs:bulk", status_code=202, response_model=BulkAccepted)
+@router.post("/models/{model}/jobs:bulk", status_code=202, response_model=BulkAccepted, responses=_SUBMIT_ERRORS)
 async def submit_bulk(
     model: str, body: SubmitBulk, key: CurrentKey, state: StateDep, response: Response,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,

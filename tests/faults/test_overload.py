@@ -285,7 +285,7 @@ def test_tenant_quota_on_queued_jobs_answers_429_with_retry_after(
         response = client.post(f"/v1/models/{model}/jobs", json={"input": {"text": f"q {i}"}})
         assert response.status_code == 202, response.text
         ids.append(response.json()["id"])
-    assert int(rds.get(keys.queued_count(tenant)) or 0) == 3
+    assert rds.zcard(keys.queued_jobs(tenant)) == 3
 
     refused = client.post(f"/v1/models/{model}/jobs", json={"input": {"text": "one too many"}})
     assert refused.status_code == 429, refused.text

@@ -92,6 +92,6 @@ def test_sigkill_mid_batch_loses_no_job(
     # One stored outcome per job: a job run twice would have left a second latency sample.
     assert samples == JOBS, f"outcomes stored {samples} times for {JOBS} jobs: {summary}"
     # Nothing left behind: every entry acknowledged and deleted from the stream.
-    assert rds.xlen(keys.stream(model, "v1", "online")) == 0, summary
-    assert rds.xpending(keys.stream(model, "v1", "online"), keys.GROUP)["pending"] == 0, summary
+    assert rds.xlen(keys.stream(model, "v1", "bulk")) == 0, summary
+    assert rds.xpending(keys.stream(model, "v1", "bulk"), keys.GROUP)["pending"] == 0, summary
     assert "took over" in worker_b.log(20_000), worker_b.log()

@@ -1,18 +1,28 @@
-"""Load shedding under concurrency, on real Redis: a burst of submissions that all read the same
-backlog snapshot must still admit only what the latency budget allows."""
+"""Admission on real Redis. Load shedding under concurrency: a burst of submissions that all read
+the same backlog snapshot must still admit only what the latency budget allows. Over HTTP: which
+lane a bulk submission takes, the tenant's quota under concurrency and expiry, and which refusals
+spend the tenant's rate tokens (none)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
 
 from api.admission import Admission
-from sluice import connections, heartbeats
+from sluice import connections, heartbeats, keys
+from sluice.broker import Broker
 from sluice.errors import TooManyRequests
 from sluice.heartbeats import Heartbeat, WorkerState
-from sluice.registry.queries import KeyInfo
 from sluice.routing import VersionInfo
-from tests.support import unique
+from sluice.settings import Settings
+from sluice.streams import CLAIM_SCRIPT
+from tests.support import ApiServer, http_client, serving, unique, wait_until
 
 
 def _serving(*, items_per_s: float) -> Heartbeat:
@@ -24,18 +34,17 @@ def test_a_concurrent_burst_admits_only_what_the_budget_allows(redis_url: str) -
     model = unique("admit")
     version = VersionInfo(model=model, version="v1", state="stable", artifact="synthetic:", sha256="0" * 64,
                           latency_budget_ms=1000.0)
-    key = KeyInfo(key_id="k", tenant=unique("t"), is_admin=False)
 
     async def burst() -> int:
         client = connections.connect(redis_url)
         try:
             # One live worker serving 10 jobs/s and an empty backlog: a 1 s budget holds 10 jobs.
             await heartbeats.beat(client, model, "v1", "w1", _serving(items_per_s=10.0))
-            admission = Admission(redis=client)
+            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60))
 
             async def one() -> bool:
                 try:
-                    await admission.admit(key, version, lane="online", count=1)
+                    await admission.shed(version, lane="online", count=1)
                     return True
                 except TooManyRequests:
                     return False
@@ -51,26 +60,231 @@ def test_jobs_admitted_but_not_yet_in_the_stream_count_against_the_budget(redis_
     model = unique("admit")
     version = VersionInfo(model=model, version="v1", state="stable", artifact="synthetic:", sha256="0" * 64,
                           latency_budget_ms=1000.0)
-    key = KeyInfo(key_id="k", tenant=unique("t"), is_admin=False)
 
     async def admitted_before_refusal() -> tuple[int, bool]:
         client = connections.connect(redis_url)
         try:
             await heartbeats.beat(client, model, "v1", "w1", _serving(items_per_s=10.0))
             # No load cache: every admission reads the backlog, which never shows these jobs.
-            admission = Admission(redis=client, load_cache_s=0.0)
+            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), load_cache_s=0.0)
             admitted = 0
             while admitted < 50:
                 try:
-                    await admission.admit(key, version, lane="online", count=1)
+                    await admission.shed(version, lane="online", count=1)
                 except TooManyRequests:
                     break
                 admitted += 1
             admission.written(version, lane="online", count=admitted)
             # Written, and still not in the stream (nothing was XADDed): the budget is free again.
-            await admission.admit(key, version, lane="online", count=1)
+            await admission.shed(version, lane="online", count=1)
             return admitted, True
         finally:
             await client.aclose()
 
     assert asyncio.run(admitted_before_refusal()) == (10, True)
+
+
+def test_jobs_refused_after_shedding_admitted_them_give_their_place_back(redis_url: str) -> None:
+    model = unique("admit")
+    version = VersionInfo(model=model, version="v1", state="stable", artifact="synthetic:", sha256="0" * 64,
+                          latency_budget_ms=1000.0)
+
+    async def admitted_twice() -> tuple[int, int]:
+        client = connections.connect(redis_url)
+        try:
+            await heartbeats.beat(client, model, "v1", "w1", _serving(items_per_s=10.0))
+            # One backlog read for the whole test: only the in-process counts change.
+            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), load_cache_s=60.0)
+
+            async def fill() -> int:
+                admitted = 0
+                while admitted < 50:
+                    try:
+                        await admission.shed(version, lane="online", count=1)
+                    except TooManyRequests:
+                        return admitted
+                    admitted += 1
+                return admitted
+
+            first = await fill()
+            # The tenant's quota or rate refused them in the enqueue script: nothing reached the stream.
+            admission.written(version, lane="online", count=first, queued=False)
+            return first, await fill()
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(admitted_twice()) == (10, 10)
+
+# --- over HTTP: lanes, the tenant's quota and its rate tokens -------------------------------------
+
+# What one warm MiniLM worker serves on this 2-core machine (DESIGN §3, §9: 71.9 texts/s in process):
+# an idle platform, as admission sees it, is one live worker reporting this rate and no backlog.
+MINILM_ITEMS_PER_S = 72.0
+
+
+def _live_worker(redis_url: str, model: str, *, items_per_s: float, version: str = "v1") -> None:
+    """A heartbeat as a warm, idle worker of `model` writes it (live for heartbeats.LIVE_WITHIN_S)."""
+
+    async def beat() -> None:
+        client = connections.connect(redis_url)
+        try:
+            await heartbeats.beat(client, model, version, unique("w"), _serving(items_per_s=items_per_s))
+        finally:
+            await client.aclose()
+
+    asyncio.run(beat())
+
+
+def _tenant(admin: httpx.Client, client_for: Callable[[str], httpx.Client], **limits: Any) -> tuple[str, httpx.Client]:
+    response = admin.post("/v1/tenants", json={"id": unique("adm"), **limits})
+    assert response.status_code == 201, response.text
+    return response.json()["id"], client_for(response.json()["key"]["secret"])
+
+
+def test_a_bulk_of_300_texts_on_an_idle_platform_is_accepted_on_the_bulk_lane(
+    redis_url: str, rds: redis.Redis, admin: httpx.Client, client_for: Callable[[str], httpx.Client],
+    register_synthetic: Callable[..., str],
+) -> None:
+    model = register_synthetic("bulk300")
+    _live_worker(redis_url, model, items_per_s=MINILM_ITEMS_PER_S)
+    _, client = _tenant(admin, client_for)
+    texts = [{"text": f"an ordinary sentence to embed, number {i}"} for i in range(300)]
+
+    response = client.post(f"/v1/models/{model}/jobs:bulk", json={"inputs": texts})
+
+    assert response.status_code == 202, response.text
+    assert response.json()["count"] == 300
+    assert rds.xlen(keys.stream(model, "v1", "bulk")) == 300
+    assert rds.xlen(keys.stream(model, "v1", "online")) == 0
+    assert client.get(f"/v1/jobs/{response.json()['ids'][0]}").json()["lane"] == "bulk"
+
+
+def test_an_online_submission_over_the_budget_is_told_to_use_the_bulk_lane(
+    redis_url: str, rds: redis.Redis, admin: httpx.Client, client_for: Callable[[str], httpx.Client],
+    register_synthetic: Callable[..., str],
+) -> None:
+    model = register_synthetic("online300")
+    _live_worker(redis_url, model, items_per_s=MINILM_ITEMS_PER_S)
+    _, client = _tenant(admin, client_for)
+    texts = [{"text": f"an ordinary sentence to embed, number {i}"} for i in range(300)]
+
+    response = client.post(f"/v1/models/{model}/jobs:bulk", json={"inputs": texts, "lane": "online"})
+
+    assert response.status_code == 429, response.text
+    assert response.headers["Retry-After"].isdigit()
+    error = response.json()["error"]
+    assert error["code"] == "too_many_requests"
+    assert error["retry_with"] == {"lane": "bulk"}
+    assert "bulk lane" in error["message"]
+    assert rds.xlen(keys.stream(model, "v1", "online")) == 0
+
+
+def test_the_schema_documents_the_lane_defaults_and_the_bulk_lane_hint(anon: httpx.Client) -> None:
+    spec = anon.get("/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    assert schemas["SubmitBulk"]["properties"]["lane"]["default"] == "bulk"
+    assert schemas["SubmitJob"]["properties"]["lane"]["default"] == "online"
+    for path in ("/v1/models/{model}/jobs", "/v1/models/{model}/jobs:bulk"):
+        refused = spec["paths"][path]["post"]["responses"]["429"]
+        assert refused["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResource"}
+    assert "retry_with" in schemas["ErrorDetail"]["properties"]
+
+def test_concurrent_submissions_at_the_quota_boundary_never_exceed_it(
+    api: Any, rds: redis.Redis, admin: httpx.Client, client_for: Callable[[str], httpx.Client],
+    register_synthetic: Callable[..., str],
+) -> None:
+    model = register_synthetic("quota-race")  # no worker: every accepted job stays queued
+    _, client = _tenant(admin, client_for, max_queued=10)
+    key = client.headers["Authorization"]
+
+    async def burst(n: int) -> list[int]:
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        async with httpx.AsyncClient(base_url=api.url, headers={"Authorization": key}, limits=limits,
+                                     timeout=60.0) as session:
+            responses = await asyncio.gather(*(session.post(f"/v1/models/{model}/jobs",
+                                                            json={"input": {"text": f"race {i}"}})
+                                               for i in range(n)))
+        return [r.status_code for r in responses]
+
+    codes = asyncio.run(burst(40))
+    assert sorted(set(codes)) == [202, 429], codes
+    assert codes.count(202) == 10, codes
+    assert rds.xlen(keys.stream(model, "v1", "online")) == 10
+
+
+@pytest.fixture(scope="module")
+def short_lived_api(settings: Settings) -> Iterator[ApiServer]:
+    """A second API replica whose job records expire after 2 s (the minimum setting is 60 s, so the
+    copy skips validation on purpose)."""
+    with serving(settings.model_copy(update={"result_ttl_s": 2})) as server:
+        yield server
+
+
+def test_a_job_whose_record_expired_unclaimed_frees_its_quota_place(
+    short_lived_api: ApiServer, rds: redis.Redis, admin: httpx.Client, register_synthetic: Callable[..., str],
+) -> None:
+    model = register_synthetic("quota-expiry")  # no worker: the job is never claimed
+    tenant = admin.post("/v1/tenants", json={"id": unique("adm"), "max_queued": 1}).json()
+    with http_client(short_lived_api.url, tenant["key"]["secret"]) as client:
+        first = client.post(f"/v1/models/{model}/jobs", json={"input": {"text": "forgotten"}})
+        assert first.status_code == 202, first.text
+        assert client.post(f"/v1/models/{model}/jobs", json={"input": {"text": "full"}}).status_code == 429
+        wait_until(lambda: not rds.exists(keys.job(first.json()["id"])), timeout_s=10, what="the record to expire")
+
+        again = client.post(f"/v1/models/{model}/jobs", json={"input": {"text": "room again"}})
+        assert again.status_code == 202, again.text
+
+
+def test_a_shed_submission_spends_none_of_the_tenants_rate_tokens(
+    redis_url: str, rds: redis.Redis, admin: httpx.Client, client_for: Callable[[str], httpx.Client],
+    register_synthetic: Callable[..., str],
+) -> None:
+    model = register_synthetic("shed-tokens")
+    # One job a second and a 2 s budget: the third queued online job would wait past it.
+    _live_worker(redis_url, model, items_per_s=1.0)
+    tenant, client = _tenant(admin, client_for, rate_limit_per_s=1)
+    for i in range(2):
+        response = client.post(f"/v1/models/{model}/jobs", json={"input": {"text": f"fits {i}"}})
+        assert response.status_code == 202, response.text
+    bucket = rds.hgetall(keys.rate_bucket(tenant))
+
+    shed = client.post(f"/v1/models/{model}/jobs", json={"input": {"text": "one too many"}})
+
+    assert shed.status_code == 429 and "overloaded" in shed.json()["error"]["message"], shed.text
+    assert rds.hgetall(keys.rate_bucket(tenant)) == bucket
+
+
+def test_a_submission_over_the_quota_spends_none_of_the_tenants_rate_tokens(
+    rds: redis.Redis, admin: httpx.Client, client_for: Callable[[str], httpx.Client],
+    register_synthetic: Callable[..., str],
+) -> None:
+    model = register_synthetic("quota-tokens")
+    tenant, client = _tenant(admin, client_for, rate_limit_per_s=1, max_queued=1)
+    assert client.post(f"/v1/models/{model}/jobs", json={"input": {"text": "fits"}}).status_code == 202
+    bucket = rds.hgetall(keys.rate_bucket(tenant))
+
+    refused = client.post(f"/v1/models/{model}/jobs", json={"input": {"text": "over quota"}})
+
+    assert refused.status_code == 429 and "quota" in refused.json()["error"]["message"], refused.text
+    assert rds.hgetall(keys.rate_bucket(tenant)) == bucket
+
+
+def test_a_claimed_or_cancelled_job_leaves_the_quota(
+    rds: redis.Redis, admin: httpx.Client, client_for: Callable[[str], httpx.Client],
+    register_synthetic: Callable[..., str],
+) -> None:
+    model = register_synthetic("quota-leave")
+    tenant, client = _tenant(admin, client_for, max_queued=1)
+    claimed = client.post(f"/v1/models/{model}/jobs", json={"input": {"text": "claimed"}}).json()["id"]
+    assert rds.zrange(keys.queued_jobs(tenant), 0, -1) == [claimed]
+    # What a worker's claim does (StreamConsumer.claim): queued -> running.
+    verdict = rds.eval(CLAIM_SCRIPT, 3, keys.job(claimed), keys.queued_jobs(tenant), keys.WEBHOOK_OUTBOX,
+                       repr(time.time()), "worker-x", "3")
+    assert verdict[0] == "run"  # type: ignore[index]
+    assert rds.zcard(keys.queued_jobs(tenant)) == 0
+
+    cancelled = client.post(f"/v1/models/{model}/jobs", json={"input": {"text": "cancelled"}})
+    assert cancelled.status_code == 202, cancelled.text
+    assert client.delete(f"/v1/jobs/{cancelled.json()['id']}").status_code == 200
+    assert rds.zcard(keys.queued_jobs(tenant)) == 0
+    assert client.post(f"/v1/models/{model}/jobs", json={"input": {"text": "room"}}).status_code == 202

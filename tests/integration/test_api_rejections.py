@@ -355,7 +355,8 @@ def test_bulk_submit_queues_every_input(demo: httpx.Client, model: str, queue_st
     body = response.json()
     assert (body["count"], body["model"], body["version"]) == (25, model, "v1")
     assert len(set(body["ids"])) == 25
-    assert queue_state(model, "v1").online == before.online + 25
+    # A bulk submission goes to the bulk lane unless it says otherwise (DESIGN §2, §6).
+    assert queue_state(model, "v1").bulk == before.bulk + 25
     assert demo.get(f"/v1/jobs/{body['ids'][-1]}").json()["status"] == "queued"
 
 
@@ -379,7 +380,7 @@ def test_idempotency_key_replay_answers_the_same_job_and_queues_one(
     bulk = {"inputs": [{"text": "a"}, {"text": "b"}]}
     ids = [demo.post(f"/v1/models/{model}/jobs:bulk", json=bulk, headers=bulk_key).json()["ids"] for _ in range(2)]
     assert ids[0] == ids[1]
-    assert queue_state(model, "v1").online == after.online + 2
+    assert queue_state(model, "v1").bulk == after.bulk + 2
 
 
 def test_cancel_a_queued_job(demo: httpx.Client, model: str, rds: Any) -> None:

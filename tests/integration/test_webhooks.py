@@ -455,7 +455,7 @@ def test_a_job_ended_by_the_claim_script_gets_its_webhook(
                        callback_url=receiver.plan(path, 200), deadline=now - 1 if how == "deadline" else None,
                        attempts=3 if how == "deliveries" else 0)
     rds.hset(keys.job(record.id), mapping=record.to_redis())  # type: ignore[arg-type]
-    verdict = rds.eval(CLAIM_SCRIPT, 3, keys.job(record.id), keys.queued_count(tenant.id), keys.WEBHOOK_OUTBOX,
+    verdict = rds.eval(CLAIM_SCRIPT, 3, keys.job(record.id), keys.queued_jobs(tenant.id), keys.WEBHOOK_OUTBOX,
                        repr(now), "worker-x", "3")
     assert verdict[0] == ("expired" if how == "deadline" else "dead"), verdict  # type: ignore[index]
     [request] = receiver.wait_for(path, 1)

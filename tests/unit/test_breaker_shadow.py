@@ -59,12 +59,44 @@ def test_half_open_probe_success_closes_and_old_errors_do_not_reopen() -> None:
     breaker.observe(100, Health(live_workers=1, outcomes=failures))
     assert breaker.observe(109, Health(live_workers=1, outcomes=failures)) is BreakerState.open
     assert breaker.observe(110, Health(live_workers=1, outcomes=failures)) is BreakerState.half_open
-    assert breaker.admits(110.0)
-    assert not breaker.admits(110.5), "one probe per probe interval"
-    assert breaker.admits(111.0)
+    assert breaker.take_probe(110.0)
+    assert not breaker.admits(110.5) and not breaker.take_probe(110.5), "one probe per probe interval"
+    assert breaker.take_probe(111.0)
     probe = [*failures, (111.5, True)]
     assert breaker.observe(112, Health(live_workers=1, outcomes=probe)) is BreakerState.closed
     assert breaker.observe(113, Health(live_workers=1, outcomes=probe)) is BreakerState.closed
+
+
+def _half_open() -> CircuitBreaker:
+    breaker = _breaker()
+    breaker.observe(100, Health(live_workers=1, outcomes=_outcomes(100, 0, 20)))
+    breaker.observe(110, Health(live_workers=1, outcomes=[]))
+    assert breaker.state is BreakerState.half_open
+    return breaker
+
+
+def test_asking_whether_a_half_open_breaker_admits_spends_no_probe() -> None:
+    breaker = _half_open()
+    assert all(breaker.admits(110.0 + i / 100) for i in range(50))
+    assert breaker.take_probe(110.5), "only the job routed to the version takes the slot"
+    assert not breaker.admits(110.6)
+
+
+def test_a_closed_breaker_has_no_probe_to_take() -> None:
+    breaker = _breaker()
+    assert not breaker.take_probe(100.0)
+    assert breaker.admits(100.0)
+
+
+def test_a_returned_probe_frees_the_slot_unless_a_later_one_holds_it() -> None:
+    breaker = _half_open()
+    assert breaker.take_probe(110.0)
+    breaker.return_probe(110.0)
+    assert breaker.admits(110.2) and breaker.take_probe(110.2)
+    # A probe returned after a later one was taken leaves the later one's slot alone.
+    assert breaker.take_probe(111.3)
+    breaker.return_probe(110.2)
+    assert not breaker.admits(111.5)
 
 
 def test_half_open_probe_failure_reopens() -> None:

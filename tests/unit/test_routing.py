@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from sluice.errors import Conflict, Forbidden, NotFound, ServiceUnavailable
+from sluice.errors import Conflict, Forbidden, NotFound, NotServable, ServiceUnavailable
 from sluice.routing import ModelInfo, RoutingSnapshot, VersionInfo, hash_unit, route
 
 
@@ -86,9 +86,25 @@ def test_zero_weights_retired_and_unknown_versions_get_no_traffic() -> None:
 
 
 def test_explicit_version_is_honoured_even_without_weight() -> None:
-    snap = snapshot({"v1": 100.0}, states={"v2": "staged"})
+    snap = snapshot({"v1": 100.0}, states={"v2": "canary"})
     decision = route(snap, model="m", tenant="t", version="v2")
     assert (decision.version.version, decision.reason) == ("v2", "explicit")
+
+
+@pytest.mark.parametrize("state", ["staged", "shadow"])
+def test_a_tenant_naming_a_staged_or_shadow_version_is_403_not_servable(state: str) -> None:
+    snap = snapshot({"v1": 100.0, "v2": 5.0}, states={"v2": state}, pins={("acme", "m"): "v2"})
+    for kwargs in ({"tenant": "t", "version": "v2"}, {"tenant": "acme"}, {"tenant": "acme", "version": "v2"}):
+        with pytest.raises(NotServable) as raised:
+            route(snap, model="m", **kwargs)  # type: ignore[arg-type]
+        assert (raised.value.status, raised.value.code) == (403, "not_servable")
+
+
+@pytest.mark.parametrize("state", ["staged", "shadow"])
+def test_an_admin_may_name_a_staged_or_shadow_version(state: str) -> None:
+    snap = snapshot({"v1": 100.0}, states={"v2": state}, pins={("admin", "m"): "v2"})
+    assert route(snap, model="m", tenant="t", version="v2", admin=True).version.version == "v2"
+    assert route(snap, model="m", tenant="admin", admin=True).version.version == "v2"
 
 
 def test_a_pin_wins_over_weights_and_is_not_moved_by_a_weight_change() -> None:
