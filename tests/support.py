@@ -39,6 +39,7 @@ from sluice.jobs import JobRecord, JobStatus, new_job_id
 from sluice.kinds import token_estimate
 from sluice.migrate import upgrade
 from sluice.registry.store import normalise_url
+from sluice.samples import SAMPLES_MAXLEN, Sample
 from sluice.settings import Settings
 from sluice.streams import queue_jobs
 from workers.consumer import Worker
@@ -198,6 +199,18 @@ def serving(settings: Settings) -> Iterator[ApiServer]:
     finally:
         server.stop()
     assert not server.error, server.error
+
+
+def record_failures(rds: redis.Redis, model: str, version: str, count: int) -> None:
+    """Finished-job samples as `version`'s workers write them after `count` failed jobs (what its
+    breaker and guardrails read), without running a worker."""
+    failed = Sample(status="failed", finished_at=time.time(), queue_wait_ms=1.0, model_ms=1.0, total_ms=2.0,
+                    batch_size=1, close_reason="size")
+    pipe = rds.pipeline(transaction=False)
+    for _ in range(count):
+        pipe.xadd(keys.stats(model, version), failed.to_fields(),  # type: ignore[arg-type]
+                  maxlen=SAMPLES_MAXLEN, approximate=True)
+    pipe.execute()
 
 
 def http_client(base_url: str, key: str | None, *, timeout_s: float = 60.0) -> httpx.Client:

@@ -17,11 +17,10 @@ import pytest
 import redis
 
 from api.routes.jobs import SubmitJob, _request_hash
-from sluice import connections, keys, samples
+from sluice import connections, keys
 from sluice.broker import Broker
-from sluice.samples import Sample
 from sluice.settings import Settings
-from tests.support import ApiServer, http_client, serving, unique, wait_until
+from tests.support import ApiServer, http_client, record_failures, serving, unique, wait_until
 
 SUBMIT = "/v1/models/{model}/jobs"
 
@@ -92,27 +91,6 @@ def _on_loop(api: ApiServer, callback: Callable[[], Any]) -> None:
     asyncio.run_coroutine_threadsafe(call(), api.loop).result(timeout=10)
 
 
-def _fail_jobs(rds: redis.Redis, model: str, version: str, count: int) -> None:
-    """Finished-job samples as the version's workers write them after `count` failed jobs."""
-    pipe = rds.pipeline(transaction=False)
-    for _ in range(count):
-        samples.append(
-            pipe,
-            model,
-            version,
-            Sample(
-                status="failed",
-                finished_at=time.time(),
-                queue_wait_ms=1.0,
-                model_ms=1.0,
-                total_ms=2.0,
-                batch_size=1,
-                close_reason="size",
-            ),
-        )
-    pipe.execute()
-
-
 def _breaker(api: ApiServer, model: str, version: str) -> str:
     return str(api.readyz().get("breakers", {}).get(f"{model}/{version}", {}).get("state"))
 
@@ -153,7 +131,7 @@ def test_a_replay_is_answered_while_the_breaker_of_its_version_is_open(
     with http_client(strict_api.url, seeded.demo_key) as client:
         first = client.post(SUBMIT.format(model=model), json=body, headers=headers)
         assert first.status_code == 202 and first.json()["version"] == "v2", first.text
-        _fail_jobs(rds, model, "v2", 5)
+        record_failures(rds, model, "v2", 5)
         wait_until(lambda: _breaker(strict_api, model, "v2") == "open", timeout_s=10, what="v2's breaker to open")
         refused = client.post(SUBMIT.format(model=model), json=body, headers={"Idempotency-Key": unique("order")})
         replay = client.post(SUBMIT.format(model=model), json=body, headers=headers)

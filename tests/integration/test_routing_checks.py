@@ -3,7 +3,6 @@ who spends a half-open circuit breaker's probe slot (DESIGN §4, §6)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,10 +10,9 @@ import httpx
 import pytest
 import redis
 
-from sluice import keys, samples
-from sluice.samples import Sample
+from sluice import keys
 from sluice.settings import Settings
-from tests.support import ApiServer, http_client, serving, unique, wait_until
+from tests.support import ApiServer, http_client, record_failures, serving, unique, wait_until
 
 # --- shadow and staged versions serve only admins ----------------------------------------------------
 
@@ -83,23 +81,7 @@ def probing_api(settings: Settings) -> Iterator[ApiServer]:
 def _half_open(api: ApiServer, rds: redis.Redis, model: str, version: str) -> None:
     """Fail five of `version`'s jobs (as its workers record them) and wait for its breaker to go
     open, then half-open."""
-    pipe = rds.pipeline(transaction=False)
-    for _ in range(5):
-        samples.append(
-            pipe,
-            model,
-            version,
-            Sample(
-                status="failed",
-                finished_at=time.time(),
-                queue_wait_ms=1.0,
-                model_ms=1.0,
-                total_ms=2.0,
-                batch_size=1,
-                close_reason="size",
-            ),
-        )
-    pipe.execute()
+    record_failures(rds, model, version, 5)
 
     def state() -> str:
         return str(api.readyz().get("breakers", {}).get(f"{model}/{version}", {}).get("state"))
