@@ -23,6 +23,7 @@ from sluice import events
 from sluice.breaker import CircuitBreaker
 from sluice.broker import Broker
 from sluice.connections import connect
+from sluice.durability import require_durable_store
 from sluice.registry.store import Registry
 from sluice.settings import Settings
 
@@ -40,6 +41,14 @@ def create_app(
         own_redis = redis is None
         own_registry = registry is None
         client = redis or connect(settings.require_redis_url())
+        durable_ms = settings.durable_accept_timeout_ms if settings.durable_accept else None
+        if durable_ms is not None:
+            try:
+                await require_durable_store(client, timeout_ms=durable_ms)
+            except BaseException:
+                if own_redis:
+                    await client.aclose()
+                raise
         reg = registry or Registry(url=settings.require_database_url())
         routing = RoutingCache(registry=reg, refresh_s=settings.routing_refresh_s)
         auth = AuthCache(registry=reg, ttl_s=settings.auth_cache_s)
@@ -60,7 +69,7 @@ def create_app(
             open_s=settings.breaker_open_s,
         ))
         broker = Broker(redis=client, result_ttl_s=settings.result_ttl_s,
-                        idempotency_ttl_s=settings.idempotency_ttl_s)
+                        idempotency_ttl_s=settings.idempotency_ttl_s, durable_timeout_ms=durable_ms)
         state = AppState(settings=settings, broker=broker, registry=reg, routing=routing, auth=auth, hub=hub,
                          admission=Admission(redis=client, broker=broker), breakers=breakers)
         app.state.sluice = state

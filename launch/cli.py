@@ -27,6 +27,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Sluice: asyn
 console = Console(soft_wrap=True)
 log = logging.getLogger(__name__)
 
+# How often `sluice up` looks for a dead embedded store to restart.
+SUPERVISE_EVERY_S = 0.5
+
 
 @app.command()
 def migrate() -> None:
@@ -131,7 +134,8 @@ def up(exit_after_demo: Annotated[bool, typer.Option(help="Stop after the demo (
                               f"batch {result['batch']['size']}/{result['batch']['close_reason']})")
         if not exit_after_demo:
             console.print("Ctrl-C stops everything.")
-            stop.wait()
+            while not stop.wait(SUPERVISE_EVERY_S):
+                platform.supervise()
     finally:
         with console.status("stopping…"):
             platform.stop()

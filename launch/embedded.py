@@ -3,7 +3,8 @@
 Layout under `home`: `valkey/` (AOF), `postgres/` (PGDATA), `logs/`, `run/` (lock, pid files).
 Both servers run in the foreground as children of this process but in their own session, so a
 Ctrl-C aimed at `sluice up` does not stop the stores before the workers have drained; a small
-watchdog process stops them if this process dies without calling `stop()`.
+watchdog process stops them if this process dies without calling `stop()`. `revive()` restarts a
+server that died on its own port and data, so the URLs handed out stay valid.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
+from launch.orphans import kill_orphan, read_pid, runs_in, stop_previous
 from launch.postgres_account import chown_tree, grant_traverse, postgres_account
-from launch.watchdog import Watchdog
+from launch.watchdog import WATCHDOG_GRACE_S, Watchdog
 from sluice.errors import BrokerUnavailable, RegistryUnavailable, SluiceError
 
 log = logging.getLogger(__name__)
@@ -37,66 +40,14 @@ PG_ROLE = "postgres"
 # restart right after a crash waits for that instead of racing it.
 LOCK_WAIT_S = 40.0
 STOP_GRACE_S = 20.0
+# A server that died is restarted at once; a restart that fails is retried after 1, 2, 4... s.
+REVIVE_BACKOFF_CAP_S = 30.0
+# The Valkey configuration `sluice up` ships: the AOF is the persistence, fsynced once a second
+# (a crash of the host loses at most about a second of writes; SLUICE_DURABLE_ACCEPT closes that
+# window for accepted jobs); RDB snapshots on top would only add disk writes.
+VALKEY_CONFIG = {"appendonly": "yes", "appendfsync": "everysec", "save": ""}
 
-# --- processes ------------------------------------------------------------------------------
-
-
-def _alive(pid: int) -> bool:
-    """True for a live, non-zombie process."""
-    proc_stat = Path(f"/proc/{pid}/stat")
-    if Path("/proc/self").is_dir():
-        try:
-            return proc_stat.read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-        except OSError:
-            return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
-def _runs_in(pid: int, directory: Path) -> bool:
-    """Whether `pid` is a live process whose working directory is `directory`.
-
-    Both servers chdir into their data directory, so this tells one of ours from an unrelated
-    process that happens to have reused the pid recorded by a previous run.
-    """
-    if not _alive(pid):
-        return False
-    try:
-        return os.readlink(f"/proc/{pid}/cwd") == str(directory.resolve())
-    except OSError:
-        return False
-
-
-def _kill_orphan(pid: int, sig: int, name: str) -> None:
-    log.warning("stopping %s (pid %d) left running by a previous run", name, pid)
-    for current, wait_s in ((sig, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, current)
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if not _alive(pid):
-                return
-            time.sleep(0.1)
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _stop_previous(pid_file: Path, data_dir: Path, sig: int, name: str) -> None:
-    """Stop a server a killed previous run left behind, then drop its pid file."""
-    pid = _read_pid(pid_file)
-    if pid is not None and pid != os.getpid() and _runs_in(pid, data_dir):
-        _kill_orphan(pid, sig, name)
-    pid_file.unlink(missing_ok=True)
+# --- ports ----------------------------------------------------------------------------------
 
 
 def _free_port() -> int:
@@ -166,7 +117,7 @@ def _lock_home(run_dir: Path, error: type[SluiceError]) -> int:
             break
         except BlockingIOError:
             if time.monotonic() >= deadline:
-                holder = _read_pid(path)
+                holder = read_pid(path)
                 os.close(fd)
                 raise error(
                     f"the embedded stores in {run_dir.parent} are in use by another process "
@@ -281,7 +232,7 @@ def _start_valkey(home: Path, port: int | None, timeout: float, watchdog: Watchd
     data_dir.mkdir(parents=True, exist_ok=True)
     pid_file = home / "run" / "valkey.pid"
     log_path = home / "logs" / "valkey.log"
-    _stop_previous(pid_file, data_dir, signal.SIGTERM, "valkey")
+    stop_previous(pid_file, data_dir, signal.SIGTERM, "valkey")
 
     config_path = data_dir / "valkey.conf"
 
@@ -290,14 +241,7 @@ def _start_valkey(home: Path, port: int | None, timeout: float, watchdog: Watchd
             config_path,
             chosen,
             data_dir,
-            {
-                "bind": HOST,
-                "appendonly": "yes",
-                "appendfsync": "everysec",
-                # The AOF is the persistence; RDB snapshots on top would only add disk writes.
-                "save": "",
-                "logfile": "",
-            },
+            {"bind": HOST, **VALKEY_CONFIG, "logfile": ""},
         )
         return [str(binary), str(config_path)]
 
@@ -340,12 +284,12 @@ def _clear_stale_postmaster_pid(data_dir: Path) -> None:
     (EPERM) from a live postmaster, so it refuses to start.
     """
     lock_file = data_dir / "postmaster.pid"
-    pid = _read_pid(lock_file)
+    pid = read_pid(lock_file)
     if pid is None:
         lock_file.unlink(missing_ok=True)
         return
-    if pid != os.getpid() and _runs_in(pid, data_dir):
-        _kill_orphan(pid, signal.SIGINT, "postgres")
+    if pid != os.getpid() and runs_in(pid, data_dir):
+        kill_orphan(pid, signal.SIGINT, "postgres")
     lock_file.unlink(missing_ok=True)
 
 
@@ -423,7 +367,7 @@ def _start_postgres(home: Path, port: int | None, timeout: float, watchdog: Watc
     env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
     env["LC_ALL"] = "C"
 
-    _stop_previous(pid_file, data_dir, signal.SIGINT, "postgres")
+    stop_previous(pid_file, data_dir, signal.SIGINT, "postgres")
     account = postgres_account()
     if account:
         grant_traverse(data_dir, account)
@@ -483,6 +427,9 @@ class EmbeddedStores:
     redis_url: str
     database_url: str
     _servers: list[_Server] = field(default_factory=list, init=False, repr=False)
+    _relaunch: dict[str, Callable[[], _Server]] = field(default_factory=dict, init=False, repr=False)
+    _failures: dict[str, int] = field(default_factory=dict, init=False, repr=False)
+    _retry_at: dict[str, float] = field(default_factory=dict, init=False, repr=False)
     _watchdog: Watchdog | None = field(default=None, init=False, repr=False)
     _lock_fd: int | None = field(default=None, init=False, repr=False)
     _stopped: bool = field(default=False, init=False, repr=False)
@@ -504,6 +451,49 @@ class EmbeddedStores:
             os.close(self._lock_fd)
             self._lock_fd = None
 
+    def stop_after(self, pid: int) -> None:
+        """Should this process die, stop the servers only once `pid` (which stops by itself then,
+        see `sluice.processes.die_with_parent`) has, so it can still drain into them."""
+        if self._watchdog is not None:
+            self._watchdog.wait_for(pid)
+
+    def forget(self, pid: int) -> None:
+        """`pid` was reaped: the watchdog must never signal it (the number may be reused)."""
+        if self._watchdog is not None:
+            self._watchdog.forget(pid)
+
+    def revive(self, now: float) -> list[str]:
+        """Restart every server that died, on its own port and data; answer the names restarted.
+
+        Polling reaps a dead server, so none is left a zombie. A restart that fails (Postgres
+        refuses to start while the killed postmaster's backends still hold its shared memory) is
+        tried again on a later call, with capped backoff. Call it from the thread that stops.
+        """
+        revived: list[str] = []
+        for index, server in enumerate(self._servers):
+            if self._stopped or server.process.poll() is None or now < self._retry_at.get(server.name, 0.0):
+                continue
+            if server.name not in self._failures:
+                log.warning(
+                    "embedded %s (pid %d) exited with %s; restarting it on its data",
+                    server.name,
+                    server.process.pid,
+                    server.process.returncode,
+                )
+            server.stop()  # forgets the pid in the watchdog and drops the pid file
+            try:
+                self._servers[index] = self._relaunch[server.name]()
+            except (SluiceError, OSError) as exc:
+                failures = self._failures[server.name] = self._failures.get(server.name, 0) + 1
+                delay = min(REVIVE_BACKOFF_CAP_S, 2.0 ** (failures - 1))
+                self._retry_at[server.name] = now + delay
+                log.warning("embedded %s did not restart (%s); trying again in %.0fs", server.name, exc, delay)
+                continue
+            self._failures.pop(server.name, None)
+            self._retry_at.pop(server.name, None)
+            revived.append(server.name)
+        return revived
+
 
 def start_embedded(
     *,
@@ -513,12 +503,14 @@ def start_embedded(
     redis_port: int | None = None,
     postgres_port: int | None = None,
     startup_timeout: float = 60.0,
+    stop_grace_s: float = WATCHDOG_GRACE_S,
 ) -> EmbeddedStores:
     """Start an embedded Valkey and/or Postgres under `home` for each URL that is None.
 
     A given URL is passed through untouched. Data persists in `home` across restarts.
     Raises BrokerUnavailable / RegistryUnavailable when a server cannot be started or does not
-    accept connections within `startup_timeout` seconds.
+    accept connections within `startup_timeout` seconds. `stop_grace_s` is how long the watchdog
+    gives each stage of the stop when this process dies (see launch/watchdog.py).
     """
     if redis_url is not None and database_url is not None:
         return EmbeddedStores(redis_url=redis_url, database_url=database_url)
@@ -535,26 +527,31 @@ def start_embedded(
     atexit.register(stores.stop)
     try:
         try:
-            stores._watchdog = Watchdog(
+            watchdog = stores._watchdog = Watchdog(
                 log_path=home / "logs" / "watchdog.log",
                 lock_fd=stores._lock_fd,
                 pid_file=home / "run" / "watchdog.pid",
+                grace_s=stop_grace_s,
             )
         except OSError as exc:
             raise first_error(f"cannot start the embedded stores' watchdog: {exc}") from exc
         if redis_url is None:
             try:
-                server, stores.redis_url = _start_valkey(home, redis_port, startup_timeout, stores._watchdog)
+                server, stores.redis_url = _start_valkey(home, redis_port, startup_timeout, watchdog)
             except OSError as exc:
                 raise BrokerUnavailable(f"cannot start embedded Valkey: {exc}") from exc
             stores._servers.append(server)
+            port = urlsplit(stores.redis_url).port
+            stores._relaunch[server.name] = lambda: _start_valkey(home, port, startup_timeout, watchdog)[0]
             log.info("embedded Valkey at %s (data %s)", stores.redis_url, home / "valkey")
         if database_url is None:
             try:
-                server, stores.database_url = _start_postgres(home, postgres_port, startup_timeout, stores._watchdog)
+                server, stores.database_url = _start_postgres(home, postgres_port, startup_timeout, watchdog)
             except OSError as exc:
                 raise RegistryUnavailable(f"cannot start embedded Postgres: {exc}") from exc
             stores._servers.append(server)
+            pg_port = urlsplit(stores.database_url).port
+            stores._relaunch[server.name] = lambda: _start_postgres(home, pg_port, startup_timeout, watchdog)[0]
             log.info("embedded Postgres at %s (data %s)", stores.database_url, home / "postgres")
     except BaseException:
         stores.stop()

@@ -1,8 +1,11 @@
 """`sluice up`: the whole platform on one machine, then a short demo.
 
 Child processes run in their own sessions, so Ctrl-C reaches only this process, which then
-stops them in the reverse of their start: Flower, the Celery worker (webhook delivery, with beat),
-the scheduler (its workers drain), the API, then the stores.
+stops them: Flower, the Celery worker (webhook delivery, with beat), the scheduler (its workers
+drain) and the API all at once, each within one grace period, then the stores. Should this
+process die without stopping them (SIGKILL), each child gets its own SIGTERM from the kernel
+(`die_with_parent`) and the stores' watchdog stops the stores once the children are gone.
+While it runs, `supervise()` restarts an embedded store that died.
 """
 
 from __future__ import annotations
@@ -27,10 +30,17 @@ from sluice.client import SluiceClient
 from sluice.connections import connect
 from sluice.heartbeats import WorkerState
 from sluice.migrate import upgrade
+from sluice.processes import die_with_parent
 from sluice.registry.store import Registry
 from sluice.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# Flower keeps no state, and its exit waits on an event thread that retries a broker that is
+# down for as long as it likes: it gets this long, not the drain's grace.
+FLOWER_STOP_S = 3.0
+# Past the children's own grace, for their interpreters to exit before they are killed.
+STOP_SLACK_S = 2.0
 
 DEMO_TEXTS = (
     "I lost my credit card yesterday, please block it",
@@ -45,6 +55,7 @@ class Platform:
         self.home = settings.home.resolve()
         self.stores: EmbeddedStores | None = None
         self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self._stop_within: dict[str, float] = {}
 
     @property
     def api_url(self) -> str:
@@ -54,20 +65,47 @@ class Platform:
     def flower_url(self) -> str:
         return f"http://{self.settings.api_host}:{self.settings.flower_port}"
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str], *, module: str = "launch.cli") -> None:
+    def _spawn(
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str],
+        *,
+        module: str = "launch.cli",
+        stop_within_s: float | None = None,
+    ) -> None:
         log_dir = self.home / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         with (log_dir / f"{name}.log").open("ab") as sink:
-            process = subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=sink,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
+            process = subprocess.Popen(
+                [sys.executable, "-m", module, *args],
+                env=env,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent(signal.SIGTERM),
+            )
         self.children.append((name, process))
+        if stop_within_s is not None:
+            self._stop_within[name] = stop_within_s
+        if self.stores is not None:
+            self.stores.stop_after(process.pid)
 
     def start(self) -> Seeded:
         self.home.mkdir(parents=True, exist_ok=True)
-        self.stores = start_embedded(home=self.home, redis_url=self.settings.redis_url,
-                                     database_url=self.settings.database_url)
-        env = dict(os.environ, SLUICE_REDIS_URL=self.stores.redis_url,
-                   SLUICE_DATABASE_URL=self.stores.database_url, SLUICE_HOME=str(self.home))
+        # Should this process die, the watchdog gives the children the grace this stop gives them.
+        self.stores = start_embedded(
+            home=self.home,
+            redis_url=self.settings.redis_url,
+            database_url=self.settings.database_url,
+            stop_grace_s=self.settings.shutdown_grace_s + STOP_SLACK_S,
+        )
+        env = dict(
+            os.environ,
+            SLUICE_REDIS_URL=self.stores.redis_url,
+            SLUICE_DATABASE_URL=self.stores.database_url,
+            SLUICE_HOME=str(self.home),
+        )
         upgrade(self.stores.database_url)
         registry = Registry(url=self.stores.database_url, pool_size=1)
         try:
@@ -78,11 +116,38 @@ class Platform:
         self._spawn("api", ["api"], env)
         self._spawn("scheduler", ["scheduler", "--actuator", "local"], env)
         # The threads pool: delivery waits on the network (see workers/tasks.py).
-        self._spawn("celery", ["-A", "workers.tasks", "worker", "--beat", "--pool", "threads",
-                               "--hostname", "sluice@%h", "--without-mingle", "--without-gossip",
-                               "--loglevel", "INFO"], env, module="celery")
-        self._spawn("flower", ["-A", "workers.tasks", "flower", f"--address={self.settings.api_host}",
-                               f"--port={self.settings.flower_port}"], env, module="celery")
+        self._spawn(
+            "celery",
+            [
+                "-A",
+                "workers.tasks",
+                "worker",
+                "--beat",
+                "--pool",
+                "threads",
+                "--hostname",
+                "sluice@%h",
+                "--without-mingle",
+                "--without-gossip",
+                "--loglevel",
+                "INFO",
+            ],
+            env,
+            module="celery",
+        )
+        self._spawn(
+            "flower",
+            [
+                "-A",
+                "workers.tasks",
+                "flower",
+                f"--address={self.settings.api_host}",
+                f"--port={self.settings.flower_port}",
+            ],
+            env,
+            module="celery",
+            stop_within_s=FLOWER_STOP_S,
+        )
         return seeded
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
@@ -95,8 +160,9 @@ class Platform:
             try:
                 while time.monotonic() < deadline:
                     self._check_children()
-                    answering = (self._answers(f"{self.api_url}/readyz")
-                                 and self._answers(f"{self.flower_url}/healthcheck"))
+                    answering = self._answers(f"{self.api_url}/readyz") and self._answers(
+                        f"{self.flower_url}/healthcheck"
+                    )
                     if answering and runner.run(self._demo_workers_ready(client)):
                         return
                     time.sleep(0.5)
@@ -124,16 +190,33 @@ class Platform:
             if process.poll() is not None:
                 raise RuntimeError(f"{name} exited with {process.returncode}; see {self.home / 'logs' / name}.log")
 
+    def supervise(self) -> None:
+        """Restart an embedded store that died (on its data and port: the children reconnect)."""
+        if self.stores is not None:
+            for name in self.stores.revive(time.monotonic()):
+                log.warning("embedded %s restarted", name)
+
     def stop(self) -> None:
-        for name, process in reversed(self.children):
+        """Signal every child at once and give them one grace period together, then stop the stores.
+
+        One shared deadline, not one per child in turn: with a store down each child may spend
+        its whole grace failing to drain, and turn by turn that added up to minutes.
+        """
+        for _, process in reversed(self.children):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        grace_s = self.settings.shutdown_grace_s + STOP_SLACK_S
+        for name, process in reversed(self.children):
+            deadline = started + min(grace_s, self._stop_within.get(name, grace_s))
             try:
-                process.wait(timeout=self.settings.shutdown_grace_s + 5)
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop in time; killing it", name)
                 process.kill()
                 process.wait()
+            if self.stores is not None:
+                self.stores.forget(process.pid)
         self.children.clear()
         if self.stores is not None:
             self.stores.stop()

