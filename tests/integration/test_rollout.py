@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import redis
@@ -384,6 +385,51 @@ async def test_abort_restores_the_weights_and_drops_a_stale_decision(
     assert [r.action for r in decision_rows(registry, rollout_id)] == ["start", "abort"]
     controller = RolloutController(registry=registry, redis=aredis, clock=clock)
     assert await looks_at(controller, model) == []
+
+
+def test_a_manual_rollback_after_a_completed_rollout_restores_the_replaced_version(
+    registry: Registry, admin: httpx.Client
+) -> None:
+    model = make_model(registry)
+    clock = Clock()
+    rollout_id = start(registry, model, clock)
+    for to_step in (1, 2):
+        with registry.session() as session:
+            applied = rollouts.apply_decision(
+                session,
+                rollout_id=rollout_id,
+                expected_step=to_step - 1,
+                action="promote",
+                reason="healthy",
+                evidence={},
+                actor="test",
+                now=datetime.now(UTC),
+                to_step=to_step,
+                final=to_step == 2,
+            )
+        assert applied is not None
+    assert weights(registry, model) == {"v2": 100.0}
+
+    rolled = admin.post(f"/v1/models/{model}/rollback", json={"reason": "v2 misbehaves at full traffic"})
+    assert rolled.status_code == 200, rolled.text
+    assert rolled.json()["routing"] == {"v1": 100.0}
+    assert rolled.json()["audit"]["before"] == {"v2": 100.0}
+    assert weights(registry, model) == {"v1": 100.0}
+    with registry.session() as session:
+        assert queries.get_version(session, model, "v1").state == "stable"
+        assert queries.get_version(session, model, "v2").state == "staged", "the rolled-back version stops serving"
+        [demoted] = session.scalars(
+            select(AuditEntry).where(
+                AuditEntry.model == model, AuditEntry.action == "version.update", AuditEntry.actor.startswith("key:")
+            )
+        )
+    assert (demoted.before["state"], demoted.after["state"]) == ("stable", "staged")
+    assert demoted.reason == f"v2 misbehaves at full traffic: back from 'v2', which rollout {rollout_id} promoted"
+    assert routing_audit(registry, model)[-1].reason == "v2 misbehaves at full traffic"
+
+    again = admin.post(f"/v1/models/{model}/rollback")
+    assert again.status_code == 200, again.text
+    assert again.json()["routing"] == {"v1": 100.0}, "a second rollback stays on the restored version"
 
 
 def test_the_cli_starts_shows_and_aborts_a_rollout(registry: Registry, redis_url: str, database_url: str) -> None:
