@@ -6,11 +6,13 @@ statistic, p-value, effect and threshold as a JSON-able dict. The controller and
 call it the same way, so its error rates can be measured in simulated time.
 
 What would surprise a reader: a rollback needs a difference that is both significant and larger
-than a practical margin, and significance is Bonferroni-corrected over the tests run at a look,
-the planned looks per step (`soak_s / look_interval_s`) and the steps. Identical versions thus
-roll back with probability at most `alpha` over a whole rollout, before the margins cut that
-further. Hard breaches (a canary with no live worker, an error rate over the ceiling) need no
-statistics and act at once.
+than a practical margin, and significance is always-valid (`scheduler.sequential`): each test's
+p-value may be looked at after every sample without correction, so the controller may look as
+often and as long as it likes (while a step soaks, while it waits for `min_samples`, in the
+shadow phase). Alpha is split evenly, once, over the tests a phase can run and the phases a
+rollout can pass through, so identical versions roll back with probability at most `alpha` over
+a whole rollout, before the margins cut that further. Hard breaches (a canary with no live
+worker, an error rate over the ceiling) need no statistics and act at once.
 """
 
 from __future__ import annotations
@@ -22,14 +24,27 @@ from typing import Any, Literal, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
-from scipy import stats as sps
 
+from scheduler.sequential import (
+    bounded_mean_p,
+    effective_samples,
+    label_split_p,
+    normal_mixture_p,
+    rate_ratio_p,
+)
 from sluice.errors import InvalidPolicy
 from sluice.quality import LOW_CONFIDENCE_P
 from sluice.registry.rollouts import SHADOW_STEP
 
 Action = Literal["promote", "rollback", "continue"]
 Values: TypeAlias = Sequence[float] | npt.NDArray[np.float64]
+
+# The tests a phase can run (latency is not compared in the shadow phase, whose copies wait in
+# the bulk lane; agreement only exists there). Alpha is split over this fixed family, never over
+# the tests that happen to have enough samples at a look, so the split is decided before any data.
+STEP_TESTS = ("error_rate", "latency", "top_p", "low_confidence", "label_shift")
+SHADOW_TESTS = ("error_rate", "top_p", "low_confidence", "label_shift", "agreement")
+TESTS_PER_PHASE = max(len(STEP_TESTS), len(SHADOW_TESTS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +84,14 @@ class Policy:
             raise InvalidPolicy("min_agreement must be in [0, 1] and hard_error_rate in (0, 1]")
 
     @property
-    def looks_per_step(self) -> int:
-        return max(1, math.ceil(self.soak_s / self.look_interval_s))
+    def phases(self) -> int:
+        """The phases a rollout can be looked at in: each step below 100 % and a shadow phase.
+        Each starts a fresh window, and so fresh tests."""
+        return len(self.steps)
+
+    @property
+    def alpha_per_test(self) -> float:
+        return self.alpha / (TESTS_PER_PHASE * self.phases)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -124,6 +145,8 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class StatResult:
+    """A test at one look: its statistic, its always-valid p-value and how it was computed."""
+
     statistic: float | None
     p_value: float
     method: str
@@ -136,27 +159,19 @@ def _finite(value: float | None, digits: int = 6) -> float | None:
     return round(float(value), digits)
 
 
-def two_proportion_greater(x1: int, n1: int, x2: int, n2: int) -> StatResult:
-    """One-sided test of p1 > p2. The pooled z-test when every expected cell count is at least 5,
-    else Fisher's exact test (the normal tail is far too light for rare events at small n)."""
+def event_rate_greater(x1: int, n1: int, x2: int, n2: int) -> StatResult:
+    """One-sided, always valid: events (x of n) more frequent in the first sample than in the
+    second. The statistic is the rate ratio."""
     if n1 == 0 or n2 == 0:
         return StatResult(None, 1.0, "none")
-    pooled = (x1 + x2) / (n1 + n2)
-    variance = pooled * (1 - pooled) * (1 / n1 + 1 / n2)
-    z = (x1 / n1 - x2 / n2) / math.sqrt(variance) if variance > 0 else 0.0
-    expected = min(n1, n2) * min(pooled, 1 - pooled)
-    if variance == 0:
-        return StatResult(z, 1.0, "z")
-    if expected >= 5:
-        return StatResult(z, float(sps.norm.sf(z)), "z")
-    fisher = sps.fisher_exact([[x1, n1 - x1], [x2, n2 - x2]], alternative="greater")
-    return StatResult(z, float(fisher.pvalue), "fisher-exact")
+    ratio = (x1 / n1) / (x2 / n2) if x2 else (math.inf if x1 else None)
+    return StatResult(ratio, rate_ratio_p(x1, n1, x2, n2), "rate-ratio mixture")
 
 
 def rank_test_greater(x: Values, y: Values) -> tuple[StatResult, float]:
-    """Mann-Whitney U, one-sided (x stochastically greater than y), normal approximation with
-    tie and continuity correction. Answers the test and U / (n1 n2), the probability that a
-    random x exceeds a random y (ties count half)."""
+    """Mann-Whitney U, one-sided (x stochastically greater than y): z by the normal approximation
+    with tie and continuity correction, made always valid by the normal mixture. Answers the
+    test and U / (n1 n2), the probability that a random x exceeds a random y (ties count half)."""
     n1, n2 = len(x), len(y)
     if n1 == 0 or n2 == 0:
         return StatResult(None, 1.0, "none"), 0.5
@@ -166,8 +181,7 @@ def rank_test_greater(x: Values, y: Values) -> tuple[StatResult, float]:
     # A value's rank is the mean of the positions its tie block spans (1-based). Ranking the
     # smaller sample is enough (U1 + U2 = n1 n2), and a canary is usually far smaller than stable.
     small = xs if n1 <= n2 else ys
-    rank_sum = float(np.sum(np.searchsorted(ordered, small, "left") + np.searchsorted(ordered, small, "right")
-                            + 1)) / 2
+    rank_sum = float(np.sum(np.searchsorted(ordered, small, "left") + np.searchsorted(ordered, small, "right") + 1)) / 2
     u_small = rank_sum - len(small) * (len(small) + 1) / 2
     u1 = u_small if n1 <= n2 else n1 * n2 - u_small
     ties = np.diff(np.concatenate(([0], np.flatnonzero(np.diff(ordered)) + 1, [n]))).astype(float)
@@ -175,9 +189,9 @@ def rank_test_greater(x: Values, y: Values) -> tuple[StatResult, float]:
     variance = n1 * n2 / 12 * ((n + 1) - tie_term)
     superiority = u1 / (n1 * n2)
     if variance <= 0:
-        return StatResult(0.0, 1.0, "mann-whitney"), superiority
+        return StatResult(0.0, 1.0, "mann-whitney mixture"), superiority
     z = (u1 - n1 * n2 / 2 - 0.5) / math.sqrt(variance)
-    return StatResult(z, float(sps.norm.sf(z)), "mann-whitney"), superiority
+    return StatResult(z, normal_mixture_p(z, effective_samples(n1, n2)), "mann-whitney mixture"), superiority
 
 
 def total_variation(a: Mapping[str, int], b: Mapping[str, int]) -> float:
@@ -187,56 +201,14 @@ def total_variation(a: Mapping[str, int], b: Mapping[str, int]) -> float:
     return 0.5 * sum(abs(a.get(k, 0) / na - b.get(k, 0) / nb) for k in set(a) | set(b))
 
 
-def label_shift(a: Mapping[str, int], b: Mapping[str, int]) -> tuple[StatResult, int]:
-    """Pearson chi-square test of homogeneity over a 2 x K table. Labels expected fewer than 5
-    times in either row are pooled into one cell, so the chi-square approximation holds.
-    Answers the test and its degrees of freedom."""
-    na, nb = sum(a.values()), sum(b.values())
-    if na == 0 or nb == 0:
-        return StatResult(None, 1.0, "none"), 0
-    totals = {k: a.get(k, 0) + b.get(k, 0) for k in set(a) | set(b)}
-    total = na + nb
-    cells: list[tuple[int, int]] = []
-    rare_a = rare_b = 0
-    for label in sorted(totals, key=lambda k: (totals[k], k)):
-        if min(na, nb) * totals[label] / total < 5:
-            rare_a, rare_b = rare_a + a.get(label, 0), rare_b + b.get(label, 0)
-        else:
-            cells.append((a.get(label, 0), b.get(label, 0)))
-    if rare_a + rare_b:
-        if min(na, nb) * (rare_a + rare_b) / total < 5 and cells:
-            first_a, first_b = cells.pop(0)  # the smallest kept label absorbs a still-rare pool
-            rare_a, rare_b = rare_a + first_a, rare_b + first_b
-        cells.append((rare_a, rare_b))
-    if len(cells) < 2:
-        return StatResult(None, 1.0, "chi-square"), 0
-    chi2 = 0.0
-    for count_a, count_b in cells:
-        column = count_a + count_b
-        for observed, row in ((count_a, na), (count_b, nb)):
-            expected = row * column / total
-            chi2 += (observed - expected) ** 2 / expected
-    df = len(cells) - 1
-    return StatResult(chi2, float(sps.chi2.sf(chi2, df)), "chi-square"), df
-
-
-def mean_bounds(values: Values, alpha: float) -> tuple[float, float, float, str]:
-    """Mean and one-sided (1 - alpha) lower and upper confidence bounds of values in [0, 1]:
-    Wilson's score bounds when the values are all 0 or 1 (label agreement), else Student's t."""
-    arr = np.asarray(values, dtype=float)
-    n = len(arr)
-    if n == 0:
-        return math.nan, 0.0, 1.0, "none"
-    mean = float(arr.mean())
-    if np.all((arr == 0) | (arr == 1)):
-        z = float(sps.norm.isf(alpha))
-        centre = (mean + z * z / (2 * n)) / (1 + z * z / n)
-        half = z * math.sqrt(mean * (1 - mean) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-        return mean, max(0.0, centre - half), min(1.0, centre + half), "wilson"
-    if n < 2:
-        return mean, 0.0, 1.0, "t"
-    half = float(sps.t.isf(alpha, n - 1)) * float(arr.std(ddof=1)) / math.sqrt(n)
-    return mean, max(0.0, mean - half), min(1.0, mean + half), "t"
+def label_shift(a: Mapping[str, int], b: Mapping[str, int]) -> StatResult:
+    """Any difference between two label distributions, always valid, from the counts per label
+    (`sequential.label_split_p`: exact, so rare labels need no pooling)."""
+    if not sum(a.values()) or not sum(b.values()):
+        return StatResult(None, 1.0, "none")
+    labels = sorted(set(a) | set(b))
+    p = label_split_p([a.get(k, 0) for k in labels], [b.get(k, 0) for k in labels])
+    return StatResult(None, p, "beta-binomial mixture")
 
 
 # --- the decision ---------------------------------------------------------------------------------
@@ -247,61 +219,121 @@ def _median(values: Values) -> float | None:
 
 
 def _comparisons(canary: Evidence, stable: Evidence, policy: Policy, *, shadow: bool) -> list[dict[str, Any]]:
-    """Each test that has enough samples on both sides, before the alpha correction. Shadow
-    copies wait in the bulk lane behind their primary, so their latency is not compared."""
+    """Each test that has enough samples on both sides, before alpha is applied. Shadow copies
+    wait in the bulk lane behind their primary, so their latency is not compared."""
     out: list[dict[str, Any]] = []
     least = policy.min_test_samples
 
-    def add(name: str, result: StatResult, effect: float | None, margin: float, n_canary: int,
-            n_stable: int, **extra: Any) -> None:
-        out.append({"test": name, "method": result.method, "statistic": _finite(result.statistic),
-                    "p_value": result.p_value, "effect": _finite(effect), "margin": margin,
-                    "n_canary": n_canary, "n_stable": n_stable, **extra})
+    def add(
+        name: str, result: StatResult, effect: float | None, margin: float, n_canary: int, n_stable: int, **extra: Any
+    ) -> None:
+        out.append(
+            {
+                "test": name,
+                "method": result.method,
+                "statistic": _finite(result.statistic),
+                "p_value": result.p_value,
+                "effect": _finite(effect),
+                "margin": margin,
+                "n_canary": n_canary,
+                "n_stable": n_stable,
+                **extra,
+            }
+        )
 
     if min(canary.requests, stable.requests) >= least:
         rate_c, rate_s = canary.errors / canary.requests, stable.errors / stable.requests
-        add("error_rate", two_proportion_greater(canary.errors, canary.requests, stable.errors, stable.requests),
-            rate_c - rate_s, policy.error_margin, canary.requests, stable.requests,
-            canary=_finite(rate_c), stable=_finite(rate_s))
+        add(
+            "error_rate",
+            event_rate_greater(canary.errors, canary.requests, stable.errors, stable.requests),
+            rate_c - rate_s,
+            policy.error_margin,
+            canary.requests,
+            stable.requests,
+            canary=_finite(rate_c),
+            stable=_finite(rate_s),
+        )
     if not shadow and min(len(canary.latency_ms), len(stable.latency_ms)) >= least:
         result, superiority = rank_test_greater(canary.latency_ms, stable.latency_ms)
         med_c, med_s = _median(canary.latency_ms), _median(stable.latency_ms)
         effect = med_c / med_s - 1 if med_c is not None and med_s else None
-        add("latency", result, effect, policy.latency_margin, len(canary.latency_ms), len(stable.latency_ms),
-            canary_p50_ms=_finite(med_c, 3), stable_p50_ms=_finite(med_s, 3),
+        add(
+            "latency",
+            result,
+            effect,
+            policy.latency_margin,
+            len(canary.latency_ms),
+            len(stable.latency_ms),
+            canary_p50_ms=_finite(med_c, 3),
+            stable_p50_ms=_finite(med_s, 3),
             canary_p99_ms=_finite(float(np.percentile(canary.latency_ms, 99)), 3),
             stable_p99_ms=_finite(float(np.percentile(stable.latency_ms, 99)), 3),
-            prob_canary_slower=_finite(superiority))
+            prob_canary_slower=_finite(superiority),
+        )
     if min(len(canary.top_p), len(stable.top_p)) >= least:
         result, superiority = rank_test_greater(stable.top_p, canary.top_p)
         mean_c, mean_s = float(np.mean(canary.top_p)), float(np.mean(stable.top_p))
-        add("top_p", result, mean_s - mean_c, policy.top_p_margin, len(canary.top_p), len(stable.top_p),
-            canary_mean=_finite(mean_c), stable_mean=_finite(mean_s), prob_canary_lower=_finite(superiority))
+        add(
+            "top_p",
+            result,
+            mean_s - mean_c,
+            policy.top_p_margin,
+            len(canary.top_p),
+            len(stable.top_p),
+            canary_mean=_finite(mean_c),
+            stable_mean=_finite(mean_s),
+            prob_canary_lower=_finite(superiority),
+        )
         low_c = int(np.sum(np.asarray(canary.top_p) < policy.low_confidence_threshold))
         low_s = int(np.sum(np.asarray(stable.top_p) < policy.low_confidence_threshold))
         n_c, n_s = len(canary.top_p), len(stable.top_p)
-        add("low_confidence", two_proportion_greater(low_c, n_c, low_s, n_s), low_c / n_c - low_s / n_s,
-            policy.low_confidence_margin, n_c, n_s, threshold=policy.low_confidence_threshold,
-            canary=_finite(low_c / n_c), stable=_finite(low_s / n_s))
+        add(
+            "low_confidence",
+            event_rate_greater(low_c, n_c, low_s, n_s),
+            low_c / n_c - low_s / n_s,
+            policy.low_confidence_margin,
+            n_c,
+            n_s,
+            threshold=policy.low_confidence_threshold,
+            canary=_finite(low_c / n_c),
+            stable=_finite(low_s / n_s),
+        )
     n_labels_c, n_labels_s = sum(canary.labels.values()), sum(stable.labels.values())
     if min(n_labels_c, n_labels_s) >= least:
-        result, df = label_shift(canary.labels, stable.labels)
-        add("label_shift", result, total_variation(canary.labels, stable.labels), policy.label_tvd_margin,
-            n_labels_c, n_labels_s, df=df, canary_counts=dict(canary.labels))
+        add(
+            "label_shift",
+            label_shift(canary.labels, stable.labels),
+            total_variation(canary.labels, stable.labels),
+            policy.label_tvd_margin,
+            n_labels_c,
+            n_labels_s,
+            canary_counts=dict(canary.labels),
+        )
     return out
 
 
-def _agreement(canary: Evidence, policy: Policy, alpha_adjusted: float) -> dict[str, Any] | None:
-    """Agreement with the primary on shadowed inputs, against the bar rather than stable."""
+def _agreement(canary: Evidence, policy: Policy) -> dict[str, Any] | None:
+    """Agreement with the primary on shadowed inputs, against the bar rather than stable, both
+    ways: below it is a breach (at the per-test alpha); above it is the shadow phase's gate (at
+    the whole alpha: its error is a promotion, of which a rollout makes at most one from there)."""
     n = len(canary.agreement)
     if n < policy.min_test_samples:
         return None
-    mean, lower, _, method = mean_bounds(canary.agreement, policy.alpha)
-    _, _, upper_adjusted, _ = mean_bounds(canary.agreement, alpha_adjusted)
-    return {"test": "agreement", "method": method, "mean": _finite(mean), "n_canary": n,
-            "bar": policy.min_agreement, "lower_bound": _finite(lower), "confidence": 1 - policy.alpha,
-            "upper_bound_adjusted": _finite(upper_adjusted),
-            "breach": upper_adjusted < policy.min_agreement, "meets_bar": lower >= policy.min_agreement}
+    below = bounded_mean_p(canary.agreement, policy.min_agreement, below=True)
+    above = bounded_mean_p(canary.agreement, policy.min_agreement, below=False)
+    return {
+        "test": "agreement",
+        "method": "betting",
+        "mean": _finite(float(np.mean(canary.agreement))),
+        "n_canary": n,
+        "bar": policy.min_agreement,
+        "p_value": _finite(below, 12),
+        "alpha": policy.alpha_per_test,
+        "breach": below <= policy.alpha_per_test,
+        "p_above_bar": _finite(above, 12),
+        "gate_alpha": policy.alpha,
+        "meets_bar": above <= policy.alpha,
+    }
 
 
 def decide(*, now: float, canary: Evidence, stable: Evidence, position: Position, policy: Policy) -> Decision:
@@ -309,7 +341,9 @@ def decide(*, now: float, canary: Evidence, stable: Evidence, position: Position
     weight = 0.0 if step == SHADOW_STEP else policy.steps[step]
     elapsed = max(0.0, now - position.step_started_at)
     evidence: dict[str, Any] = {
-        "at": now, "step": step, "weight": weight,
+        "at": now,
+        "step": step,
+        "weight": weight,
         "soak": {"elapsed_s": round(elapsed, 3), "required_s": policy.soak_s},
         "samples": {"canary": canary.requests, "stable": stable.requests, "required": policy.min_samples},
         "live_workers": {"canary": canary.live_workers, "stable": stable.live_workers},
@@ -321,25 +355,28 @@ def decide(*, now: float, canary: Evidence, stable: Evidence, position: Position
     if canary.live_workers <= 0 and now - position.started_at >= policy.worker_grace_s:
         return rollback("canary has no live worker")
     if canary.requests >= policy.hard_min_requests and canary.errors / canary.requests > policy.hard_error_rate:
-        return rollback(f"canary error rate {canary.errors / canary.requests:.3f} is over the hard "
-                        f"ceiling {policy.hard_error_rate}")
+        return rollback(
+            f"canary error rate {canary.errors / canary.requests:.3f} is over the hard ceiling {policy.hard_error_rate}"
+        )
 
     tests = _comparisons(canary, stable, policy, shadow=step == SHADOW_STEP)
-    family = (len(tests) + (1 if len(canary.agreement) >= policy.min_test_samples else 0)) \
-        * policy.looks_per_step * len(policy.steps)
-    alpha_adjusted = policy.alpha / max(1, family)
+    alpha = policy.alpha_per_test
     for test in tests:
-        test["alpha"] = alpha_adjusted
-        test["significant"] = test["p_value"] < alpha_adjusted
+        test["alpha"] = alpha
+        test["significant"] = test["p_value"] <= alpha
         test["breach"] = test["significant"] and test["effect"] is not None and test["effect"] > test["margin"]
         test["p_value"] = _finite(test["p_value"], 12)
-    agreement = _agreement(canary, policy, alpha_adjusted)
+    agreement = _agreement(canary, policy)
     if agreement is not None:
-        agreement["alpha"] = alpha_adjusted
         tests.append(agreement)
     evidence["tests"] = tests
-    evidence["correction"] = {"method": "bonferroni", "family_size": family, "alpha": policy.alpha,
-                              "alpha_per_test": alpha_adjusted}
+    evidence["correction"] = {
+        "method": "always-valid",
+        "tests_per_phase": TESTS_PER_PHASE,
+        "phases": policy.phases,
+        "alpha": policy.alpha,
+        "alpha_per_test": alpha,
+    }
 
     breached = [t["test"] for t in tests if t["breach"]]
     if breached:
@@ -358,11 +395,19 @@ def decide(*, now: float, canary: Evidence, stable: Evidence, position: Position
         elif len(canary.agreement) < policy.min_samples:
             waiting.append(f"agreement samples {len(canary.agreement)}/{policy.min_samples}")
         elif not agreement["meets_bar"]:
-            waiting.append(f"agreement lower bound {agreement['lower_bound']} below {policy.min_agreement}")
+            waiting.append(
+                f"agreement {agreement['mean']} not yet shown above {policy.min_agreement} "
+                f"(p {agreement['p_above_bar']:.3g})"
+            )
     if waiting:
         return Decision(action="continue", reason="; ".join(waiting), evidence=evidence)
     to_step = step + 1
     final = to_step == len(policy.steps) - 1
-    return Decision(action="promote", to_step=to_step, final=final, evidence=evidence,
-                    reason=f"no breach after {elapsed:.0f} s and {canary.requests} canary samples: "
-                           + ("canary becomes stable" if final else f"to {policy.steps[to_step]:g} %"))
+    return Decision(
+        action="promote",
+        to_step=to_step,
+        final=final,
+        evidence=evidence,
+        reason=f"no breach after {elapsed:.0f} s and {canary.requests} canary samples: "
+        + ("canary becomes stable" if final else f"to {policy.steps[to_step]:g} %"),
+    )

@@ -7,9 +7,10 @@ samples over the current step's window (`sluice.samples`) and their live workers
 admin API) and the decision row commit together. A routing change is then announced on
 `sluice:events`, as the API does. Every look is recorded, `continue` included.
 
-What would surprise a reader: the look interval is part of the statistics (it sets how many
-looks the Bonferroni correction covers), so the controller never looks more often than that,
-however often it is ticked.
+What would surprise a reader: the look interval is not part of the statistics (the guardrail's
+tests are always valid, however many looks there are); it only bounds the controller's reads of
+the samples streams, so the controller never looks more often than that, however often it is
+ticked.
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ class Look:
 
 
 class RolloutController:
-    def __init__(self, *, registry: Registry, redis: aioredis.Redis, clock: Callable[[], float] = time.time,
-                 actor: str = ACTOR) -> None:
+    def __init__(
+        self, *, registry: Registry, redis: aioredis.Redis, clock: Callable[[], float] = time.time, actor: str = ACTOR
+    ) -> None:
         self.registry = registry
         self.redis = redis
         self.clock = clock
@@ -95,9 +97,18 @@ class RolloutController:
             except (InvalidPolicy, TypeError, ValueError) as exc:
                 log.error("rollout %s of %s has an unusable policy, skipping it: %s", row.id, row.model, exc)
                 continue
-            active.append(Active(id=row.id, model=row.model, canary=row.canary, stable=row.stable, policy=policy,
-                                 step=row.step_index, step_started_at=row.step_started_at.timestamp(),
-                                 started_at=row.started_at.timestamp()))
+            active.append(
+                Active(
+                    id=row.id,
+                    model=row.model,
+                    canary=row.canary,
+                    stable=row.stable,
+                    policy=policy,
+                    step=row.step_index,
+                    step_started_at=row.step_started_at.timestamp(),
+                    started_at=row.started_at.timestamp(),
+                )
+            )
         return active
 
     async def _evidence(self, model: str, version: str, *, since: float, now: float) -> Evidence:
@@ -109,31 +120,52 @@ class RolloutController:
         now = self.clock()
         canary = await self._evidence(rollout.model, rollout.canary, since=rollout.step_started_at, now=now)
         stable = await self._evidence(rollout.model, rollout.stable, since=rollout.step_started_at, now=now)
-        decision = decide(now=now, canary=canary, stable=stable, policy=rollout.policy,
-                          position=Position(step=rollout.step, step_started_at=rollout.step_started_at,
-                                            started_at=rollout.started_at))
+        decision = decide(
+            now=now,
+            canary=canary,
+            stable=stable,
+            policy=rollout.policy,
+            position=Position(
+                step=rollout.step, step_started_at=rollout.step_started_at, started_at=rollout.started_at
+            ),
+        )
 
         def apply() -> rollouts.Applied | None:
             with self.registry.session() as session:
                 return rollouts.apply_decision(
-                    session, rollout_id=rollout.id, expected_step=rollout.step, action=decision.action,
-                    reason=decision.reason, evidence=decision.evidence, actor=self.actor,
-                    now=datetime.fromtimestamp(now, UTC), to_step=decision.to_step, final=decision.final,
+                    session,
+                    rollout_id=rollout.id,
+                    expected_step=rollout.step,
+                    action=decision.action,
+                    reason=decision.reason,
+                    evidence=decision.evidence,
+                    actor=self.actor,
+                    now=datetime.fromtimestamp(now, UTC),
+                    to_step=decision.to_step,
+                    final=decision.final,
                 )
 
         applied = await asyncio.to_thread(apply)
         self._last_look[rollout.id] = now
         if applied is not None and decision.action != "continue":
-            log.info("rollout %s of %s: %s at step %s: %s", rollout.id, rollout.model, decision.action,
-                     rollout.step, decision.reason)
+            log.info(
+                "rollout %s of %s: %s at step %s: %s",
+                rollout.id,
+                rollout.model,
+                decision.action,
+                rollout.step,
+                decision.reason,
+            )
         if applied is not None and applied.routing_changed:
             try:
                 await announce_routing(self.redis, rollout.model)
             except BrokerError as exc:
-                log.warning("could not announce the routing change of %s (replicas reload it on their "
-                            "periodic refresh): %s", rollout.model, exc)
-        return Look(rollout_id=rollout.id, model=rollout.model, step=rollout.step, decision=decision,
-                    applied=applied)
+                log.warning(
+                    "could not announce the routing change of %s (replicas reload it on their periodic refresh): %s",
+                    rollout.model,
+                    exc,
+                )
+        return Look(rollout_id=rollout.id, model=rollout.model, step=rollout.step, decision=decision, applied=applied)
 
     async def tick(self) -> list[Look]:
         """Look at every running rollout whose look interval has passed."""
@@ -149,8 +181,9 @@ class RolloutController:
             try:
                 looks.append(await self.look(rollout))
             except SluiceError as exc:
-                log.warning("rollout %s of %s: look failed, retrying on the next tick: %s",
-                            rollout.id, rollout.model, exc)
+                log.warning(
+                    "rollout %s of %s: look failed, retrying on the next tick: %s", rollout.id, rollout.model, exc
+                )
         return looks
 
     async def run(self, *, stopping: threading.Event, poll_s: float = 2.0) -> None:

@@ -22,6 +22,7 @@ from sluice.registry.tables import (
     Model,
     ModelVersion,
     Pin,
+    Rollout,
     RoutingWeight,
     Tenant,
 )
@@ -370,19 +371,49 @@ def update_version(
     return row, entry
 
 
-def rollback(session: Session, *, model: str, actor: str, reason: str | None) -> AuditEntry:
-    """All unpinned traffic to the most recently promoted stable version, in one audited change.
+def _completed_rollout(session: Session, model: str) -> Rollout | None:
+    """The model's latest rollout if it promoted its canary and that version is still stable."""
+    latest = session.scalars(select(Rollout).where(Rollout.model == model).order_by(Rollout.id.desc())).first()
+    if latest is None or latest.state != "promoted":
+        return None
+    return latest if get_version(session, model, latest.canary).state == VersionState.stable else None
 
-    Shadow sample rates are kept: a rollback moves traffic, it does not stop a comparison."""
-    stable = session.scalars(
+
+def _last_promoted_stable(session: Session, model: str) -> ModelVersion:
+    row = session.scalars(
         select(ModelVersion)
         .where(ModelVersion.model == model, ModelVersion.state == VersionState.stable)
         .order_by(ModelVersion.updated_at.desc())
     ).first()
-    if stable is None:
+    if row is None:
         raise Conflict(f"model '{model}' has no stable version to roll back to")
+    return row
+
+
+def rollback(session: Session, *, model: str, actor: str, reason: str | None) -> AuditEntry:
+    """All unpinned traffic back to the last stable version, in one audited change.
+
+    After a completed rollout that is the version the rollout replaced: the one it promoted is
+    then the most recently changed stable version, and the one being rolled back, so it goes to
+    `staged` as a rolled-back canary does (audited too). Otherwise it is the most recently
+    promoted stable version. Shadow sample rates are kept: a rollback moves traffic, it does not
+    stop a comparison."""
+    why = reason or "rollback"
+    undone = _completed_rollout(session, model)
+    if undone is None:
+        stable = _last_promoted_stable(session, model)
+    else:
+        stable = get_version(session, model, undone.stable)
+        if stable.state == VersionState.retired:
+            raise Conflict(f"'{stable.version}', which rollout {undone.id} replaced, is retired: set the routing "
+                           "weights instead")
+        update_version(session, model=model, version=undone.canary, actor=actor, state=VersionState.staged,
+                       reason=f"{why}: back from '{undone.canary}', which rollout {undone.id} promoted")
+        if stable.state != VersionState.stable:
+            update_version(session, model=model, version=stable.version, actor=actor, state=VersionState.stable,
+                           reason=f"{why}: back to '{stable.version}', which rollout {undone.id} replaced")
     shadows = {v.version for v in session.scalars(
         select(ModelVersion).where(ModelVersion.model == model, ModelVersion.state == VersionState.shadow))}
     weights = {v: w for v, w in routing_weights(session, model).items() if v in shadows}
     weights[stable.version] = 100.0
-    return set_routing(session, model=model, weights=weights, actor=actor, reason=reason or "rollback")
+    return set_routing(session, model=model, weights=weights, actor=actor, reason=why)

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import redis
@@ -53,22 +54,44 @@ async def aredis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
-def make_model(registry: Registry, *, kind: str = "synthetic", weights: dict[str, float] | None = None,
-               states: dict[str, str] | None = None) -> str:
+def make_model(
+    registry: Registry,
+    *,
+    kind: str = "synthetic",
+    weights: dict[str, float] | None = None,
+    states: dict[str, str] | None = None,
+) -> str:
     name = f"roll-{secrets.token_hex(3)}"
     states = states or {"v1": "stable", "v2": "staged"}
     with registry.session() as session:
         queries.create_model(session, name=name, kind=kind, actor="test")
         for version, state in states.items():
-            queries.register_version(session, model=name, version=version, artifact="synthetic:?fixed_s=0.001",
-                                     sha256=SHA, actor="test", state=state)
+            queries.register_version(
+                session,
+                model=name,
+                version=version,
+                artifact="synthetic:?fixed_s=0.001",
+                sha256=SHA,
+                actor="test",
+                state=state,
+            )
         queries.set_routing(session, model=name, weights=weights or {"v1": 100.0}, actor="test", reason="setup")
     return name
 
 
-def add_samples(rds: redis.Redis, model: str, version: str, *, at: float, n: int, seed: int, errors: int = 0,
-                latency_ms: float = 40.0, labels: dict[str, float] | None = None,
-                agreement: float | None = None) -> None:
+def add_samples(
+    rds: redis.Redis,
+    model: str,
+    version: str,
+    *,
+    at: float,
+    n: int,
+    seed: int,
+    errors: int = 0,
+    latency_ms: float = 40.0,
+    labels: dict[str, float] | None = None,
+    agreement: float | None = None,
+) -> None:
     """`n` finished jobs at simulated time `at`, as a worker's `_store` writes them."""
     rng = np.random.default_rng(seed)
     pipe = rds.pipeline(transaction=False)
@@ -76,8 +99,15 @@ def add_samples(rds: redis.Redis, model: str, version: str, *, at: float, n: int
     for i in range(n):
         failed = i < errors
         total = float(rng.lognormal(np.log(latency_ms), 0.3))
-        sample = {"s": "failed" if failed else "succeeded", "t": repr(at), "qw": "1.0", "m": repr(total / 2),
-                  "tt": repr(round(total, 3)), "b": "8", "r": "size"}
+        sample = {
+            "s": "failed" if failed else "succeeded",
+            "t": repr(at),
+            "qw": "1.0",
+            "m": repr(total / 2),
+            "tt": repr(round(total, 3)),
+            "b": "8",
+            "r": "size",
+        }
         quality: dict[str, Any] = {"size": 40}
         if labels and not failed:
             quality["label"] = str(rng.choice(names, p=list(labels.values())))
@@ -101,15 +131,22 @@ def weights(registry: Registry, model: str) -> dict[str, float]:
 
 def decision_rows(registry: Registry, rollout_id: int) -> list[RolloutDecision]:
     with registry.session() as session:
-        return list(session.scalars(select(RolloutDecision).where(RolloutDecision.rollout_id == rollout_id)
-                                    .order_by(RolloutDecision.id)))
+        return list(
+            session.scalars(
+                select(RolloutDecision).where(RolloutDecision.rollout_id == rollout_id).order_by(RolloutDecision.id)
+            )
+        )
 
 
 def routing_audit(registry: Registry, model: str) -> list[AuditEntry]:
     with registry.session() as session:
-        return list(session.scalars(select(AuditEntry).where(AuditEntry.model == model,
-                                                             AuditEntry.action == "routing.set")
-                                    .order_by(AuditEntry.id)))
+        return list(
+            session.scalars(
+                select(AuditEntry)
+                .where(AuditEntry.model == model, AuditEntry.action == "routing.set")
+                .order_by(AuditEntry.id)
+            )
+        )
 
 
 async def looks_at(controller: RolloutController, model: str) -> list[Look]:
@@ -119,8 +156,14 @@ async def looks_at(controller: RolloutController, model: str) -> list[Look]:
 
 def start(registry: Registry, model: str, clock: Clock, policy: Policy = POLICY, canary: str = "v2") -> int:
     with registry.session() as session:
-        return rollouts.start_rollout(session, model=model, canary=canary, policy=policy.to_dict(), actor="test",
-                                      now=datetime.fromtimestamp(clock.now, UTC)).id
+        return rollouts.start_rollout(
+            session,
+            model=model,
+            canary=canary,
+            policy=policy.to_dict(),
+            actor="test",
+            now=datetime.fromtimestamp(clock.now, UTC),
+        ).id
 
 
 async def test_a_healthy_canary_is_promoted_along_the_steps(
@@ -137,8 +180,10 @@ async def test_a_healthy_canary_is_promoted_along_the_steps(
     clock.now += 5
     beat(rds, model, "v1", "v2", at=clock.now)
     [first] = await looks_at(controller, model)
-    assert (first.decision.action, first.decision.reason) == ("continue", "soaking 5/60 s; canary samples 0/60; "
-                                                                          "stable samples 0/60")
+    assert (first.decision.action, first.decision.reason) == (
+        "continue",
+        "soaking 5/60 s; canary samples 0/60; stable samples 0/60",
+    )
     assert await looks_at(controller, model) == [], "a second tick within the look interval must not look"
 
     for seed, expected in ((1, {"v1": 50.0, "v2": 50.0}), (2, {"v2": 100.0})):
@@ -181,8 +226,7 @@ async def test_a_healthy_canary_is_promoted_along_the_steps(
     assert announced == [{"type": "routing", "model": model}] * 2
 
 
-async def test_an_erroring_canary_is_rolled_back(registry: Registry, rds: redis.Redis,
-                                                 aredis: aioredis.Redis) -> None:
+async def test_an_erroring_canary_is_rolled_back(registry: Registry, rds: redis.Redis, aredis: aioredis.Redis) -> None:
     model = make_model(registry, weights={"v1": 100.0})
     clock = Clock()
     rollout_id = start(registry, model, clock)
@@ -203,7 +247,13 @@ async def test_an_erroring_canary_is_rolled_back(registry: Registry, rds: redis.
         assert queries.get_version(session, model, "v2").state == "staged"
     rows = decision_rows(registry, rollout_id)
     assert [r.action for r in rows] == ["start", "rollback"]
-    assert rows[-1].evidence["correction"]["method"] == "bonferroni"
+    assert rows[-1].evidence["correction"] == {
+        "method": "always-valid",
+        "tests_per_phase": 5,
+        "phases": 3,
+        "alpha": 0.05,
+        "alpha_per_test": pytest.approx(0.05 / 15),
+    }
     assert routing_audit(registry, model)[-1].reason.startswith(f"rollout {rollout_id} rolled back")
 
 
@@ -216,8 +266,15 @@ async def test_a_confidently_wrong_classifier_is_rolled_back_on_its_labels(
     controller = RolloutController(registry=registry, redis=aredis, clock=clock)
     clock.now += 1
     add_samples(rds, model, "v1", at=clock.now, n=3000, seed=5, labels=LABELS)
-    add_samples(rds, model, "v2", at=clock.now, n=300, seed=6,
-                labels={"billing": 0.1, "tech": 0.6, "account": 0.2, "other": 0.1})
+    add_samples(
+        rds,
+        model,
+        "v2",
+        at=clock.now,
+        n=300,
+        seed=6,
+        labels={"billing": 0.1, "tech": 0.6, "account": 0.2, "other": 0.1},
+    )
     clock.now += 10
     beat(rds, model, "v1", "v2", at=clock.now)
     [look] = await looks_at(controller, model)
@@ -277,8 +334,9 @@ async def test_a_shadow_phase_passes_on_agreement_to_the_first_step(
 async def test_a_shadow_that_disagrees_is_rolled_back_and_copies_stop(
     registry: Registry, rds: redis.Redis, aredis: aioredis.Redis
 ) -> None:
-    model = make_model(registry, kind="classifier", weights={"v1": 100.0, "v2": 20.0},
-                       states={"v1": "stable", "v2": "shadow"})
+    model = make_model(
+        registry, kind="classifier", weights={"v1": 100.0, "v2": 20.0}, states={"v1": "stable", "v2": "shadow"}
+    )
     clock = Clock()
     start(registry, model, clock)
     controller = RolloutController(registry=registry, redis=aredis, clock=clock)
@@ -297,33 +355,92 @@ async def test_a_shadow_that_disagrees_is_rolled_back_and_copies_stop(
 async def test_abort_restores_the_weights_and_drops_a_stale_decision(
     registry: Registry, rds: redis.Redis, aredis: aioredis.Redis
 ) -> None:
-    model = make_model(registry, weights={"v1": 70.0, "v3": 30.0},
-                       states={"v1": "stable", "v2": "stable", "v3": "stable"})
+    model = make_model(
+        registry, weights={"v1": 70.0, "v3": 30.0}, states={"v1": "stable", "v2": "stable", "v3": "stable"}
+    )
     clock = Clock()
     rollout_id = start(registry, model, clock)
     assert weights(registry, model) == {"v1": 90.0, "v2": 10.0}
     with registry.session() as session, pytest.raises(Conflict):
-        rollouts.start_rollout(session, model=model, canary="v3", policy=POLICY.to_dict(), actor="test",
-                               now=datetime.now(UTC))
+        rollouts.start_rollout(
+            session, model=model, canary="v3", policy=POLICY.to_dict(), actor="test", now=datetime.now(UTC)
+        )
     with registry.session() as session:
         rollouts.abort_rollout(session, model=model, actor="test", now=datetime.now(UTC), reason="changed my mind")
     assert weights(registry, model) == {"v1": 70.0, "v3": 30.0}
     with registry.session() as session:
         assert queries.get_version(session, model, "v2").state == "stable", "the canary's state is restored"
-        stale = rollouts.apply_decision(session, rollout_id=rollout_id, expected_step=0, action="promote",
-                                        reason="late", evidence={}, actor="test", now=datetime.now(UTC), to_step=1)
+        stale = rollouts.apply_decision(
+            session,
+            rollout_id=rollout_id,
+            expected_step=0,
+            action="promote",
+            reason="late",
+            evidence={},
+            actor="test",
+            now=datetime.now(UTC),
+            to_step=1,
+        )
     assert stale is None
     assert [r.action for r in decision_rows(registry, rollout_id)] == ["start", "abort"]
     controller = RolloutController(registry=registry, redis=aredis, clock=clock)
     assert await looks_at(controller, model) == []
 
 
+def test_a_manual_rollback_after_a_completed_rollout_restores_the_replaced_version(
+    registry: Registry, admin: httpx.Client
+) -> None:
+    model = make_model(registry)
+    clock = Clock()
+    rollout_id = start(registry, model, clock)
+    for to_step in (1, 2):
+        with registry.session() as session:
+            applied = rollouts.apply_decision(
+                session,
+                rollout_id=rollout_id,
+                expected_step=to_step - 1,
+                action="promote",
+                reason="healthy",
+                evidence={},
+                actor="test",
+                now=datetime.now(UTC),
+                to_step=to_step,
+                final=to_step == 2,
+            )
+        assert applied is not None
+    assert weights(registry, model) == {"v2": 100.0}
+
+    rolled = admin.post(f"/v1/models/{model}/rollback", json={"reason": "v2 misbehaves at full traffic"})
+    assert rolled.status_code == 200, rolled.text
+    assert rolled.json()["routing"] == {"v1": 100.0}
+    assert rolled.json()["audit"]["before"] == {"v2": 100.0}
+    assert weights(registry, model) == {"v1": 100.0}
+    with registry.session() as session:
+        assert queries.get_version(session, model, "v1").state == "stable"
+        assert queries.get_version(session, model, "v2").state == "staged", "the rolled-back version stops serving"
+        [demoted] = session.scalars(
+            select(AuditEntry).where(
+                AuditEntry.model == model, AuditEntry.action == "version.update", AuditEntry.actor.startswith("key:")
+            )
+        )
+    assert (demoted.before["state"], demoted.after["state"]) == ("stable", "staged")
+    assert demoted.reason == f"v2 misbehaves at full traffic: back from 'v2', which rollout {rollout_id} promoted"
+    assert routing_audit(registry, model)[-1].reason == "v2 misbehaves at full traffic"
+
+    again = admin.post(f"/v1/models/{model}/rollback")
+    assert again.status_code == 200, again.text
+    assert again.json()["routing"] == {"v1": 100.0}, "a second rollback stays on the restored version"
+
+
 def test_the_cli_starts_shows_and_aborts_a_rollout(registry: Registry, redis_url: str, database_url: str) -> None:
     model = make_model(registry)
     runner = CliRunner()
     env = {"SLUICE_DATABASE_URL": database_url, "SLUICE_REDIS_URL": redis_url}
-    started = runner.invoke(app, ["rollout", "start", model, "v2", "--steps", "2,20,100", "--soak-s", "120",
-                                  "--min-samples", "100"], env=env)
+    started = runner.invoke(
+        app,
+        ["rollout", "start", model, "v2", "--steps", "2,20,100", "--soak-s", "120", "--min-samples", "100"],
+        env=env,
+    )
     assert started.exit_code == 0, started.output
     assert "'v2' against 'v1', starting at 2 %" in started.output
     assert weights(registry, model) == {"v1": 98.0, "v2": 2.0}
