@@ -53,7 +53,12 @@ class ModelHandler(Protocol):
         ...
 
     def run(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        """One output per input, same order; raises InferenceError if the batch fails."""
+        """One output per input, same order.
+
+        Raise InferenceError when an input itself is bad: the worker bisects the batch and fails
+        that job for good. Any other exception is taken for the worker's fault (a bug, a lost
+        device): the job is delivered again, and dead-lettered with the message if it never runs.
+        """
         ...
 
 
