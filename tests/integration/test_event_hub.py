@@ -66,7 +66,8 @@ def test_a_long_poll_returns_at_once_while_a_routing_reload_waits_on_postgres(
         answer = poll.result(timeout=WAIT_S + 10)
         answered_after = time.monotonic() - cancelled_at
         assert waiting() >= 1, "the reload stopped waiting before the long-poll was judged"
-    released_at = time.time()
+        # Read before the lock goes: the waiting reload may finish before this thread runs again.
+        released_at = time.time()
     assert answer.status_code == 200 and answer.json()["status"] == "cancelled", answer.text
     assert answered_after < 1.0, f"the long-poll answered {answered_after:.1f} s after the job was cancelled"
     # Once the lock is gone the reload that waited on it completes.
