@@ -33,7 +33,6 @@ import json
 import math
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -302,7 +301,8 @@ def measure(stack: Stack, args: argparse.Namespace) -> tuple[list[dict[str, Any]
                 )
                 phases.append({**phase, "kind": "saturation", "repeat": repeat})
                 print(progress_line(phase), flush=True)
-    celery_sat = args.celery_rate or statistics.median(p["throughput"] for p in phases if p["system"] == "celery")
+    # The saturation the summary reports: the median over repeats of each repeat's best level.
+    celery_sat = args.celery_rate or summarise(phases, [])["saturation"]["celery"]["median"]
     for repeat in range(args.repeats):
         for factor in args.load_factors:
             for system in SYSTEMS if repeat % 2 == 0 else SYSTEMS[::-1]:
