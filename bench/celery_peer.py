@@ -7,9 +7,10 @@ submitting ONE job and waiting for ITS result (issue 9, point 1).
   `sluice worker` processes x 1 thread for `minilm` v1, batches of up to 32 after 10 ms).
 
 Both run side by side on one private redis-server (Sluice on DB 0, Celery's broker and result
-backend on DB 1) and are measured one at a time, the order alternating between repeats. Every
-phase runs its client in a fresh process (`bench.peer_client`) over the same texts (the skewed
-mix) and, for the latency phases, the same Poisson timetable.
+backend on DB 1) and are measured one at a time, the order alternating between repeats, each
+phase after waiting up to `--quiet-wait` s for an idle machine. Every phase runs its client in a
+fresh process (`bench.peer_client`) over the same texts (the skewed mix) and, for the latency
+phases, the same Poisson timetable.
 
 1. **Saturation**, per repeat and system: closed loops of `--levels` concurrent clients (each
    sends its next job once the last one's result is in), `--sat-jobs` jobs each. Throughput is
@@ -22,7 +23,7 @@ mix) and, for the latency phases, the same Poisson timetable.
 3. **CPU per job** of each process group over each phase's window (/proc utime + stime): the API,
    the Sluice workers, the Celery workers (parent and children), the redis-server, the client.
 
-Run: ``python -m bench.celery_peer [--repeats 2]``; ``--quick`` for a smoke check (~1.5 min).
+Run: ``python -m bench.celery_peer [--repeats 2]``; ``--quick`` for a smoke check (~1 min).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from bench.common import (
     machine_info,
     private_redis,
     sigterm_as_interrupt,
+    wait_quiet,
     write_json,
 )
 from bench.peer_client import COLUMNS
@@ -65,6 +67,7 @@ FULL = {
     "sat_jobs": 600,
     "load_factors": "0.5,0.8",
     "load_jobs": 600,
+    "quiet_wait": 10.0,
     "output": "celery_peer.json",
 }
 QUICK = {
@@ -73,6 +76,7 @@ QUICK = {
     "sat_jobs": 150,
     "load_factors": "0.8",
     "load_jobs": 300,
+    "quiet_wait": 0.0,
     "output": "celery_peer_quick.json",
 }
 JOB_TIMEOUT_S = 120.0
@@ -280,52 +284,47 @@ def measure(stack: Stack, args: argparse.Namespace) -> tuple[list[dict[str, Any]
     median saturation; both systems in each repeat, the order alternating."""
     workdir = stack.platform.home / "logs"
     phases: list[dict[str, Any]] = []
+
+    def one(what: str, spec: dict[str, Any], **labels: Any) -> None:
+        print(f"[repeat {labels['repeat'] + 1}] {spec['system']}: {what} ...", flush=True)
+        busy = wait_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
+        phase = run_phase(stack, spec, workdir)
+        phases.append({**phase, **labels, "busy_cores_before": busy})
+        print(progress_line(phase), flush=True)
+
     for repeat in range(args.repeats):
         for system in SYSTEMS if repeat % 2 == 0 else SYSTEMS[::-1]:
             for level in args.levels:
-                print(
-                    f"[repeat {repeat + 1}] {system}: closed loop, {level} clients, {args.sat_jobs} jobs ...",
-                    flush=True,
-                )
-                phase = run_phase(
-                    stack,
-                    {
-                        "system": system,
-                        "mode": "closed",
-                        "n": args.sat_jobs,
-                        "seed": args.seed + repeat,
-                        "concurrency": level,
-                        "threads": level,
-                    },
-                    workdir,
-                )
-                phases.append({**phase, "kind": "saturation", "repeat": repeat})
-                print(progress_line(phase), flush=True)
+                spec = {
+                    "system": system,
+                    "mode": "closed",
+                    "n": args.sat_jobs,
+                    "seed": args.seed + repeat,
+                    "concurrency": level,
+                    "threads": level,
+                }
+                one(f"closed loop, {level} clients, {args.sat_jobs} jobs", spec, kind="saturation", repeat=repeat)
     # The saturation the summary reports: the median over repeats of each repeat's best level.
     celery_sat = args.celery_rate or summarise(phases, [])["saturation"]["celery"]["median"]
     for repeat in range(args.repeats):
         for factor in args.load_factors:
             for system in SYSTEMS if repeat % 2 == 0 else SYSTEMS[::-1]:
                 rate = factor * celery_sat
-                print(
-                    f"[repeat {repeat + 1}] {system}: open loop at {rate:.1f} jobs/s ({factor:.0%} of Celery's "
-                    f"saturation), {args.load_jobs} requests ...",
-                    flush=True,
+                spec = {
+                    "system": system,
+                    "mode": "open",
+                    "n": args.load_jobs,
+                    "rate": rate,
+                    "seed": args.seed + 100 + repeat,
+                    "threads": args.client_threads,
+                }
+                one(
+                    f"open loop at {rate:.1f} jobs/s ({factor:.0%} of Celery's saturation), {args.load_jobs} requests",
+                    spec,
+                    kind="latency",
+                    repeat=repeat,
+                    factor=factor,
                 )
-                phase = run_phase(
-                    stack,
-                    {
-                        "system": system,
-                        "mode": "open",
-                        "n": args.load_jobs,
-                        "rate": rate,
-                        "seed": args.seed + 100 + repeat,
-                        "threads": args.client_threads,
-                    },
-                    workdir,
-                )
-                phases.append({**phase, "kind": "latency", "repeat": repeat, "factor": factor})
-                print(progress_line(phase), flush=True)
     return phases, celery_sat
 
 
@@ -347,6 +346,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--client-threads", type=int, default=128, help="the Celery client's threads in the open loops")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        help="before each phase, wait up to this many s for the machine to be idle (10; quick 0)",
+    )
     parser.add_argument(
         "--pg-url",
         default="postgresql://postgres@127.0.0.1:5432/test",
