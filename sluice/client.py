@@ -2,17 +2,20 @@
 
 Both answer plain dicts (the API's resources) and raise `ClientError` for every error answer,
 decoded by one function. A client waiting for a job holds one long-poll at a time and re-issues
-it until the job is final.
+it until the job is final; waiting on many jobs (`wait_many`, `as_completed`) holds one
+long-poll for all of them (`GET /v1/jobs?ids=`), re-issued with the ids still pending.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import httpx
 
 from sluice.errors import SluiceError
+from sluice.jobs import MAX_WAIT_IDS
 
 FINAL = {"succeeded", "failed", "expired", "cancelled"}
 
@@ -52,9 +55,48 @@ def _job_params(wait_s: float) -> dict[str, float] | None:
     return {"wait": wait_s} if wait_s else None
 
 
+class _Waiting:
+    """One wait on many jobs, whichever client makes the requests: what to ask next and what each
+    answer settled. A request names at most MAX_WAIT_IDS jobs, the first still pending in the
+    order given, so with more a job further back is noticed once it is among them."""
+
+    def __init__(self, ids: Iterable[str], timeout_s: float) -> None:
+        self.ids = list(ids)
+        self.pending = list(dict.fromkeys(self.ids))
+        self.done: dict[str, dict[str, Any]] = {}
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.asked = False
+
+    def next_request(self) -> tuple[dict[str, Any], float]:
+        """The next long-poll's query and its wait; WaitTimeout once the time is up (the first
+        request is always made, so jobs already final are answered even with no time to wait)."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0 and self.asked:
+            raise WaitTimeout(list(self.pending), self.timeout_s)
+        self.asked = True
+        wait_s = min(POLL_S, max(0.0, remaining))
+        return {"ids": ",".join(self.pending[:MAX_WAIT_IDS]), "wait": wait_s}, wait_s
+
+    def settle(self, body: Any) -> list[dict[str, Any]]:
+        """The jobs an answer found final, in the order they finished; ClientError (404) when it
+        says a job does not exist, as `wait` on that job would."""
+        if body["not_found"]:
+            raise ClientError(404, "not_found", f"job '{body['not_found'][0]}' does not exist")
+        finished = [dict(job) for job in body["jobs"] if job["id"] not in self.done]
+        finished.sort(key=lambda job: job["timings"].get("finished_at") or "")
+        self.done.update((job["id"], job) for job in finished)
+        self.pending = [job_id for job_id in self.pending if job_id not in self.done]
+        return finished
+
+    def results(self) -> list[dict[str, Any]]:
+        return [self.done[job_id] for job_id in self.ids]
+
+
 class SluiceClient:
     def __init__(self, *, base_url: str, api_key: str, timeout_s: float = 30.0,
                  transport: httpx.BaseTransport | None = None) -> None:
+        self._timeout_s = timeout_s
         self._http = httpx.Client(base_url=base_url, timeout=timeout_s, transport=transport,
                                   headers={"Authorization": f"Bearer {api_key}"})
 
@@ -90,6 +132,22 @@ class SluiceClient:
         while job["status"] not in FINAL and time.monotonic() < deadline:
             job = self.job(job_id, wait_s=min(poll_s, max(0.1, deadline - time.monotonic())))
         return job
+
+    def wait_many(self, ids: Iterable[str], *, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """Every job final, in the order of `ids`; WaitTimeout naming those that are not in time."""
+        waiting = _Waiting(ids, timeout_s)
+        for _ in self._completed(waiting):
+            pass
+        return waiting.results()
+
+    def as_completed(self, ids: Iterable[str], *, timeout_s: float = 60.0) -> Iterator[dict[str, Any]]:
+        """Each job's final resource as it finishes; WaitTimeout when some are not in time."""
+        return self._completed(_Waiting(ids, timeout_s))
+
+    def _completed(self, waiting: _Waiting) -> Iterator[dict[str, Any]]:
+        while waiting.pending:
+            params, wait_s = waiting.next_request()
+            yield from waiting.settle(self._call("GET", "/v1/jobs", params=params, timeout=self._timeout_s + wait_s))
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         return dict(self._call("DELETE", f"/v1/jobs/{job_id}"))
@@ -153,6 +211,25 @@ class AsyncClient:
                 raise WaitTimeout([job_id], timeout_s)
             job = await self.job(job_id, wait_s=min(POLL_S, remaining))
         return job
+
+    async def wait_many(self, ids: Iterable[str], *, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """Every job final, in the order of `ids`, through one long-poll at a time for all of
+        them; WaitTimeout naming those that are not final within `timeout_s`."""
+        waiting = _Waiting(ids, timeout_s)
+        async for _ in self._completed(waiting):
+            pass
+        return waiting.results()
+
+    def as_completed(self, ids: Iterable[str], *, timeout_s: float = 60.0) -> AsyncIterator[dict[str, Any]]:
+        """Each job's final resource as it finishes (`async for`); WaitTimeout when some are not
+        final within `timeout_s`."""
+        return self._completed(_Waiting(ids, timeout_s))
+
+    async def _completed(self, waiting: _Waiting) -> AsyncIterator[dict[str, Any]]:
+        while waiting.pending:
+            params, wait_s = waiting.next_request()
+            for job in waiting.settle(await self._call("GET", "/v1/jobs", params=params, wait_s=wait_s)):
+                yield job
 
     async def cancel(self, job_id: str) -> dict[str, Any]:
         return dict(await self._call("DELETE", f"/v1/jobs/{job_id}"))

@@ -4,6 +4,8 @@ worker where jobs must run; jobs that must stay pending go to a model no worker 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -11,9 +13,10 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import REGISTRY
 
 from launch.seed import Seeded
-from sluice.client import AsyncClient, ClientError, WaitTimeout
+from sluice.client import AsyncClient, ClientError, SluiceClient, WaitTimeout
 from sluice.connections import connect
 from tests.support import ApiServer
 from workers.consumer import Worker
@@ -122,3 +125,108 @@ async def test_async_client_many_concurrent_submits_and_waits(
         jobs = await asyncio.gather(*(sluice.wait(job["id"], timeout_s=30) for job in submitted))
     assert [job["status"] for job in jobs] == ["succeeded"] * len(texts)
     assert [job["output"]["echo"]["text"] for job in jobs] == texts
+
+
+# --- many jobs, one long-poll ----------------------------------------------------------------------
+
+
+def _requests(route: str) -> float:
+    """GET requests the in-process API has answered 200 on `route` (its metrics, a template)."""
+    labels = {"route": route, "method": "GET", "status": "200"}
+    return REGISTRY.get_sample_value("sluice_api_requests_total", labels) or 0.0
+
+
+async def _cancel_in_turn(sluice: AsyncClient, ids: list[str], *, gap_s: float) -> None:
+    for job_id in ids:
+        await asyncio.sleep(gap_s)
+        await sluice.cancel(job_id)
+
+
+async def test_wait_many_answers_every_job_in_the_order_of_ids(
+    client: Callable[..., AsyncClient], register_synthetic: Callable[..., str]
+) -> None:
+    model = register_synthetic("aclient-many")
+    async with client() as sluice:
+        ids = await sluice.submit_bulk(model, [{"text": f"t{i}"} for i in range(5)])
+        await sluice.cancel(ids[1])
+        order = [ids[3], ids[0], ids[4], ids[2]]
+        cancelling = asyncio.create_task(_cancel_in_turn(sluice, order, gap_s=0.1))
+        jobs = await sluice.wait_many([*ids, ids[1]], timeout_s=30)
+        await cancelling
+    assert [job["id"] for job in jobs] == [*ids, ids[1]]
+    assert {job["status"] for job in jobs} == {"cancelled"}
+
+
+async def test_as_completed_yields_jobs_in_the_order_they_finish(
+    client: Callable[..., AsyncClient], register_synthetic: Callable[..., str]
+) -> None:
+    model = register_synthetic("aclient-asc")
+    async with client() as sluice:
+        ids = await sluice.submit_bulk(model, [{"text": f"t{i}"} for i in range(4)])
+        order = [ids[2], ids[0], ids[3], ids[1]]
+        cancelling = asyncio.create_task(_cancel_in_turn(sluice, order, gap_s=0.3))
+        seen = [job["id"] async for job in sluice.as_completed(ids, timeout_s=30)]
+        await cancelling
+    assert seen == order
+
+
+async def test_waits_on_many_jobs_raise_a_timeout_naming_the_jobs_not_final(
+    client: Callable[..., AsyncClient], register_synthetic: Callable[..., str]
+) -> None:
+    model = register_synthetic("aclient-many-timeout")
+    async with client() as sluice:
+        ids = await sluice.submit_bulk(model, [{"text": f"t{i}"} for i in range(3)])
+        await sluice.cancel(ids[1])
+        started = time.monotonic()
+        with pytest.raises(WaitTimeout) as timeout:
+            await sluice.wait_many(ids, timeout_s=0.5)
+        assert 0.45 < time.monotonic() - started < 5
+        assert timeout.value.pending == [ids[0], ids[2]] and ids[2] in str(timeout.value)
+        seen = []
+        with pytest.raises(WaitTimeout):
+            async for job in sluice.as_completed(ids, timeout_s=0.3):
+                seen.append(job["id"])
+        assert seen == [ids[1]]
+        with pytest.raises(ClientError) as missing:
+            await sluice.wait_many([ids[1], "job_doesnotexist"], timeout_s=5)
+    assert (missing.value.status, missing.value.code) == (404, "not_found")
+
+
+async def test_one_long_poll_waits_on_many_jobs(
+    client: Callable[..., AsyncClient], register_synthetic: Callable[..., str], aredis: aioredis.Redis
+) -> None:
+    idle, busy = register_synthetic("aclient-idle"), register_synthetic("aclient-busy")
+    async with client() as sluice:
+        pending = await sluice.submit_bulk(idle, [{"text": f"t{i}"} for i in range(50)])
+        before = _requests("/v1/jobs"), _requests("/v1/jobs/{job_id}")
+        with pytest.raises(WaitTimeout):
+            await sluice.wait_many(pending, timeout_s=1.0)
+        # 50 jobs waited on for a second: one request, not one per job.
+        assert (_requests("/v1/jobs") - before[0], _requests("/v1/jobs/{job_id}") - before[1]) == (1, 0)
+
+        ids = await sluice.submit_bulk(busy, [{"text": f"text {i}"} for i in range(60)])
+        before = _requests("/v1/jobs"), _requests("/v1/jobs/{job_id}")
+        async with running(aredis, busy):
+            jobs = await sluice.wait_many(ids, timeout_s=60)
+        requests = _requests("/v1/jobs") - before[0]
+    assert [job["output"]["echo"]["text"] for job in jobs] == [f"text {i}" for i in range(60)]
+    # About one request per batch the worker finished (batches of up to 16), never one per job.
+    assert 1 <= requests <= 20 and _requests("/v1/jobs/{job_id}") == before[1], requests
+
+
+def test_the_sync_client_waits_on_many_jobs_with_the_same_logic(
+    api: ApiServer, seeded: Seeded, register_synthetic: Callable[..., str]
+) -> None:
+    model = register_synthetic("client-many")
+    with SluiceClient(base_url=api.url, api_key=seeded.demo_key) as sluice:
+        ids = sluice.submit_bulk(model, [{"text": f"t{i}"} for i in range(3)])
+        sluice.cancel(ids[2])
+        later = threading.Timer(0.3, sluice.cancel, args=[ids[0]])
+        later.start()
+        seen = [job["id"] for job in itertools.islice(sluice.as_completed(ids, timeout_s=30), 2)]
+        later.join()
+        assert seen == [ids[2], ids[0]]
+        sluice.cancel(ids[1])
+        assert [job["id"] for job in sluice.wait_many(ids, timeout_s=30)] == ids
+        with pytest.raises(WaitTimeout):
+            sluice.wait_many([*ids, sluice.submit(model, {"text": "never runs"})["id"]], timeout_s=0.3)
