@@ -41,7 +41,7 @@ _WAIT = (
 
 
 def _listed(ids: str) -> list[str]:
-    listed = [job_id for job_id in ids.split(",") if job_id]
+    listed = [job_id for job_id in (part.strip() for part in ids.split(",")) if job_id]
     if not listed:
         raise InvalidInput("ids must name at least one job")
     if len(listed) > MAX_WAIT_IDS:

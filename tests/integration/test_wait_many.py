@@ -178,6 +178,8 @@ def test_an_id_listed_twice_is_answered_once(demo: httpx.Client, queued: Submit)
     demo.delete(f"/v1/jobs/{b}")
     body = _wait(demo, [a, b, a, b, b], wait=5)
     assert [job["id"] for job in body["jobs"]] == [b] and body["pending"] == [a]
+    spaced = demo.get("/v1/jobs", params={"ids": f" {a} , {b},{a} "}).json()
+    assert [job["id"] for job in spaced["jobs"]] == [b] and spaced["pending"] == [a]
 
 
 def test_at_most_256_ids(demo: httpx.Client) -> None:
