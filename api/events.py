@@ -6,12 +6,13 @@ import asyncio
 import logging
 import random
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
 from sluice import events
+from sluice.jobs import FINAL_STATES
 
 log = logging.getLogger(__name__)
 
@@ -20,11 +21,30 @@ log = logging.getLogger(__name__)
 EventHandler = Callable[[events.Event], None]
 
 
+class FinalWatch:
+    """One waiter on many jobs, registered under each of their ids: set when any of them is
+    announced final (a job going to `running` does not wake it), or by `wake_all`."""
+
+    __slots__ = ("event", "finished")
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.finished: set[str] = set()
+
+    def take(self) -> set[str]:
+        """The jobs announced final since the last take, and re-arm; empty after a `wake_all`,
+        which may follow missed events, so the waiter must then re-read every job it watches."""
+        finished, self.finished = self.finished, set()
+        self.event.clear()
+        return finished
+
+
 class EventHub:
     def __init__(self, *, redis: aioredis.Redis, on_control: EventHandler) -> None:
         self.redis = redis
         self.on_control = on_control
         self._waiters: dict[str, set[asyncio.Event]] = defaultdict(set)
+        self._final_watches: dict[str, set[FinalWatch]] = defaultdict(set)
         self.connected = asyncio.Event()
 
     def watch(self, job_id: str) -> asyncio.Event:
@@ -40,16 +60,38 @@ class EventHub:
             if not waiters:
                 del self._waiters[job_id]
 
+    def watch_final(self, job_ids: Iterable[str]) -> FinalWatch:
+        """One watch for many jobs; like `watch`, register before reading them."""
+        watch = FinalWatch()
+        for job_id in job_ids:
+            self._final_watches[job_id].add(watch)
+        return watch
+
+    def unwatch_final(self, job_ids: Iterable[str], watch: FinalWatch) -> None:
+        for job_id in job_ids:
+            watches = self._final_watches.get(job_id)
+            if watches is not None:
+                watches.discard(watch)
+                if not watches:
+                    del self._final_watches[job_id]
+
     def wake_all(self) -> None:
         """Wake every long-poll and SSE stream, e.g. so they end when the process drains."""
         for waiters in self._waiters.values():
             for event in waiters:
                 event.set()
+        for watches in self._final_watches.values():
+            for watch in watches:
+                watch.event.set()
 
     def _dispatch(self, event: events.Event) -> None:
         if isinstance(event, events.JobChanged):
             for waiter in self._waiters.get(event.id, ()):
                 waiter.set()
+            if event.status in FINAL_STATES:
+                for watch in self._final_watches.get(event.id, ()):
+                    watch.finished.add(event.id)
+                    watch.event.set()
         else:
             self.on_control(event)
 

@@ -30,6 +30,7 @@ __all__ = [
     "ErrorResource",
     "JobError",
     "JobResource",
+    "JobSet",
     "ModelList",
     "ModelResource",
     "RoutingChange",
@@ -86,6 +87,16 @@ class JobResource(BaseModel):
     output: dict[str, Any] | _Absent = None
     error: JobError | _Absent = None
     metadata: dict[str, str | int | float | bool | None] | _Absent = None
+
+
+class JobSet(BaseModel):
+    """The answer to `GET /v1/jobs?ids=`: every listed id once, in the order listed, in one of
+    three lists."""
+
+    jobs: list[JobResource] = Field(description="The listed jobs that are final")
+    pending: list[str] = Field(description="The ids of the listed jobs not final yet (queued or running)")
+    not_found: list[str] = Field(description="Ids that name no job of the caller: unknown, expired or "
+                                             "another tenant's")
 
 
 class BulkAccepted(BaseModel):

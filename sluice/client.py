@@ -1,15 +1,26 @@
-"""A small Python client for the REST API (httpx; sync)."""
+"""Python clients for the REST API (httpx): `SluiceClient` (sync) and `AsyncClient`.
+
+Both answer plain dicts (the API's resources) and raise `ClientError` for every error answer,
+decoded by one function. A client waiting for a job holds one long-poll at a time and re-issues
+it until the job is final; waiting on many jobs (`wait_many`, `as_completed`) holds one
+long-poll for all of them (`GET /v1/jobs?ids=`), re-issued with the ids still pending.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import httpx
 
 from sluice.errors import SluiceError
+from sluice.jobs import MAX_WAIT_IDS
 
 FINAL = {"succeeded", "failed", "expired", "cancelled"}
+
+# The longest single long-poll a client asks for; the API may cap it lower (`max_wait_s`).
+POLL_S = 20.0
 
 
 class ClientError(SluiceError):
@@ -20,9 +31,72 @@ class ClientError(SluiceError):
         self.message = message
 
 
+class WaitTimeout(SluiceError, TimeoutError):
+    """Jobs still not final when a client's wait ran out; `pending` names them."""
+
+    def __init__(self, pending: list[str], timeout_s: float) -> None:
+        shown = ", ".join(pending[:5]) + (", ..." if len(pending) > 5 else "")
+        super().__init__(f"{len(pending)} job(s) not final after {timeout_s:g} s: {shown}")
+        self.pending = pending
+
+
+def _decode(response: httpx.Response) -> Any:
+    """The body of a successful answer; the API's error body as ClientError otherwise."""
+    if response.status_code >= 400:
+        try:
+            error = response.json()["error"]
+            raise ClientError(response.status_code, error["code"], error["message"])
+        except (ValueError, KeyError, TypeError):
+            raise ClientError(response.status_code, "http_error", response.text[:200]) from None
+    return response.json()
+
+
+def _job_params(wait_s: float) -> dict[str, float] | None:
+    return {"wait": wait_s} if wait_s else None
+
+
+class _Waiting:
+    """One wait on many jobs, whichever client makes the requests: what to ask next and what each
+    answer settled. A request names at most MAX_WAIT_IDS jobs, the first still pending in the
+    order given, so with more a job further back is noticed once it is among them."""
+
+    def __init__(self, ids: Iterable[str], timeout_s: float) -> None:
+        self.ids = list(ids)
+        self.pending = list(dict.fromkeys(self.ids))
+        self.done: dict[str, dict[str, Any]] = {}
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.asked = False
+
+    def next_request(self) -> tuple[dict[str, Any], float]:
+        """The next long-poll's query and its wait; WaitTimeout once the time is up (the first
+        request is always made, so jobs already final are answered even with no time to wait)."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0 and self.asked:
+            raise WaitTimeout(list(self.pending), self.timeout_s)
+        self.asked = True
+        wait_s = min(POLL_S, max(0.0, remaining))
+        return {"ids": ",".join(self.pending[:MAX_WAIT_IDS]), "wait": wait_s}, wait_s
+
+    def settle(self, body: Any) -> list[dict[str, Any]]:
+        """The jobs an answer found final, in the order they finished; ClientError (404) when it
+        says a job does not exist, as `wait` on that job would."""
+        if body["not_found"]:
+            raise ClientError(404, "not_found", f"job '{body['not_found'][0]}' does not exist")
+        finished = [dict(job) for job in body["jobs"] if job["id"] not in self.done]
+        finished.sort(key=lambda job: job["timings"].get("finished_at") or "")
+        self.done.update((job["id"], job) for job in finished)
+        self.pending = [job_id for job_id in self.pending if job_id not in self.done]
+        return finished
+
+    def results(self) -> list[dict[str, Any]]:
+        return [self.done[job_id] for job_id in self.ids]
+
+
 class SluiceClient:
     def __init__(self, *, base_url: str, api_key: str, timeout_s: float = 30.0,
                  transport: httpx.BaseTransport | None = None) -> None:
+        self._timeout_s = timeout_s
         self._http = httpx.Client(base_url=base_url, timeout=timeout_s, transport=transport,
                                   headers={"Authorization": f"Bearer {api_key}"})
 
@@ -36,14 +110,7 @@ class SluiceClient:
         self._http.close()
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        response = self._http.request(method, path, **kwargs)
-        if response.status_code >= 400:
-            try:
-                error = response.json()["error"]
-                raise ClientError(response.status_code, error["code"], error["message"])
-            except (ValueError, KeyError, TypeError):
-                raise ClientError(response.status_code, "http_error", response.text[:200]) from None
-        return response.json()
+        return _decode(self._http.request(method, path, **kwargs))
 
     def submit(self, model: str, input: dict[str, Any], *, idempotency_key: str | None = None,
                **options: Any) -> dict[str, Any]:
@@ -56,15 +123,31 @@ class SluiceClient:
         return list(body["ids"])
 
     def job(self, job_id: str, *, wait_s: float = 0) -> dict[str, Any]:
-        return dict(self._call("GET", f"/v1/jobs/{job_id}", params={"wait": wait_s} if wait_s else None))
+        return dict(self._call("GET", f"/v1/jobs/{job_id}", params=_job_params(wait_s)))
 
-    def wait(self, job_id: str, *, timeout_s: float = 60.0, poll_s: float = 20.0) -> dict[str, Any]:
+    def wait(self, job_id: str, *, timeout_s: float = 60.0, poll_s: float = POLL_S) -> dict[str, Any]:
         """Long-poll until the job is final or `timeout_s` passes; answer the last resource."""
         deadline = time.monotonic() + timeout_s
         job = self.job(job_id)
         while job["status"] not in FINAL and time.monotonic() < deadline:
             job = self.job(job_id, wait_s=min(poll_s, max(0.1, deadline - time.monotonic())))
         return job
+
+    def wait_many(self, ids: Iterable[str], *, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """Every job final, in the order of `ids`; WaitTimeout naming those that are not in time."""
+        waiting = _Waiting(ids, timeout_s)
+        for _ in self._completed(waiting):
+            pass
+        return waiting.results()
+
+    def as_completed(self, ids: Iterable[str], *, timeout_s: float = 60.0) -> Iterator[dict[str, Any]]:
+        """Each job's final resource as it finishes; WaitTimeout when some are not in time."""
+        return self._completed(_Waiting(ids, timeout_s))
+
+    def _completed(self, waiting: _Waiting) -> Iterator[dict[str, Any]]:
+        while waiting.pending:
+            params, wait_s = waiting.next_request()
+            yield from waiting.settle(self._call("GET", "/v1/jobs", params=params, timeout=self._timeout_s + wait_s))
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         return dict(self._call("DELETE", f"/v1/jobs/{job_id}"))
@@ -76,4 +159,80 @@ class SluiceClient:
         return dict(self._call("PUT", f"/v1/models/{model}/routing", json={"weights": weights, "reason": reason}))
 
 
-__all__ = ["ClientError", "SluiceClient"]
+class AsyncClient:
+    """The asyncio client: one connection pool shared by every call, so many jobs can be in
+    flight from one event loop. Use it as an async context manager (or call `aclose`).
+
+    `wait` raises WaitTimeout when the job is not final in time (the sync `wait` answers the
+    last resource instead). A long-poll's own HTTP timeout is `timeout_s` plus its wait.
+    """
+
+    def __init__(self, *, base_url: str, api_key: str, timeout_s: float = 30.0,
+                 max_connections: int = 100) -> None:
+        self._timeout_s = timeout_s
+        self._http = httpx.AsyncClient(
+            base_url=base_url, timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"},
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, method: str, path: str, *, wait_s: float = 0, **kwargs: Any) -> Any:
+        timeout = self._timeout_s + wait_s
+        return _decode(await self._http.request(method, path, timeout=timeout, **kwargs))
+
+    async def submit(self, model: str, input: dict[str, Any], *, idempotency_key: str | None = None,
+                     **options: Any) -> dict[str, Any]:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return dict(await self._call("POST", f"/v1/models/{model}/jobs", json={"input": input, **options},
+                                     headers=headers))
+
+    async def submit_bulk(self, model: str, inputs: list[dict[str, Any]], **options: Any) -> list[str]:
+        body = await self._call("POST", f"/v1/models/{model}/jobs:bulk", json={"inputs": inputs, **options})
+        return list(body["ids"])
+
+    async def job(self, job_id: str, *, wait_s: float = 0) -> dict[str, Any]:
+        return dict(await self._call("GET", f"/v1/jobs/{job_id}", params=_job_params(wait_s), wait_s=wait_s))
+
+    async def wait(self, job_id: str, *, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Long-poll until the job is final; WaitTimeout if it is not within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        job = await self.job(job_id, wait_s=min(POLL_S, timeout_s))
+        while job["status"] not in FINAL:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WaitTimeout([job_id], timeout_s)
+            job = await self.job(job_id, wait_s=min(POLL_S, remaining))
+        return job
+
+    async def wait_many(self, ids: Iterable[str], *, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """Every job final, in the order of `ids`, through one long-poll at a time for all of
+        them; WaitTimeout naming those that are not final within `timeout_s`."""
+        waiting = _Waiting(ids, timeout_s)
+        async for _ in self._completed(waiting):
+            pass
+        return waiting.results()
+
+    def as_completed(self, ids: Iterable[str], *, timeout_s: float = 60.0) -> AsyncIterator[dict[str, Any]]:
+        """Each job's final resource as it finishes (`async for`); WaitTimeout when some are not
+        final within `timeout_s`."""
+        return self._completed(_Waiting(ids, timeout_s))
+
+    async def _completed(self, waiting: _Waiting) -> AsyncIterator[dict[str, Any]]:
+        while waiting.pending:
+            params, wait_s = waiting.next_request()
+            for job in waiting.settle(await self._call("GET", "/v1/jobs", params=params, wait_s=wait_s)):
+                yield job
+
+    async def cancel(self, job_id: str) -> dict[str, Any]:
+        return dict(await self._call("DELETE", f"/v1/jobs/{job_id}"))
+
+
+__all__ = ["AsyncClient", "ClientError", "SluiceClient", "WaitTimeout"]

@@ -28,6 +28,9 @@ FINAL_STATES = frozenset(
 )
 
 
+# The most jobs one `GET /v1/jobs?ids=` names: the API's limit, and the client's window.
+MAX_WAIT_IDS = 256
+
 # Why a batch closed (DESIGN §3): full, its oldest job waited max_wait_ms, or the worker drained.
 CloseReason = Literal["size", "age", "drain"]
 CLOSE_REASONS: tuple[CloseReason, ...] = get_args(CloseReason)

@@ -149,7 +149,8 @@ def test_postgres_killed_restarts_on_its_data_and_the_registry_answers_again(
             time.sleep(0.1)
         recovered_s = time.monotonic() - killed_at
         # The data survived: the tenant made before the kill exists (a second create conflicts).
-        assert admin.post("/v1/tenants", json={"id": "before-kill"}).status_code == 409
+        again = admin.post("/v1/tenants", json={"id": "before-kill"})
+        assert again.status_code == 409, again.text
     assert not Path(f"/proc/{old}").exists(), f"Postgres {old} was left a zombie"
     assert _restarted(up, "postgres", old)()
     figure("registry_back_after_s", round(recovered_s, 2))

@@ -22,6 +22,7 @@ RESOURCE_ROUTES = {
     ("post", "/v1/models/{model}/jobs:bulk", "202"): "BulkAccepted",
     ("get", "/v1/jobs/{job_id}", "200"): "JobResource",
     ("delete", "/v1/jobs/{job_id}", "200"): "JobResource",
+    ("get", "/v1/jobs", "200"): "JobSet",
     ("get", "/v1/models", "200"): "ModelList",
     ("post", "/v1/models", "201"): "ModelResource",
     ("get", "/v1/models/{model}", "200"): "ModelResource",
@@ -111,6 +112,11 @@ def test_real_job_resources_validate_against_the_published_schema(
     assert done["metadata"] == {"n": 1} and "output" in done and "error" in poisoned
     for job in (done, ok, poisoned):
         conforms(spec, "JobResource", job)
+    listed = [done["id"], ok["id"], poisoned["id"], to_cancel, "job_unknown"]
+    sorted_out = demo.get("/v1/jobs", params={"ids": ",".join(listed)})
+    assert sorted_out.status_code == 200, sorted_out.text
+    assert len(sorted_out.json()["jobs"]) == 4 and sorted_out.json()["not_found"] == ["job_unknown"]
+    conforms(spec, "JobSet", sorted_out.json())
 
     stats = demo.get(f"/v1/models/{model}/versions/v1/stats")
     assert stats.status_code == 200, stats.text
