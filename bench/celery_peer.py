@@ -301,7 +301,7 @@ def measure(stack: Stack, args: argparse.Namespace) -> tuple[list[dict[str, Any]
                     "n": args.sat_jobs,
                     "seed": args.seed + repeat,
                     "concurrency": level,
-                    "threads": level,
+                    "pool": level,
                 }
                 one(f"closed loop, {level} clients, {args.sat_jobs} jobs", spec, kind="saturation", repeat=repeat)
     # The saturation the summary reports: the median over repeats of each repeat's best level.
@@ -316,7 +316,7 @@ def measure(stack: Stack, args: argparse.Namespace) -> tuple[list[dict[str, Any]
                     "n": args.load_jobs,
                     "rate": rate,
                     "seed": args.seed + 100 + repeat,
-                    "threads": args.client_threads,
+                    "pool": args.client_pool,
                 }
                 one(
                     f"open loop at {rate:.1f} jobs/s ({factor:.0%} of Celery's saturation), {args.load_jobs} requests",
@@ -344,7 +344,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         help="take this as Celery's saturation (jobs/s) for the open-loop rates, not the measured one",
     )
-    parser.add_argument("--client-threads", type=int, default=128, help="the Celery client's threads in the open loops")
+    parser.add_argument(
+        "--client-pool",
+        type=int,
+        default=128,
+        help="open loops: the AsyncClient's connections and the Celery client's threads (128)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--quiet-wait",

@@ -8,6 +8,8 @@ Every request submits ONE job and waits for ITS result, as a user's request hand
 * Celery: `embed.delay(text)` then `AsyncResult.get()` (the Redis result backend's pub/sub), each
   request in a thread of a pool, driven from the same asyncio loop and the same timetables.
 
+`spec["pool"]` bounds both alike: the AsyncClient's connections, the Celery client's threads.
+
 Two load shapes: `open` (a Poisson timetable fixed in advance, `bench.common.open_loop`; latency
 counts from the scheduled send time) and `closed` (`concurrency` clients, each sending its next
 job when the last one's result is in: the saturation run).
@@ -28,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from bench.common import Sent, open_loop, poisson_timetable, skewed_texts
+from sluice.client import AsyncClient, ClientError
 
 RETRY_AFTER_S = 1.0  # the API's smallest Retry-After
 WARMUP_JOBS = 16
@@ -58,17 +61,7 @@ async def closed_loop(n: int, concurrency: int, send: Send) -> list[Sent]:
     return sorted(records, key=lambda r: r.index)
 
 
-def _sluice_client(spec: dict[str, Any]) -> Any:
-    try:
-        from sluice.client import AsyncClient  # type: ignore[attr-defined]
-    except ImportError:
-        from bench.async_client_shim import AsyncClient
-    return AsyncClient(base_url=spec["api_url"], api_key=spec["api_key"], timeout_s=spec["timeout_s"])
-
-
-def _sluice_sender(client: Any, spec: dict[str, Any], texts: Sequence[str]) -> Send:
-    from sluice.client import ClientError
-
+def _sluice_sender(client: AsyncClient, spec: dict[str, Any], texts: Sequence[str]) -> Send:
     async def send(i: int) -> dict[str, Any]:
         refused = 0
         while True:
@@ -133,9 +126,11 @@ async def run(spec: dict[str, Any]) -> tuple[list[Sent], float]:
     texts = skewed_texts(spec["n"], seed=spec["seed"])
     warm_texts = skewed_texts(WARMUP_JOBS, seed=spec["seed"] + 10_000)
     if spec["system"] == "sluice":
-        async with _sluice_client(spec) as client:
+        async with AsyncClient(
+            base_url=spec["api_url"], api_key=spec["api_key"], timeout_s=spec["timeout_s"], max_connections=spec["pool"]
+        ) as client:
             return await _phase(spec, _sluice_sender(client, spec, texts), _sluice_sender(client, spec, warm_texts))
-    with ThreadPoolExecutor(max_workers=spec["threads"], thread_name_prefix="celery-client") as pool:
+    with ThreadPoolExecutor(max_workers=spec["pool"], thread_name_prefix="celery-client") as pool:
         return await _phase(spec, _celery_sender(pool, spec, texts), _celery_sender(pool, spec, warm_texts))
 
 
