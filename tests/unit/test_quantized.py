@@ -21,7 +21,15 @@ from sluice.artifacts import (
 )
 from sluice.errors import ArtifactError, ArtifactMismatch, ModelError
 from workers.models.handlers import ClassifierHandler, EmbeddingHandler, load_handler
-from workers.models.minilm import DEFAULT_FP32_LINEARS, DynamicInt8Linear, MiniLMEncoder, needs_reduce_range
+from workers.models.minilm import (
+    DEFAULT_FP32_LINEARS,
+    BertConfig,
+    BertEncoder,
+    DynamicInt8Linear,
+    MiniLMEncoder,
+    needs_reduce_range,
+    quantize_int8,
+)
 from workers.models.precision import PrecisionPolicy, choose
 from workers.models.train_intent import load_examples, split_examples
 
@@ -176,3 +184,16 @@ def test_int8_refuses_other_dtypes_and_modes(model_dir: Path) -> None:
         MiniLMEncoder(model_dir=model_dir, quantize="int8", dtype=torch.bfloat16)
     with pytest.raises(ModelError):
         MiniLMEncoder(model_dir=model_dir, quantize="int4")
+
+
+def test_int8_takes_7_bit_activations_when_asked() -> None:
+    # What bench.quantized --emulate-no-vnni relies on, whatever this CPU needs by itself.
+    cfg = BertConfig(vocab_size=8, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                     max_position_embeddings=8, type_vocab_size=1, layer_norm_eps=1e-12, pad_token_id=0)
+    for asked in (True, False):
+        model = BertEncoder(cfg)
+        quantize_int8(model, reduce_range=asked)
+        assert {m.reduce_range for m in model.modules() if isinstance(m, DynamicInt8Linear)} == {asked}
+    model = BertEncoder(cfg)
+    quantize_int8(model)
+    assert {m.reduce_range for m in model.modules() if isinstance(m, DynamicInt8Linear)} == {needs_reduce_range()}
