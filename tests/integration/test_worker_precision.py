@@ -35,7 +35,10 @@ def cosine(a: list[float], b: list[float]) -> float:
 
 
 def test_auto_runs_the_precision_its_calibration_chose_and_reports_the_ratio(
-    admin: httpx.Client, demo: httpx.Client, rds: redis.Redis, start_worker: Callable[..., WorkerProcess],
+    admin: httpx.Client,
+    demo: httpx.Client,
+    rds: redis.Redis,
+    start_worker: Callable[..., WorkerProcess],
     wait_jobs: Callable[..., list[dict[str, Any]]],
 ) -> None:
     from sluice.artifacts import MINILM_URI, artifact_sha256, resolve_artifact
@@ -46,8 +49,10 @@ def test_auto_runs_the_precision_its_calibration_chose_and_reports_the_ratio(
     assert admin.post("/v1/models", json={"name": model, "kind": "embedding"}).status_code == 201
     sha = artifact_sha256(resolve_artifact(MINILM_URI))
     for version in ("auto", "never"):
-        response = admin.post(f"/v1/models/{model}/versions", json={
-            "version": version, "artifact": f"{MINILM_URI}?quantize=auto", "sha256": sha, "state": "stable"})
+        response = admin.post(
+            f"/v1/models/{model}/versions",
+            json={"version": version, "artifact": f"{MINILM_URI}?quantize=auto", "sha256": sha, "state": "stable"},
+        )
         assert response.status_code == 201, response.text
     assert admin.put(f"/v1/models/{model}/routing", json={"weights": {"auto": 50, "never": 50}}).status_code == 200
 
@@ -68,8 +73,10 @@ def test_auto_runs_the_precision_its_calibration_chose_and_reports_the_ratio(
     # The precision reported is the one that runs: int8 vectors differ from fp32's, a little.
     outputs = {}
     for version in ("auto", "never"):
-        ids = [demo.post(f"/v1/models/{model}/jobs", json={"input": {"text": t}, "version": version}).json()["id"]
-               for t in TEXTS]
+        ids = [
+            demo.post(f"/v1/models/{model}/jobs", json={"input": {"text": t}, "version": version}).json()["id"]
+            for t in TEXTS
+        ]
         jobs = wait_jobs(demo, ids, timeout_s=120)
         assert [job["status"] for job in jobs] == ["succeeded"] * len(TEXTS), jobs
         outputs[version] = [job["output"]["embedding"] for job in jobs]
