@@ -101,6 +101,8 @@ class Worker:
         prefetch_batches: int = 4,
         shutdown_grace_s: float = 30.0,
         cold_start_s: float = 0.0,
+        precision: str = "",
+        int8_speedup: float | None = None,
         top_up: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -113,6 +115,8 @@ class Worker:
         self.prefetch = prefetch_batches * max_batch_size
         self.shutdown_grace_s = shutdown_grace_s
         self.cold_start_s = cold_start_s
+        self.precision = precision
+        self.int8_speedup = int8_speedup
         self.clock = clock
         # Top-up is off by default: on one CPU thread a forward pass costs per padded token, and
         # topping up with shorter items raised padding 1.3-2.4x under a backlog (bench/README.md).
@@ -371,5 +375,6 @@ class Worker:
                 await self.streams.beat(Heartbeat(
                     state=self.state, items_per_s=self.items_per_s(), batch_size=self.last_batch_size,
                     cold_start_s=self.cold_start_s, processed=self.processed, pid=os.getpid(), at=self.clock(),
+                    precision=self.precision, int8_speedup=self.int8_speedup,
                 ))
             await asyncio.sleep(BEAT_EVERY_S)

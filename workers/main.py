@@ -14,7 +14,7 @@ import time
 
 from sluice.connections import connect
 from sluice.errors import EXIT_ARTIFACT_REFUSED, ArtifactError, SluiceError
-from sluice.metrics import COLD_START, WORKER_STATE
+from sluice.metrics import COLD_START, INT8_SPEEDUP, WORKER_INT8, WORKER_STATE
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.registry.tables import ModelVersion
@@ -41,13 +41,15 @@ def run_worker(*, settings: Settings, model: str, version: str, threads: int | N
         os.environ.setdefault("MKL_NUM_THREADS", str(threads))
     from workers.consumer import Worker
     from workers.models.handlers import load_handler
+    from workers.models.precision import PrecisionChoice, PrecisionPolicy
 
     registry = Registry(url=settings.require_database_url(), pool_size=1)
     started = time.perf_counter()
     try:
         kind, row = _load_version(registry, model, version)
         handler = load_handler(kind=kind, artifact=row.artifact, sha256=row.sha256, device=device,
-                               threads=threads)
+                               threads=threads, precision=PrecisionPolicy(
+                                   min_speedup=settings.int8_min_speedup, rounds=settings.int8_calibration_rounds))
         handler.warmup()
     except ArtifactError as exc:
         log.error("version %s/%s refused: %s", model, version, exc)
@@ -61,6 +63,13 @@ def run_worker(*, settings: Settings, model: str, version: str, threads: int | N
         registry.dispose()
     cold_start_s = time.perf_counter() - started
     COLD_START.labels(model, version).set(cold_start_s)
+    # Only the MiniLM-based kinds choose a precision; the synthetic handler has none.
+    choice: PrecisionChoice | None = getattr(handler, "precision", None)
+    if choice is not None:
+        WORKER_INT8.labels(model, version).set(1 if choice.precision == "int8" else 0)
+        if choice.speedup is not None:
+            INT8_SPEEDUP.labels(model, version).set(choice.speedup)
+        log.info("worker for %s/%s runs %s: %s", model, version, choice.precision, choice.reason)
     log.info("worker for %s/%s ready after %.2fs cold start (threads=%s)", model, version, cold_start_s, threads)
 
     async def main() -> None:
@@ -71,7 +80,8 @@ def run_worker(*, settings: Settings, model: str, version: str, threads: int | N
             isolate_tenants=row.isolate_tenants, result_ttl_s=settings.result_ttl_s,
             claim_after_s=settings.claim_after_s, max_deliveries=settings.max_deliveries,
             prefetch_batches=settings.worker_prefetch_batches, shutdown_grace_s=settings.shutdown_grace_s,
-            cold_start_s=cold_start_s,
+            cold_start_s=cold_start_s, precision=choice.precision if choice else "",
+            int8_speedup=choice.speedup if choice else None,
         )
 
         def leave_now() -> None:
