@@ -33,7 +33,6 @@ from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
 
-from sluice import events
 from sluice.errors import BrokerError
 from sluice.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
 from sluice.jobs import JobStatus
@@ -46,7 +45,7 @@ from sluice.metrics import (
     PADDING_RATIO,
     QUEUE_WAIT,
 )
-from sluice.streams import DeadLetter, Delivered, StreamConsumer
+from sluice.streams import Delivered, StreamConsumer
 from workers.batcher import Batch, Item, MicroBatcher
 from workers.execution import Outcome, run_isolating
 from workers.models.handlers import ModelHandler
@@ -228,11 +227,9 @@ class Worker:
         entries = [e for e in entries if e.entry_id not in self._held]
         if not entries:
             return
-        now = self.clock()
-        claims = await self.streams.claim(entries, now=now)
-        settle: list[Delivered] = []
-        changed: list[events.JobChanged] = []
-        dead: list[DeadLetter] = []
+        # One round trip: the claim script also announces each change and settles (acknowledges,
+        # dead-letters) the entries whose jobs will not run here.
+        claims = await self.streams.claim(entries, now=self.clock())
         for delivered, claim in zip(entries, claims, strict=True):
             entry = delivered.entry
             if claim.verdict == "run":
@@ -243,18 +240,10 @@ class Worker:
                 )
                 self.batcher.add(item)
                 self._held[item.id] = delivered.lane
-                changed.append(events.JobChanged(id=entry.job_id, status=JobStatus.running))
-                continue
-            settle.append(delivered)
-            if claim.verdict == "expired":
-                JOBS_FINISHED.labels(self.model, self.version, "expired").inc()
-                changed.append(events.JobChanged(id=entry.job_id, status=JobStatus.expired))
+            elif claim.verdict == "expired":
+                JOBS_FINISHED.labels(self.model, self.version, JobStatus.expired.value).inc()
             elif claim.verdict == "dead":
-                JOBS_FINISHED.labels(self.model, self.version, "failed").inc()
-                dead.append(DeadLetter(job_id=entry.job_id, error=claim.last_error, at=now))
-                changed.append(events.JobChanged(id=entry.job_id, status=JobStatus.failed))
-        if settle or changed:
-            await self.streams.settle(settle, dead=dead, changed=changed)
+                JOBS_FINISHED.labels(self.model, self.version, JobStatus.failed.value).inc()
 
     # --- running ---------------------------------------------------------------------------------
 
