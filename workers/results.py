@@ -14,9 +14,10 @@ before the batch is stored (one more round trip, for batches of a shadow version
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from sluice import keys
 from sluice.connections import translate_redis_errors
@@ -41,8 +42,10 @@ class Delivery:
     shadow_of: str | None = None  # this job is a shadow copy of that primary job
 
 
-def _json(value: dict[str, Any] | None) -> str:
-    return json.dumps(value, separators=(",", ":")) if value is not None else ""
+def _json(value: dict[str, Any] | None) -> bytes:
+    # orjson: a 384-float embedding took ~0.3 ms with json.dumps, the largest share of a single
+    # job's worker CPU outside the model; the stored text is the same JSON value.
+    return orjson.dumps(value) if value is not None else b""
 
 
 class ResultWriter:
@@ -109,7 +112,7 @@ class ResultWriter:
             for job_id in wanted:
                 pipe.hget(keys.job(job_id), OUTPUT_FIELD)
             replies = await pipe.execute()
-        return {job_id: json.loads(raw) for job_id, raw in zip(wanted, replies, strict=True) if raw}
+        return {job_id: orjson.loads(raw) for job_id, raw in zip(wanted, replies, strict=True) if raw}
 
     def _shadow_copy(self, delivery: Delivery, cost: int, now: float) -> JobRecord:
         """The copy of a job for its shadow version, queued by FINISH_SCRIPT if the job's write wins."""
