@@ -37,17 +37,10 @@ from sluice.errors import BrokerError
 from sluice.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
 from sluice.jobs import JobStatus
 from sluice.keys import Lane
-from sluice.metrics import (
-    BATCH_CLOSED,
-    BATCH_SIZE,
-    JOBS_FINISHED,
-    MODEL_TIME,
-    PADDING_RATIO,
-    QUEUE_WAIT,
-)
 from sluice.streams import Delivered, StreamConsumer
 from workers.batcher import Batch, Item, MicroBatcher
 from workers.execution import Outcome, run_isolating
+from workers.metrics import BatchMetrics
 from workers.models.handlers import ModelHandler
 from workers.results import Delivery, ResultWriter
 
@@ -134,6 +127,7 @@ class Worker:
         self.processed = 0
         self.last_batch_size = 0
         self._rate_window: deque[tuple[int, float]] = deque(maxlen=64)  # (items, model seconds)
+        self._metrics = BatchMetrics(model=model, version=version)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -241,9 +235,9 @@ class Worker:
                 self.batcher.add(item)
                 self._held[item.id] = delivered.lane
             elif claim.verdict == "expired":
-                JOBS_FINISHED.labels(self.model, self.version, JobStatus.expired.value).inc()
+                self._metrics.finished[JobStatus.expired].inc()
             elif claim.verdict == "dead":
-                JOBS_FINISHED.labels(self.model, self.version, JobStatus.failed.value).inc()
+                self._metrics.finished[JobStatus.failed].inc()
 
     # --- running ---------------------------------------------------------------------------------
 
@@ -297,22 +291,7 @@ class Worker:
         self.processed += size
         self.last_batch_size = size
         self._rate_window.append((size, model_s))
-        labels = (self.model, self.version)
-        BATCH_SIZE.labels(*labels).observe(size)
-        BATCH_CLOSED.labels(*labels, batch.close_reason).inc()
-        MODEL_TIME.labels(*labels).observe(model_s)
-        real = sum(max(1, item.cost) for item in batch.items)
-        PADDING_RATIO.labels(*labels).observe(batch.max_cost * size / real if real else 1.0)
-        queue_wait = QUEUE_WAIT.labels(*labels)
-        for item in batch.items:
-            queue_wait.observe(max(0.0, started - item.enqueued_at))
-        # Only the write that made a job final counts it, as with its sample.
-        finals = [outcome for outcome, first in zip(outcomes, won, strict=True) if first]
-        failed = sum(1 for outcome in finals if outcome.error is not None)
-        if failed:
-            JOBS_FINISHED.labels(*labels, "failed").inc(failed)
-        if len(finals) - failed:
-            JOBS_FINISHED.labels(*labels, "succeeded").inc(len(finals) - failed)
+        self._metrics.batch(batch, outcomes, won, started=started, model_s=model_s)
 
     # --- keeping what this worker holds -----------------------------------------------------------
 
