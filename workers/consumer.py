@@ -59,6 +59,14 @@ def jittered(delay: float) -> float:
     return delay * random.uniform(0.5, 1.0)
 
 
+async def _wait(event: asyncio.Event, timeout_s: float | None) -> None:
+    """Until `event` is set or `timeout_s` has passed. Not wait_for, which wraps the wait in a new
+    task (Python 3.11): the runner and the reader wait here once or more per batch."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+
+
 def consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
 
@@ -120,6 +128,7 @@ class Worker:
         self._wake_reader = asyncio.Event()
         self._runner_idle = True  # no batch running: the model waits for work
         self._reading_done = False
+        self._drained = False  # the last read found fewer entries than it asked for
         self._stopping = asyncio.Event()
         self._writes: set[asyncio.Task[None]] = set()
         self._last_claim = 0.0
@@ -189,20 +198,27 @@ class Worker:
         entries: list[Delivered] = []
         if room > 0:
             entries = await self._reclaim(room) if self._claim_due() else []
-            if not entries:
-                entries = await self.streams.read(["online"], count=room, block_ms=None)
-            if not entries:
-                entries = await self.streams.read(["bulk"], count=min(room, self.max_batch_size), block_ms=None)
+            # After a read that came back short, an idle model's blocking read below answers at once
+            # with whatever arrived since: the non-blocking reads would add two empty round trips
+            # per job at low traffic, where such overhead weighs most (bench/worker_cost.py).
+            if not entries and not (self._drained and self._runner_idle):
+                entries = await self._read(["online"], room, block_ms=None)
+                if not entries:
+                    entries = await self._read(["bulk"], min(room, self.max_batch_size), block_ms=None)
             # Only a worker whose model is idle blocks on the streams: a new arrival then goes to
             # a worker that can start it now, not into the prefetch of one whose model is busy.
             if not entries and self._runner_idle:
-                entries = await self.streams.read(["online", "bulk"], count=room, block_ms=READ_BLOCK_MS)
+                entries = await self._read(["online", "bulk"], room, block_ms=READ_BLOCK_MS)
         if entries:
             await self._accept(entries)
             self._wake_runner.set()
         elif room <= 0 or not self._runner_idle:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake_reader.wait(), timeout=READ_BLOCK_MS / 1000)
+            await _wait(self._wake_reader, READ_BLOCK_MS / 1000)
+
+    async def _read(self, lanes: Sequence[Lane], count: int, *, block_ms: int | None) -> list[Delivered]:
+        found = await self.streams.read(lanes, count=count, block_ms=block_ms)
+        self._drained = len(found) < count
+        return found
 
     def _claim_due(self) -> bool:
         return self.clock() - self._last_claim >= self.claim_after_s / 2
@@ -252,9 +268,7 @@ class Worker:
                 self._runner_idle = True
                 self._wake_reader.set()
                 deadline = self.batcher.next_deadline()
-                timeout = None if deadline is None else max(0.0, deadline - self.clock())
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake_runner.wait(), timeout=timeout)
+                await _wait(self._wake_runner, None if deadline is None else max(0.0, deadline - self.clock()))
                 continue
             self._runner_idle = False
             started = self.clock()
