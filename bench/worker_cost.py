@@ -1,9 +1,10 @@
 """The worker's CPU per job, split into the model's forward pass and everything else (issue 9).
 
 A real `workers.consumer.Worker` with the real MiniLM embedding handler (1 torch thread) runs in a
-process of its own (this module with `--serve`), on a redis-server of the bench's own. This
-process queues jobs straight into Redis as the API does (record, then stream entry) and never
-runs the model, so the worker process's CPU is the worker's alone.
+process of its own (this module with `--serve`, on the event loop `sluice worker` uses), on a
+redis-server of the bench's own. This process queues jobs straight into Redis as the API does
+(record, then stream entry) and never runs the model, so the worker process's CPU is the
+worker's alone.
 
 The worker process adds up the thread CPU time spent inside `handler.run` ("forward": tokenizing,
 the model, the vectors turned into lists; torch runs on the calling thread with 1 thread) and,
@@ -494,7 +495,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--snapshot", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
-        asyncio.run(serve(args))
+        from workers.main import run_event_loop
+
+        run_event_loop(serve(args))
         return
     from bench.rollback import private_redis
 
