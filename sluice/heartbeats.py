@@ -40,12 +40,17 @@ class Heartbeat:
     processed: int
     pid: int
     at: float
+    # What the model runs in (fp32, int8, bf16; empty for kinds without a choice) and, where the
+    # worker measured it at start-up, int8's speed over fp32's (workers/models/precision.py).
+    precision: str = ""
+    int8_speedup: float | None = None
 
     def to_fields(self) -> dict[str, str]:
         return {
             "state": self.state.value, "items_per_s": f"{self.items_per_s:.3f}", "batch_size": str(self.batch_size),
             "cold_start_s": f"{self.cold_start_s:.3f}", "processed": str(self.processed), "pid": str(self.pid),
-            "at": repr(self.at),
+            "at": repr(self.at), "precision": self.precision,
+            "int8_speedup": "" if self.int8_speedup is None else f"{self.int8_speedup:.3f}",
         }
 
     @classmethod
@@ -54,7 +59,9 @@ class Heartbeat:
                 for k, v in raw.items()}
         return cls(state=WorkerState(data["state"]), items_per_s=float(data["items_per_s"]),
                    batch_size=int(data["batch_size"]), cold_start_s=float(data["cold_start_s"]),
-                   processed=int(data["processed"]), pid=int(data["pid"]), at=float(data["at"]))
+                   processed=int(data["processed"]), pid=int(data["pid"]), at=float(data["at"]),
+                   precision=data.get("precision", ""),
+                   int8_speedup=float(data["int8_speedup"]) if data.get("int8_speedup") else None)
 
 
 def live_since(now: float) -> float:

@@ -27,6 +27,9 @@ PADDING_RATIO = Histogram("sluice_batch_padding_ratio", "Padded tokens / real to
 WORKER_STATE = Gauge("sluice_worker_ready", "1 when the worker's model is loaded and warm",
                      ["model", "version"])
 COLD_START = Gauge("sluice_worker_cold_start_seconds", "Verify + load + warm-up time", ["model", "version"])
+WORKER_INT8 = Gauge("sluice_worker_int8", "1 when the worker runs its model in int8", ["model", "version"])
+INT8_SPEEDUP = Gauge("sluice_worker_int8_speedup", "int8's speed over fp32's, measured at start-up in CPU time",
+                     ["model", "version"])
 
 DESIRED_REPLICAS = Gauge("sluice_desired_replicas", "Replicas the scheduler wants", ["model", "version"])
 LIVE_REPLICAS = Gauge("sluice_live_replicas", "Replicas alive", ["model", "version"])

@@ -1,14 +1,14 @@
 """Finished-job samples: one capped stream entry per finished job, per version (`keys.stats`).
 
 Workers append them in the script that stores the job's outcome (`streams.FINISH_SCRIPT`, from
-workers/results.py), so only the write that wins adds one; `/stats`, the rollout controller, the
-quality aggregator and the API's circuit breakers read them. A sample carries timings, batch facts
-and the job's quality proxies (`sluice.quality`), never its input or output.
+workers/results.py, capped at `SAMPLES_MAXLEN`), so only the write that wins adds one; `/stats`, the
+rollout controller, the quality aggregator and the API's circuit breakers read them. A sample
+carries timings, batch facts and the job's quality proxies (`sluice.quality`), never its input or
+output.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from collections.abc import Mapping
@@ -56,12 +56,6 @@ class Sample:
             model_ms=float(fields[b"m"]), total_ms=float(fields[b"tt"]), batch_size=int(fields[b"b"]),
             close_reason=fields[b"r"].decode(), quality=json.loads(fields[b"q"]) if b"q" in fields else {},
         )
-
-
-def script_args(sample: Sample) -> list[str]:
-    """The arguments a script appends the sample with (`streams.FINISH_SCRIPT`, atomically with the
-    job's outcome): the stream's approximate cap, then the fields as name, value pairs."""
-    return [str(SAMPLES_MAXLEN), *itertools.chain.from_iterable(sample.to_fields().items())]
 
 
 def queue_recent(pipe: Any, model: str, version: str, *, count: int) -> None:

@@ -50,6 +50,10 @@ class Settings(BaseSettings):
 
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     worker_prefetch_batches: int = Field(default=4, ge=1)
+    # `?quantize=auto` MiniLM versions (workers/models/precision.py): int8 only where the worker's
+    # start-up calibration (this many measured rounds of each) finds it at least this much faster.
+    int8_min_speedup: float = Field(default=1.15, ge=1.0)
+    int8_calibration_rounds: int = Field(default=5, ge=1, le=50)
     cpu_cores: int | None = None
 
     # Circuit breaker per version (sluice.breaker): trip on this error rate over at least

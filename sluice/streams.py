@@ -31,63 +31,124 @@ from sluice.redact import scrub
 
 DEAD_LETTER_MAXLEN = 100_000
 
-# KEYS[1] job hash, KEYS[2] the tenant's queued set, KEYS[3] the webhook outbox; ARGV: now,
-# worker, max_deliveries. Moves queued/running -> running and hands back the input. A job already
-# final answers its state and is not re-run; one past its deadline becomes `expired`, one
-# delivered max_deliveries times becomes `failed` (the caller dead-letters it).
-CLAIM_SCRIPT = QUEUE_WEBHOOK + """
-local s = redis.call('HGET', KEYS[1], 'status')
-if not s then return {'missing'} end
-if s ~= 'queued' and s ~= 'running' then return {s} end
-if s == 'queued' then redis.call('ZREM', KEYS[2], redis.call('HGET', KEYS[1], 'id')) end
-local deadline = tonumber(redis.call('HGET', KEYS[1], 'deadline') or '')
-if deadline and tonumber(ARGV[1]) > deadline then
-  redis.call('HSET', KEYS[1], 'status', 'expired', 'finished_at', ARGV[1],
-    'error', '{"code":"expired","message":"the job deadline passed before it started"}')
-  queue_webhook(KEYS[1], KEYS[3])
-  return {'expired'}
+# KEYS: the webhook outbox, the version's dead-letter stream, its online and bulk streams, then per
+# entry its job hash and its tenant's queued set. ARGV: now, worker, max_deliveries, the events
+# channel, the group, the dead letters' cap, then per entry its lane (1 online, 2 bulk), entry id
+# and job id. Per entry: queued/running -> running, announced, and the input handed back ({'run',
+# input, attempts}). A job already final answers its state ({state}), a vanished one {'missing'};
+# one past its deadline becomes `expired`, one delivered max_deliveries times becomes `failed`
+# and is dead-lettered ({'dead', last error}), both announced. Every entry whose job will not run
+# is acknowledged and deleted in the same step, so claiming a read is one round trip.
+CLAIM_SCRIPT = QUEUE_WEBHOOK + events.JOB_CHANGED_LUA + """
+local now, worker, max_deliveries, channel = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local function claim(job, queued)
+  local s = redis.call('HGET', job, 'status')
+  if not s then return {'missing'} end
+  if s ~= 'queued' and s ~= 'running' then return {s} end
+  if s == 'queued' then redis.call('ZREM', queued, redis.call('HGET', job, 'id')) end
+  local deadline = tonumber(redis.call('HGET', job, 'deadline') or '')
+  if deadline and tonumber(now) > deadline then
+    redis.call('HSET', job, 'status', 'expired', 'finished_at', now,
+      'error', '{"code":"expired","message":"the job deadline passed before it started"}')
+    queue_webhook(job, KEYS[1])
+    return {'expired'}
+  end
+  local attempts = tonumber(redis.call('HGET', job, 'attempts') or '0')
+  if attempts >= max_deliveries then
+    local last = redis.call('HGET', job, 'last_error') or 'its worker died while running it'
+    redis.call('HSET', job, 'status', 'failed', 'finished_at', now,
+      'error', cjson.encode({code='max_deliveries',
+        message='delivered ' .. attempts .. ' times without finishing; last error: ' .. last}))
+    queue_webhook(job, KEYS[1])
+    return {'dead', last}
+  end
+  redis.call('HSET', job, 'status', 'running', 'worker', worker)
+  redis.call('HINCRBY', job, 'attempts', 1)
+  return {'run', redis.call('HGET', job, 'input'), tostring(attempts + 1)}
 end
-local attempts = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0')
-if attempts >= tonumber(ARGV[3]) then
-  local last = redis.call('HGET', KEYS[1], 'last_error') or 'its worker died while running it'
-  redis.call('HSET', KEYS[1], 'status', 'failed', 'finished_at', ARGV[1],
-    'error', cjson.encode({code='max_deliveries',
-      message='delivered ' .. attempts .. ' times without finishing; last error: ' .. last}))
-  queue_webhook(KEYS[1], KEYS[3])
-  return {'dead', last}
+local replies, settled = {}, {{}, {}}
+for e = 1, (#KEYS - 4) / 2 do
+  local a = 3 * e + 4
+  local lane, entry, id = tonumber(ARGV[a]), ARGV[a + 1], ARGV[a + 2]
+  local reply = claim(KEYS[2 * e + 3], KEYS[2 * e + 4])
+  if reply[1] == 'run' then
+    job_changed(channel, id, 'running')
+  else
+    table.insert(settled[lane], entry)
+    if reply[1] == 'expired' then
+      job_changed(channel, id, 'expired')
+    elseif reply[1] == 'dead' then
+      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'id', id, 'error', reply[2], 't', now)
+      job_changed(channel, id, 'failed')
+    end
+  end
+  replies[e] = reply
 end
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2])
-redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-return {'run', redis.call('HGET', KEYS[1], 'input'), tostring(attempts + 1)}
+for lane = 1, 2 do
+  if #settled[lane] > 0 then
+    redis.call('XACK', KEYS[lane + 2], ARGV[5], unpack(settled[lane]))
+    redis.call('XDEL', KEYS[lane + 2], unpack(settled[lane]))
+  end
+end
+return replies
 """
 
-# KEYS[1] job hash, KEYS[2] the webhook outbox; ARGV: status, output-or-'', error-or-'',
-# finished_at, model_ms, batch_size, close_reason, ttl_s, started_at. Optionally KEYS[3] the
-# version's samples stream and ARGV: the events channel, the event or '', the stream's cap, then
-# the sample's fields (`samples.script_args`). Writes the outcome once; a second delivery of a
-# finished job is a no-op, so a job processed twice still has one final record, one webhook, one
-# sample and one event: only the write that wins counts. Answers 1 for that write, else 0.
-FINISH_SCRIPT = QUEUE_WEBHOOK + """
-local s = redis.call('HGET', KEYS[1], 'status')
-if not s then return 0 end
-if s ~= 'queued' and s ~= 'running' then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[1], 'finished_at', ARGV[4], 'model_ms', ARGV[5],
-  'batch_size', ARGV[6], 'close_reason', ARGV[7], 'started_at', ARGV[9])
-if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'output', ARGV[2]) end
-if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[3]) end
-queue_webhook(KEYS[1], KEYS[2])
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[8]))
-if KEYS[3] then
-  if ARGV[11] ~= '' then redis.call('PUBLISH', ARGV[10], ARGV[11]) end
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[12], '*', unpack(ARGV, 13))
+# KEYS: the webhook outbox, the version's samples stream, its online and bulk streams, then per job
+# its hash, followed by its shadow copy's hash and stream when it carries one, then the hashes of
+# the faulted jobs. ARGV: ttl_s, the events channel, the group, the samples' cap, started_at,
+# finished_at, model_ms, batch_size, close_reason, the number of jobs; per job its id, lane (1
+# online, 2 bulk), entry id, status, output or '', error or '', '1' to announce it or '', then
+# three field lists, each its number of fields and the fields (`_flat`): its sample, its copy's
+# record and its copy's stream entry (both empty without a copy); then one message per faulted job.
+# A whole batch in one atomic step: each outcome is written once (a job already final is left as
+# it is), and only the write that wins adds the job's webhook, event, sample and shadow copy, so a
+# job processed twice has one of each. Then every job's entry is acknowledged and deleted: never
+# before its outcome is stored. A faulted job gets no outcome and keeps its entry; its message is
+# noted for its dead letter. Answers, per job, 1 where this write won, else 0.
+FINISH_SCRIPT = QUEUE_WEBHOOK + events.JOB_CHANGED_LUA + """
+local ttl, channel = tonumber(ARGV[1]), ARGV[2]
+local k, a = 5, 11
+local won, acks = {}, {{}, {}}
+for j = 1, tonumber(ARGV[10]) do
+  local job, id, lane, entry, status = KEYS[k], ARGV[a], tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 3]
+  local output, err, announce = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
+  local sample = a + 8
+  local record = sample + 2 * tonumber(ARGV[a + 7]) + 1
+  local copied = tonumber(ARGV[record - 1]) > 0
+  local entry_fields = record + 2 * tonumber(ARGV[record - 1]) + 1
+  a = entry_fields + 2 * tonumber(ARGV[entry_fields - 1])
+  local s = redis.call('HGET', job, 'status')
+  won[j] = 0
+  if s == 'queued' or s == 'running' then
+    redis.call('HSET', job, 'status', status, 'finished_at', ARGV[6], 'model_ms', ARGV[7], 'batch_size', ARGV[8],
+      'close_reason', ARGV[9], 'started_at', ARGV[5])
+    if output ~= '' then redis.call('HSET', job, 'output', output) end
+    if err ~= '' then redis.call('HSET', job, 'error', err) end
+    queue_webhook(job, KEYS[1])
+    redis.call('EXPIRE', job, ttl)
+    if announce ~= '' then job_changed(channel, id, status) end
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, sample, record - 2))
+    if copied then
+      redis.call('HSET', KEYS[k + 1], unpack(ARGV, record, entry_fields - 2))
+      redis.call('EXPIRE', KEYS[k + 1], ttl)
+      redis.call('XADD', KEYS[k + 2], '*', unpack(ARGV, entry_fields, a - 1))
+    end
+    won[j] = 1
+  end
+  if copied then k = k + 3 else k = k + 1 end
+  table.insert(acks[lane], entry)
 end
-return 1
-"""
-
-# KEYS[1] job hash; ARGV: message. Remembered so that dead-lettering can say why.
-NOTE_ERROR_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'last_error', ARGV[1]) end
-return 1
+for lane = 1, 2 do
+  if #acks[lane] > 0 then
+    redis.call('XACK', KEYS[lane + 2], ARGV[3], unpack(acks[lane]))
+    redis.call('XDEL', KEYS[lane + 2], unpack(acks[lane]))
+  end
+end
+for f = k, #KEYS do
+  if redis.call('EXISTS', KEYS[f]) == 1 then redis.call('HSET', KEYS[f], 'last_error', ARGV[a]) end
+  a = a + 1
+end
+return won
 """
 
 # KEYS[1] a lane's stream; ARGV: group, consumer, then entry ids. A worker keeps the entries it
@@ -190,7 +251,8 @@ class StreamEntry:
 
 @dataclass(frozen=True, slots=True)
 class DeadLetter:
-    """An entry of `keys.dead_stream`: a job given up after max_deliveries, with the last error."""
+    """An entry of `keys.dead_stream`: a job given up after max_deliveries, with the last error.
+    CLAIM_SCRIPT writes these fields when it gives a job up."""
 
     job_id: str
     error: str
@@ -222,6 +284,21 @@ class Claim:
     input: dict[str, Any] = field(default_factory=dict)
     attempts: int = 0
     last_error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """One job's outcome as FINISH_SCRIPT stores it: `output` and `error` are JSON, or empty."""
+
+    job_id: str
+    lane: Lane
+    entry_id: str
+    status: str
+    output: bytes | str
+    error: bytes | str
+    sample: samples.Sample
+    announce: bool = True  # publish the final state (a shadow copy's is nobody's to wait for)
+    copy: JobRecord | None = None  # a shadow copy, queued only if this write wins
 
 
 # KEYS[1] the lane stream, KEYS[2] the tenant's queued set, KEYS[3] its rate bucket, then the
@@ -264,8 +341,8 @@ EnqueueVerdict = Literal["ok", "lost", "quota", "rate"]
 
 
 def queue_jobs(pipe: Any, records: Sequence[JobRecord], *, result_ttl_s: int) -> None:
-    """Add the commands that queue `records` to a pipeline, unchecked and outside any quota (a
-    worker's shadow copies: the platform's work, not a tenant's).
+    """Add the commands that queue `records` to a pipeline, unchecked and outside any quota (jobs
+    queued without the API: tests and benches).
 
     The record goes first: a worker that reads the entry must always find the job.
     """
@@ -311,6 +388,65 @@ def enqueue_verdict(reply: list[Any]) -> tuple[EnqueueVerdict, float]:
     return verdict, float(_text(reply[1]) or 0) if len(reply) > 1 else 0.0
 
 
+def _lane_streams(model: str, version: str) -> list[str]:
+    return [keys.stream(model, version, lane) for lane in keys.LANES]
+
+
+def _lane_number(lane: Lane) -> str:
+    """How the claim and finish scripts name a lane: its place in `keys.LANES`, from 1."""
+    return str(keys.LANES.index(lane) + 1)
+
+
+def claim_call(model: str, version: str, delivered: Sequence[Delivered], *, now: float, worker: str,
+               max_deliveries: int, channel: str) -> tuple[list[str], list[str]]:
+    """KEYS and ARGV of CLAIM_SCRIPT for entries of one version."""
+    script_keys = [keys.WEBHOOK_OUTBOX, keys.dead_stream(model, version), *_lane_streams(model, version)]
+    args = [repr(now), worker, str(max_deliveries), channel, keys.GROUP, str(DEAD_LETTER_MAXLEN)]
+    for item in delivered:
+        script_keys += [keys.job(item.entry.job_id), keys.queued_jobs(item.entry.tenant)]
+        args += [_lane_number(item.lane), item.entry_id, item.entry.job_id]
+    return script_keys, args
+
+
+def parse_claims(reply: list[Any]) -> list[Claim]:
+    claims = []
+    for verdict, *rest in reply:
+        name = verdict.decode()
+        if name == "run":
+            claims.append(Claim(name, input=json.loads(rest[0]), attempts=int(rest[1])))
+        elif name == "dead":
+            claims.append(Claim(name, last_error=rest[0].decode() if rest else ""))
+        else:
+            claims.append(Claim(name))
+    return claims
+
+
+def finish_call(model: str, version: str, jobs: Sequence[Finished], *, faults: Sequence[tuple[str, str]] = (),
+                channel: str, result_ttl_s: int, started: float, finished: float, model_ms: float, batch_size: int,
+                close_reason: str) -> tuple[list[str], list[bytes | str]]:
+    """KEYS and ARGV of FINISH_SCRIPT for one batch of one version; `faults` are (job id, message)
+    of the jobs whose run faulted."""
+    script_keys = [keys.WEBHOOK_OUTBOX, keys.stats(model, version), *_lane_streams(model, version)]
+    args: list[bytes | str] = [
+        str(result_ttl_s), channel, keys.GROUP, str(samples.SAMPLES_MAXLEN), repr(started), repr(finished),
+        repr(model_ms), str(batch_size), close_reason, str(len(jobs)),
+    ]
+    for job in jobs:
+        script_keys.append(keys.job(job.job_id))
+        args += [job.job_id, _lane_number(job.lane), job.entry_id, job.status, job.output, job.error,
+                 "1" if job.announce else "", *_flat(job.sample.to_fields())]
+        if job.copy is None:
+            args += ["0", "0"]
+        else:
+            script_keys += [keys.job(job.copy.id),
+                            keys.stream(job.copy.model, job.copy.version, job.copy.lane)]  # type: ignore[arg-type]
+            args += [*_flat(job.copy.to_redis()), *_flat(StreamEntry.of(job.copy).to_fields())]
+    for job_id, message in faults:
+        script_keys.append(keys.job(job_id))
+        args.append(scrub(message)[:500])
+    return script_keys, args
+
+
 class StreamConsumer:
     """One consumer (one worker process) of one version's lanes in the `workers` group."""
 
@@ -337,7 +473,6 @@ class StreamConsumer:
         self._events = events.channel(redis)
         self._claim = redis.register_script(CLAIM_SCRIPT)
         self._finish = redis.register_script(FINISH_SCRIPT)
-        self._note_error = redis.register_script(NOTE_ERROR_SCRIPT)
         self._refresh = redis.register_script(REFRESH_SCRIPT)
 
     async def ensure_groups(self) -> None:
@@ -377,51 +512,27 @@ class StreamConsumer:
         return found
 
     async def claim(self, delivered: Sequence[Delivered], *, now: float) -> list[Claim]:
-        """Move each entry's job queued -> running, in one round trip; see CLAIM_SCRIPT."""
+        """Claim each entry's job and settle the entries whose jobs will not run, in one round
+        trip; see CLAIM_SCRIPT."""
+        script_keys, args = claim_call(self.model, self.version, delivered, now=now, worker=self.name,
+                                       max_deliveries=self.max_deliveries, channel=self._events)
+        # Called on the client, not queued on a pipeline: a pipeline holding a script first asks
+        # the server whether it knows it (SCRIPT EXISTS), one more round trip every time.
         with translate_redis_errors():
-            pipe = self.redis.pipeline(transaction=False)
-            for item in delivered:
-                await self._claim(keys=[keys.job(item.entry.job_id), keys.queued_jobs(item.entry.tenant),
-                                        keys.WEBHOOK_OUTBOX],
-                                  args=[repr(now), self.name, self.max_deliveries], client=pipe)
-            replies = await pipe.execute()
-        claims = []
-        for reply in replies:
-            verdict = reply[0].decode()
-            if verdict == "run":
-                claims.append(Claim(verdict, input=json.loads(reply[1]), attempts=int(reply[2])))
-            elif verdict == "dead":
-                claims.append(Claim(verdict, last_error=reply[1].decode() if len(reply) > 1 else ""))
-            else:
-                claims.append(Claim(verdict))
-        return claims
+            reply = await self._claim(keys=script_keys, args=args)
+        return parse_claims(reply)
 
-    async def settle(self, delivered: Sequence[Delivered], *, dead: Sequence[DeadLetter],
-                     changed: Sequence[events.JobChanged]) -> None:
-        """In one round trip: acknowledge entries whose jobs will not run here (final already,
-        expired, given up), dead-letter the given-up ones and announce what changed."""
+    async def finish(self, jobs: Sequence[Finished], *, faults: Sequence[tuple[str, str]], started: float,
+                     finished: float, model_ms: float, batch_size: int, close_reason: str) -> list[bool]:
+        """Store a batch's outcomes, with their samples, events and shadow copies, note its faults
+        and acknowledge its stored jobs, in one round trip; answer, per job, whether this write
+        won (see FINISH_SCRIPT)."""
+        script_keys, args = finish_call(self.model, self.version, jobs, faults=faults, channel=self._events,
+                                        result_ttl_s=self.result_ttl_s, started=started, finished=finished,
+                                        model_ms=model_ms, batch_size=batch_size, close_reason=close_reason)
         with translate_redis_errors():
-            pipe = self.redis.pipeline(transaction=False)
-            for letter in dead:
-                pipe.xadd(keys.dead_stream(self.model, self.version), letter.to_fields(),  # type: ignore[arg-type]
-                          maxlen=DEAD_LETTER_MAXLEN, approximate=True)
-            for event in changed:
-                pipe.publish(self._events, events.encode(event))
-            self.ack(pipe, [(d.lane, d.entry_id) for d in delivered])
-            await pipe.execute()
-
-    async def finish(self, pipe: Any, job_id: str, *, status: str, output: str, error: str, started: float,
-                     finished: float, model_ms: float, batch_size: int, close_reason: str, sample: samples.Sample,
-                     event: events.JobChanged | None) -> None:
-        """Queue the job's outcome on `pipe` (`output` and `error` are JSON, or ''), with its sample
-        and event; its reply is 1 where this write won (see FINISH_SCRIPT)."""
-        await self._finish(
-            keys=[keys.job(job_id), keys.WEBHOOK_OUTBOX, keys.stats(self.model, self.version)],
-            args=[status, output, error, repr(finished), repr(model_ms), str(batch_size), close_reason,
-                  self.result_ttl_s, repr(started), self._events, events.encode(event) if event else "",
-                  *samples.script_args(sample)],
-            client=pipe,
-        )
+            reply = await self._finish(keys=script_keys, args=args)
+        return [bool(won) for won in reply]
 
     def ack(self, pipe: Any, entries: Iterable[tuple[Lane, str]]) -> None:
         """Acknowledge and delete: XLEN then equals the backlog the scheduler and admission read."""
@@ -431,10 +542,6 @@ class StreamConsumer:
         for lane, ids in by_lane.items():
             pipe.xack(self.streams[lane], keys.GROUP, *ids)
             pipe.xdel(self.streams[lane], *ids)
-
-    async def note_error(self, pipe: Any, job_id: str, message: str) -> None:
-        """Queue on `pipe`: why the job's delivery ended without an outcome, for its dead letter."""
-        await self._note_error(keys=[keys.job(job_id)], args=[scrub(message)[:500]], client=pipe)
 
     async def refresh(self, held: Mapping[Lane, Collection[str]]) -> set[str]:
         """Keep the entries this consumer holds from being taken over, in one round trip; answer

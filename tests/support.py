@@ -34,14 +34,14 @@ from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
-from sluice import keys
+from sluice import events, keys
 from sluice.jobs import JobRecord, JobStatus, new_job_id
 from sluice.kinds import token_estimate
 from sluice.migrate import upgrade
 from sluice.registry.store import normalise_url
 from sluice.samples import SAMPLES_MAXLEN, Sample
 from sluice.settings import Settings
-from sluice.streams import queue_jobs
+from sluice.streams import CLAIM_SCRIPT, Delivered, Finished, StreamEntry, claim_call, finish_call, queue_jobs
 from workers.consumer import Worker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -334,6 +334,29 @@ async def queue_in_redis(redis: aioredis.Redis, model: str, inputs: list[dict[st
     queue_jobs(pipe, records, result_ttl_s=3600)
     await pipe.execute()
     return [record.id for record in records]
+
+
+def claim_one(rds: redis.Redis, model: str, job_id: str, tenant: str, *, worker: str = "worker-x") -> list[Any]:
+    """What a worker's claim does to one job (StreamConsumer.claim, with a made-up entry id):
+    its verdict, `[verdict, ...]`."""
+    delivered = Delivered("online", "0-1", StreamEntry(job_id=job_id, tenant=tenant, cost=1, enqueued_at=time.time()))
+    script_keys, args = claim_call(model, "v1", [delivered], now=time.time(), worker=worker, max_deliveries=3,
+                                   channel=events.channel(rds))
+    [verdict] = rds.eval(CLAIM_SCRIPT, len(script_keys), *script_keys, *args)  # type: ignore[misc]
+    return verdict  # type: ignore[no-any-return]
+
+
+def finish_one_call(rds: redis.Redis | Any, model: str, job_id: str, output: str) -> list[Any]:
+    """FINISH_SCRIPT's arguments after `numkeys` for one job a worker ran and succeeded (with a
+    made-up entry id): `rds.eval(FINISH_SCRIPT, *finish_one_call(...))` answers `[1]` if its write won."""
+    now = time.time()
+    sample = Sample(status="succeeded", finished_at=now, queue_wait_ms=1.0, model_ms=1.0, total_ms=1.0, batch_size=1,
+                    close_reason="size")
+    job = Finished(job_id=job_id, lane="online", entry_id="0-1", status="succeeded", output=output, error="",
+                   sample=sample)
+    script_keys, args = finish_call(model, "v1", [job], channel=events.channel(rds), result_ttl_s=3600, started=now,
+                                    finished=now, model_ms=1.0, batch_size=1, close_reason="size")
+    return [len(script_keys), *script_keys, *args]
 
 
 async def drive(workers: list[Worker], redis: aioredis.Redis, ids: list[str], *,

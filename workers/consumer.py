@@ -33,22 +33,14 @@ from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
 
-from sluice import events
 from sluice.errors import BrokerError
 from sluice.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
 from sluice.jobs import JobStatus
 from sluice.keys import Lane
-from sluice.metrics import (
-    BATCH_CLOSED,
-    BATCH_SIZE,
-    JOBS_FINISHED,
-    MODEL_TIME,
-    PADDING_RATIO,
-    QUEUE_WAIT,
-)
-from sluice.streams import DeadLetter, Delivered, StreamConsumer
+from sluice.streams import Delivered, StreamConsumer
 from workers.batcher import Batch, Item, MicroBatcher
 from workers.execution import Outcome, run_isolating
+from workers.metrics import BatchMetrics
 from workers.models.handlers import ModelHandler
 from workers.results import Delivery, ResultWriter
 
@@ -65,6 +57,14 @@ REFRESHES_PER_CLAIM = 3
 def jittered(delay: float) -> float:
     """Between half and all of a retry delay, so workers cut off together do not retry in step."""
     return delay * random.uniform(0.5, 1.0)
+
+
+async def _wait(event: asyncio.Event, timeout_s: float | None) -> None:
+    """Until `event` is set or `timeout_s` has passed. Not wait_for, which wraps the wait in a new
+    task (Python 3.11): the runner and the reader wait here once or more per batch."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
 
 
 def consumer_name() -> str:
@@ -101,6 +101,8 @@ class Worker:
         prefetch_batches: int = 4,
         shutdown_grace_s: float = 30.0,
         cold_start_s: float = 0.0,
+        precision: str = "",
+        int8_speedup: float | None = None,
         top_up: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -113,6 +115,8 @@ class Worker:
         self.prefetch = prefetch_batches * max_batch_size
         self.shutdown_grace_s = shutdown_grace_s
         self.cold_start_s = cold_start_s
+        self.precision = precision
+        self.int8_speedup = int8_speedup
         self.clock = clock
         # Top-up is off by default: on one CPU thread a forward pass costs per padded token, and
         # topping up with shorter items raised padding 1.3-2.4x under a backlog (bench/README.md).
@@ -128,6 +132,7 @@ class Worker:
         self._wake_reader = asyncio.Event()
         self._runner_idle = True  # no batch running: the model waits for work
         self._reading_done = False
+        self._drained = False  # the last read found fewer entries than it asked for
         self._stopping = asyncio.Event()
         self._writes: set[asyncio.Task[None]] = set()
         self._last_claim = 0.0
@@ -135,6 +140,7 @@ class Worker:
         self.processed = 0
         self.last_batch_size = 0
         self._rate_window: deque[tuple[int, float]] = deque(maxlen=64)  # (items, model seconds)
+        self._metrics = BatchMetrics(model=model, version=version)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -196,20 +202,27 @@ class Worker:
         entries: list[Delivered] = []
         if room > 0:
             entries = await self._reclaim(room) if self._claim_due() else []
-            if not entries:
-                entries = await self.streams.read(["online"], count=room, block_ms=None)
-            if not entries:
-                entries = await self.streams.read(["bulk"], count=min(room, self.max_batch_size), block_ms=None)
+            # After a read that came back short, an idle model's blocking read below answers at once
+            # with whatever arrived since: the non-blocking reads would add two empty round trips
+            # per job at low traffic, where such overhead weighs most (bench/worker_cost.py).
+            if not entries and not (self._drained and self._runner_idle):
+                entries = await self._read(["online"], room, block_ms=None)
+                if not entries:
+                    entries = await self._read(["bulk"], min(room, self.max_batch_size), block_ms=None)
             # Only a worker whose model is idle blocks on the streams: a new arrival then goes to
             # a worker that can start it now, not into the prefetch of one whose model is busy.
             if not entries and self._runner_idle:
-                entries = await self.streams.read(["online", "bulk"], count=room, block_ms=READ_BLOCK_MS)
+                entries = await self._read(["online", "bulk"], room, block_ms=READ_BLOCK_MS)
         if entries:
             await self._accept(entries)
             self._wake_runner.set()
         elif room <= 0 or not self._runner_idle:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake_reader.wait(), timeout=READ_BLOCK_MS / 1000)
+            await _wait(self._wake_reader, READ_BLOCK_MS / 1000)
+
+    async def _read(self, lanes: Sequence[Lane], count: int, *, block_ms: int | None) -> list[Delivered]:
+        found = await self.streams.read(lanes, count=count, block_ms=block_ms)
+        self._drained = len(found) < count
+        return found
 
     def _claim_due(self) -> bool:
         return self.clock() - self._last_claim >= self.claim_after_s / 2
@@ -228,11 +241,9 @@ class Worker:
         entries = [e for e in entries if e.entry_id not in self._held]
         if not entries:
             return
-        now = self.clock()
-        claims = await self.streams.claim(entries, now=now)
-        settle: list[Delivered] = []
-        changed: list[events.JobChanged] = []
-        dead: list[DeadLetter] = []
+        # One round trip: the claim script also announces each change and settles (acknowledges,
+        # dead-letters) the entries whose jobs will not run here.
+        claims = await self.streams.claim(entries, now=self.clock())
         for delivered, claim in zip(entries, claims, strict=True):
             entry = delivered.entry
             if claim.verdict == "run":
@@ -243,18 +254,10 @@ class Worker:
                 )
                 self.batcher.add(item)
                 self._held[item.id] = delivered.lane
-                changed.append(events.JobChanged(id=entry.job_id, status=JobStatus.running))
-                continue
-            settle.append(delivered)
-            if claim.verdict == "expired":
-                JOBS_FINISHED.labels(self.model, self.version, "expired").inc()
-                changed.append(events.JobChanged(id=entry.job_id, status=JobStatus.expired))
+            elif claim.verdict == "expired":
+                self._metrics.finished[JobStatus.expired].inc()
             elif claim.verdict == "dead":
-                JOBS_FINISHED.labels(self.model, self.version, "failed").inc()
-                dead.append(DeadLetter(job_id=entry.job_id, error=claim.last_error, at=now))
-                changed.append(events.JobChanged(id=entry.job_id, status=JobStatus.failed))
-        if settle or changed:
-            await self.streams.settle(settle, dead=dead, changed=changed)
+                self._metrics.finished[JobStatus.failed].inc()
 
     # --- running ---------------------------------------------------------------------------------
 
@@ -269,9 +272,7 @@ class Worker:
                 self._runner_idle = True
                 self._wake_reader.set()
                 deadline = self.batcher.next_deadline()
-                timeout = None if deadline is None else max(0.0, deadline - self.clock())
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake_runner.wait(), timeout=timeout)
+                await _wait(self._wake_runner, None if deadline is None else max(0.0, deadline - self.clock()))
                 continue
             self._runner_idle = False
             started = self.clock()
@@ -308,22 +309,7 @@ class Worker:
         self.processed += size
         self.last_batch_size = size
         self._rate_window.append((size, model_s))
-        labels = (self.model, self.version)
-        BATCH_SIZE.labels(*labels).observe(size)
-        BATCH_CLOSED.labels(*labels, batch.close_reason).inc()
-        MODEL_TIME.labels(*labels).observe(model_s)
-        real = sum(max(1, item.cost) for item in batch.items)
-        PADDING_RATIO.labels(*labels).observe(batch.max_cost * size / real if real else 1.0)
-        queue_wait = QUEUE_WAIT.labels(*labels)
-        for item in batch.items:
-            queue_wait.observe(max(0.0, started - item.enqueued_at))
-        # Only the write that made a job final counts it, as with its sample.
-        finals = [outcome for outcome, first in zip(outcomes, won, strict=True) if first]
-        failed = sum(1 for outcome in finals if outcome.error is not None)
-        if failed:
-            JOBS_FINISHED.labels(*labels, "failed").inc(failed)
-        if len(finals) - failed:
-            JOBS_FINISHED.labels(*labels, "succeeded").inc(len(finals) - failed)
+        self._metrics.batch(batch, outcomes, won, started=started, model_s=model_s)
 
     # --- keeping what this worker holds -----------------------------------------------------------
 
@@ -371,5 +357,6 @@ class Worker:
                 await self.streams.beat(Heartbeat(
                     state=self.state, items_per_s=self.items_per_s(), batch_size=self.last_batch_size,
                     cold_start_s=self.cold_start_s, processed=self.processed, pid=os.getpid(), at=self.clock(),
+                    precision=self.precision, int8_speedup=self.int8_speedup,
                 ))
             await asyncio.sleep(BEAT_EVERY_S)

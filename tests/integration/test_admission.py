@@ -21,8 +21,7 @@ from sluice.errors import TooManyRequests
 from sluice.heartbeats import Heartbeat, WorkerState
 from sluice.routing import VersionInfo
 from sluice.settings import Settings
-from sluice.streams import CLAIM_SCRIPT
-from tests.support import ApiServer, http_client, serving, unique, wait_until
+from tests.support import ApiServer, claim_one, http_client, serving, unique, wait_until
 
 
 def _serving(*, items_per_s: float) -> Heartbeat:
@@ -278,9 +277,8 @@ def test_a_claimed_or_cancelled_job_leaves_the_quota(
     claimed = client.post(f"/v1/models/{model}/jobs", json={"input": {"text": "claimed"}}).json()["id"]
     assert rds.zrange(keys.queued_jobs(tenant), 0, -1) == [claimed]
     # What a worker's claim does (StreamConsumer.claim): queued -> running.
-    verdict = rds.eval(CLAIM_SCRIPT, 3, keys.job(claimed), keys.queued_jobs(tenant), keys.WEBHOOK_OUTBOX,
-                       repr(time.time()), "worker-x", "3")
-    assert verdict[0] == "run"  # type: ignore[index]
+    verdict = claim_one(rds, model, claimed, tenant)
+    assert verdict[0] == "run"
     assert rds.zcard(keys.queued_jobs(tenant)) == 0
 
     cancelled = client.post(f"/v1/models/{model}/jobs", json={"input": {"text": "cancelled"}})

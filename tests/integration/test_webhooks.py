@@ -36,12 +36,14 @@ from sluice.jobs import JobRecord, JobStatus, new_job_id
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.settings import Settings
-from sluice.streams import CLAIM_SCRIPT, FINISH_SCRIPT
+from sluice.streams import FINISH_SCRIPT
 from sluice.webhooks import verify
 from tests.support import (
     REPO,
     ApiServer,
     Receiver,
+    claim_one,
+    finish_one_call,
     http_client,
     receiving,
     serving,
@@ -348,9 +350,8 @@ def test_a_job_finished_twice_has_one_delivery_id_and_one_delivery(
     wait_until(lambda: rds.xlen(stream) == 0 and pending(model, "v1") == 0, timeout_s=30,
                what="the redelivered entry acknowledged")
     # ... and a worker that ran it all the same stores nothing a second time.
-    again = rds.eval(FINISH_SCRIPT, 2, job_key, keys.WEBHOOK_OUTBOX, "succeeded", '{"echo":"again"}', "",
-                     repr(time.time()), "1.0", "1", "size", "3600", repr(time.time()))
-    assert again == 0
+    again = rds.eval(FINISH_SCRIPT, *finish_one_call(rds, model, job_id, '{"echo":"again"}'))
+    assert again == [0]
     # The relay died after publishing, before acknowledging: the same entry is relayed again.
     rds.xadd(keys.WEBHOOK_OUTBOX, {"delivery": delivery_id, "job": job_id})
     # (Celery keeps a task id's first successful result, so the worker's log is where it shows.)
@@ -372,8 +373,7 @@ def _final_job_with_callback(rds: redis.Redis, tenant: Tenant, model: str, callb
     record = JobRecord(id=new_job_id(), tenant=tenant.id, model=model, version="v1", lane="online",
                        status=JobStatus.running, input={"text": "x"}, enqueued_at=now, callback_url=callback_url)
     rds.hset(keys.job(record.id), mapping=record.to_redis())  # type: ignore[arg-type]
-    assert rds.eval(FINISH_SCRIPT, 2, keys.job(record.id), keys.WEBHOOK_OUTBOX, "succeeded", '{"echo":"x"}', "",
-                    repr(now), "1.0", "1", "size", "3600", repr(now)) == 1
+    assert rds.eval(FINISH_SCRIPT, *finish_one_call(rds, model, record.id, '{"echo":"x"}')) == [1]
     return record.id, str(rds.hget(keys.job(record.id), "delivery_id"))
 
 
@@ -417,11 +417,10 @@ def test_the_celery_relay_takes_over_an_entry_left_by_a_dead_relay(
     # Finish it and, in the same transaction, let a relay that then dies read the outbox entry,
     # so the live relay never sees it as new.
     pipe = rds.pipeline(transaction=True)
-    pipe.eval(FINISH_SCRIPT, 2, keys.job(record.id), keys.WEBHOOK_OUTBOX, "succeeded", '{"echo":"x"}', "",
-              repr(now), "1.0", "1", "size", "3600", repr(now))
+    pipe.eval(FINISH_SCRIPT, *finish_one_call(rds, model, record.id, '{"echo":"x"}'))
     pipe.xreadgroup(keys.RELAY_GROUP, "relay-dead", {keys.WEBHOOK_OUTBOX: ">"}, count=100)
     finished_ok, read = pipe.execute()
-    assert finished_ok == 1 and read, read
+    assert finished_ok == [1] and read, read
     [request] = receiver.wait_for("/orphan", 1, timeout_s=CLAIM_AFTER_S * 10)
     assert request.headers["sluice-delivery"] == rds.hget(keys.job(record.id), "delivery_id")
     wait_until(lambda: _outbox_pending(rds) == 0, timeout_s=10, what="the outbox entry acknowledged")
@@ -455,9 +454,8 @@ def test_a_job_ended_by_the_claim_script_gets_its_webhook(
                        callback_url=receiver.plan(path, 200), deadline=now - 1 if how == "deadline" else None,
                        attempts=3 if how == "deliveries" else 0)
     rds.hset(keys.job(record.id), mapping=record.to_redis())  # type: ignore[arg-type]
-    verdict = rds.eval(CLAIM_SCRIPT, 3, keys.job(record.id), keys.queued_jobs(tenant.id), keys.WEBHOOK_OUTBOX,
-                       repr(now), "worker-x", "3")
-    assert verdict[0] == ("expired" if how == "deadline" else "dead"), verdict  # type: ignore[index]
+    verdict = claim_one(rds, model, record.id, tenant.id)
+    assert verdict[0] == ("expired" if how == "deadline" else "dead"), verdict
     [request] = receiver.wait_for(path, 1)
     assert json.loads(request.body)["status"] == status
     assert request.headers["sluice-delivery"] == rds.hget(keys.job(record.id), "delivery_id")

@@ -1,7 +1,9 @@
-"""The int8 MiniLM option: ``?quantize=int8`` artifact URIs, loading, agreement with fp32."""
+"""The int8 MiniLM option: ``?quantize=`` artifact URIs, loading, agreement with fp32, and what
+``auto`` and an explicit int8 do with the start-up calibration."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,16 @@ from sluice.artifacts import (
 )
 from sluice.errors import ArtifactError, ArtifactMismatch, ModelError
 from workers.models.handlers import ClassifierHandler, EmbeddingHandler, load_handler
-from workers.models.minilm import DEFAULT_FP32_LINEARS, DynamicInt8Linear, MiniLMEncoder, needs_reduce_range
+from workers.models.minilm import (
+    DEFAULT_FP32_LINEARS,
+    BertConfig,
+    BertEncoder,
+    DynamicInt8Linear,
+    MiniLMEncoder,
+    needs_reduce_range,
+    quantize_int8,
+)
+from workers.models.precision import PrecisionPolicy, choose
 from workers.models.train_intent import load_examples, split_examples
 
 INT8_URI = f"{MINILM_URI}?quantize=int8"
@@ -54,6 +65,8 @@ def test_parse_artifact_options() -> None:
     assert parse_artifact(INT8_URI) == ArtifactRef(location=MINILM_URI, quantize="int8")
     assert parse_artifact(MINILM_URI) == ArtifactRef(location=MINILM_URI)
     assert parse_artifact("file:///m/dir?quantize=int8") == ArtifactRef(location="file:///m/dir", quantize="int8")
+    for mode in ("auto", "fp32"):
+        assert parse_artifact(f"{MINILM_URI}?quantize={mode}") == ArtifactRef(location=MINILM_URI, quantize=mode)
     # A plain path may contain "?", and synthetic URIs carry their own parameters.
     assert parse_artifact("/data/what?quantize=int8").location == "/data/what?quantize=int8"
     assert parse_artifact("synthetic:?fixed_s=0.1").location == "synthetic:?fixed_s=0.1"
@@ -83,10 +96,15 @@ def test_int8_version_loads_and_agrees_with_fp32(model_dir: Path, texts: list[st
     fp32 = MiniLMEncoder(model_dir=model_dir)
     before = encode_sorted(fp32, texts)
 
-    handler = load_handler(kind="embedding", artifact=INT8_URI, sha256=artifact_sha256(model_dir))
+    handler = load_handler(kind="embedding", artifact=INT8_URI, sha256=artifact_sha256(model_dir),
+                           precision=PrecisionPolicy(rounds=1))
     assert isinstance(handler, EmbeddingHandler)
     encoder = handler.encoder
     assert encoder.quantize == "int8"
+    # An explicit int8 is measured against fp32 at load, so the worker can report what it buys.
+    assert handler.precision is not None
+    assert (handler.precision.requested, handler.precision.precision) == ("int8", "int8")
+    assert handler.precision.speedup is not None and handler.precision.speedup > 0
     layers = list(encoder.model.layers)
     for name in ("query", "key", "value", "attn_out", "ffn_in", "ffn_out"):
         expected = nn.Linear if name in DEFAULT_FP32_LINEARS else DynamicInt8Linear
@@ -110,6 +128,9 @@ def test_int8_version_loads_and_agrees_with_fp32(model_dir: Path, texts: list[st
     plain = load_handler(kind="embedding", artifact=MINILM_URI, sha256=artifact_sha256(model_dir))
     assert isinstance(plain, EmbeddingHandler)
     assert plain.encoder.quantize is None
+    # No option means fp32, with nothing measured (no calibration cost at start-up).
+    assert plain.precision is not None
+    assert (plain.precision.precision, plain.precision.speedup) == ("fp32", None)
     assert not any(isinstance(m, DynamicInt8Linear) for m in plain.encoder.model.modules())
     assert torch.equal(encode_sorted(plain.encoder, texts), before)
 
@@ -119,7 +140,8 @@ def test_int8_classifier_keeps_its_labels() -> None:
     _, held_out = split_examples(load_examples())
     head = resolve_artifact(INTENT_HEAD_URI)
     fp32 = load_handler(kind="classifier", artifact=INTENT_HEAD_URI, sha256=artifact_sha256(head))
-    int8 = load_handler(kind="classifier", artifact=f"{INTENT_HEAD_URI}?quantize=int8", sha256=artifact_sha256(head))
+    int8 = load_handler(kind="classifier", artifact=f"{INTENT_HEAD_URI}?quantize=int8", sha256=artifact_sha256(head),
+                        precision=PrecisionPolicy(rounds=1))
     assert isinstance(int8, ClassifierHandler)
     assert int8.encoder.quantize == "int8"
     inputs = [{"text": ex.text} for ex in held_out]
@@ -128,8 +150,50 @@ def test_int8_classifier_keeps_its_labels() -> None:
     assert same / len(inputs) >= 0.9
 
 
+@pytest.mark.model
+def test_auto_follows_the_measured_speedup_and_explicit_int8_runs_below_the_margin(
+    model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sha = artifact_sha256(model_dir)
+    auto = f"{MINILM_URI}?quantize=auto"
+    quick = PrecisionPolicy(rounds=1)
+    chosen = load_handler(kind="embedding", artifact=auto, sha256=sha, precision=quick)
+    assert isinstance(chosen, EmbeddingHandler) and chosen.precision is not None
+    eight_bit = not needs_reduce_range()
+    # What the rule says about what was measured here, and the encoder that actually runs.
+    assert (chosen.precision.speedup is not None) is eight_bit
+    expected = choose("auto", eight_bit=eight_bit, speedup=chosen.precision.speedup).precision
+    assert chosen.precision.precision == expected
+    assert chosen.encoder.quantize == ("int8" if expected == "int8" else None)
+
+    # A margin no host reaches: auto stays fp32, an explicit int8 runs int8 and says so.
+    never = PrecisionPolicy(min_speedup=1000.0, rounds=1)
+    fp32 = load_handler(kind="embedding", artifact=auto, sha256=sha, precision=never)
+    assert isinstance(fp32, EmbeddingHandler) and fp32.precision is not None
+    assert (fp32.precision.precision, fp32.encoder.quantize) == ("fp32", None)
+    with caplog.at_level(logging.WARNING, logger="workers.models.handlers"):
+        forced = load_handler(kind="embedding", artifact=INT8_URI, sha256=sha, precision=never)
+    assert isinstance(forced, EmbeddingHandler) and forced.precision is not None
+    assert (forced.precision.precision, forced.encoder.quantize, forced.precision.below_margin) == (
+        "int8", "int8", True)
+    assert any("does not pay" in record.getMessage() for record in caplog.records)
+
+
 def test_int8_refuses_other_dtypes_and_modes(model_dir: Path) -> None:
     with pytest.raises(ModelError):
         MiniLMEncoder(model_dir=model_dir, quantize="int8", dtype=torch.bfloat16)
     with pytest.raises(ModelError):
         MiniLMEncoder(model_dir=model_dir, quantize="int4")
+
+
+def test_int8_takes_7_bit_activations_when_asked() -> None:
+    # What bench.quantized --emulate-no-vnni relies on, whatever this CPU needs by itself.
+    cfg = BertConfig(vocab_size=8, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                     max_position_embeddings=8, type_vocab_size=1, layer_norm_eps=1e-12, pad_token_id=0)
+    for asked in (True, False):
+        model = BertEncoder(cfg)
+        quantize_int8(model, reduce_range=asked)
+        assert {m.reduce_range for m in model.modules() if isinstance(m, DynamicInt8Linear)} == {asked}
+    model = BertEncoder(cfg)
+    quantize_int8(model)
+    assert {m.reduce_range for m in model.modules() if isinstance(m, DynamicInt8Linear)} == {needs_reduce_range()}

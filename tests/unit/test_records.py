@@ -50,12 +50,21 @@ def test_a_sample_round_trips(quality: dict[str, object]) -> None:
     assert sample.succeeded and not replace(sample, status="failed").succeeded
 
 
-def test_a_heartbeat_round_trips_from_bytes_or_str() -> None:
+@pytest.mark.parametrize("precision, int8_speedup", [("", None), ("int8", 1.771), ("fp32", 0.912), ("fp32", None)])
+def test_a_heartbeat_round_trips_from_bytes_or_str(precision: str, int8_speedup: float | None) -> None:
     beat = Heartbeat(state=WorkerState.ready, items_per_s=123.456, batch_size=32, cold_start_s=4.5, processed=99,
-                     pid=4242, at=1_700_000_000.75)
+                     pid=4242, at=1_700_000_000.75, precision=precision, int8_speedup=int8_speedup)
     assert Heartbeat.from_fields(_as_redis(beat.to_fields())) == beat
     assert Heartbeat.from_fields(beat.to_fields()) == beat
     assert live_since(100.0) == 100.0 - LIVE_WITHIN_S
+
+
+def test_a_heartbeat_without_a_precision_reads_as_none_chosen() -> None:
+    # Written by a worker from before the precision fields, during a rolling upgrade.
+    fields = {"state": "ready", "items_per_s": "1.000", "batch_size": "1", "cold_start_s": "0.100",
+              "processed": "0", "pid": "1", "at": "1.5"}
+    beat = Heartbeat.from_fields(_as_redis(fields))
+    assert (beat.precision, beat.int8_speedup) == ("", None)
 
 
 @pytest.mark.parametrize("event", [

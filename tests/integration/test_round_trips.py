@@ -1,0 +1,123 @@
+"""A worker's Redis round trips per read and per batch, counted on the client's connection.
+
+Each round trip costs the worker a send, a wait and a parse; on small batches they are most of its
+CPU outside the model (bench/worker_cost.py). Claiming a read (with settling the entries that will
+not run) and storing a batch (outcomes, samples, events, shadow copies, faults, acks) are one each.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from sluice import keys
+from sluice.streams import CLAIM_SCRIPT, FINISH_SCRIPT, StreamConsumer
+from tests.support import queue_in_redis, unique
+from workers.batcher import Batch, Item
+from workers.execution import Outcome
+from workers.results import Delivery, ResultWriter
+
+
+class CountingConnection(aioredis.Connection):
+    """Counts what it sends: one send is one round trip (a pipeline is one send)."""
+
+    sent = 0
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        CountingConnection.sent += 1
+        await super().send_packed_command(command, check_health)
+
+
+@pytest.fixture
+async def counted(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    pool = aioredis.ConnectionPool.from_url(redis_url, connection_class=CountingConnection, max_connections=1)
+    client = aioredis.Redis.from_pool(pool)
+    await client.ping()  # the connection's hello and database selection are not the worker's
+    # A server that does not know a script answers NOSCRIPT and the client loads it (two more
+    # round trips, once per server): what is counted here is every call after that.
+    await client.script_load(CLAIM_SCRIPT)
+    await client.script_load(FINISH_SCRIPT)
+    yield client
+    await client.aclose()
+
+
+async def round_trips(call: Any) -> tuple[Any, int]:
+    before = CountingConnection.sent
+    result = await call
+    return result, CountingConnection.sent - before
+
+
+async def test_claiming_a_read_and_storing_its_batch_are_one_round_trip_each(counted: aioredis.Redis) -> None:
+    model = unique("trips")
+    streams = StreamConsumer(
+        redis=counted,
+        model=model,
+        version="v1",
+        name="counted",
+        claim_after_s=30.0,
+        max_deliveries=3,
+        result_ttl_s=3600,
+    )
+    await streams.ensure_groups()
+    plain = await queue_in_redis(counted, model, [{"text": f"plain {i}"} for i in range(4)])
+    copied = await queue_in_redis(counted, model, [{"text": f"copied {i}"} for i in range(3)], shadow="v2")
+    cancelled = plain.pop()
+    await counted.hset(keys.job(cancelled), "status", "cancelled")  # settled by the claim, not run
+    delivered = await streams.read(["online"], count=100, block_ms=None)
+
+    claims, trips = await round_trips(streams.claim(delivered, now=time.time()))
+    assert trips == 1
+    verdicts = {d.entry.job_id: c.verdict for d, c in zip(delivered, claims, strict=True)}
+    assert verdicts == {**{job_id: "run" for job_id in plain + copied}, cancelled: "cancelled"}
+    run = [(d, c) for d, c in zip(delivered, claims, strict=True) if c.verdict == "run"]
+    batch = Batch(
+        items=tuple(
+            Item(
+                id=d.entry_id,
+                tenant=d.entry.tenant,
+                cost=d.entry.cost,
+                enqueued_at=d.entry.enqueued_at,
+                payload=Delivery(
+                    job_id=d.entry.job_id, lane=d.lane, input=c.input, attempts=c.attempts, shadow=d.entry.shadow
+                ),
+            )
+            for d, c in run
+        ),
+        close_reason="size",
+        bucket=0,
+        tenant=None,
+        closed_at=time.time(),
+    )
+    # Plain jobs: one succeeded, one failed for good, one whose run faulted (left for redelivery).
+    outcomes = [
+        Outcome(output={"echo": "ok"}),
+        Outcome(error={"code": "inference_error", "message": "bad"}),
+        Outcome(fault="RuntimeError: device lost"),
+        *(Outcome(output={"echo": "copied"}) for _ in copied),
+    ]
+    assert [item.payload.job_id for item in batch.items] == plain + copied
+    writer = ResultWriter(streams=streams, result_ttl_s=3600)
+
+    won, trips = await round_trips(
+        writer.store(batch, outcomes, started=time.time(), finished=time.time(), model_ms=1.0)
+    )
+    assert trips == 1
+    assert won == [True, True, False, True, True, True]
+    statuses = [await counted.hget(keys.job(job_id), "status") for job_id in plain + copied]
+    assert statuses == [b"succeeded", b"failed", b"running", b"succeeded", b"succeeded", b"succeeded"]
+    assert await counted.hget(keys.job(plain[2]), "last_error") == b"RuntimeError: device lost"
+    assert await counted.xlen(keys.stats(model, "v1")) == 5
+    copies = await counted.xrange(keys.stream(model, "v2", "bulk"))
+    assert sorted(fields[b"so"].decode() for _, fields in copies) == sorted(copied)
+    for _, fields in copies:
+        record = await counted.hgetall(keys.job(fields[b"id"].decode()))
+        assert record[b"status"] == b"queued" and json.loads(record[b"input"])["text"].startswith("copied")
+    # Only the faulted job's entry is still pending; the others (and the settled one) are gone.
+    pending = await counted.xpending_range(keys.stream(model, "v1", "online"), keys.GROUP, min="-", max="+", count=100)
+    assert [p["message_id"].decode() for p in pending] == [batch.items[2].id]
+    assert await counted.xlen(keys.stream(model, "v1", "online")) == 1
