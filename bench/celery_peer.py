@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.celery_baseline import ARTIFACT_ENV, SHA256_ENV, URL_ENV
 from bench.common import (
     PERCENTILE_METHOD,
     REPO,
@@ -59,7 +60,8 @@ from bench.common import (
 from bench.peer_client import COLUMNS
 from bench.peer_report import SYSTEMS, phase_report, print_summary, progress_line, summarise
 
-MODEL = "minilm"  # the seeded demo version v1: max_batch_size 32, max_wait_ms 10
+MODEL, VERSION = "minilm", "v1"  # the seeded demo version: max_batch_size 32, max_wait_ms 10
+SLUICE_WORKERS = CELERY_CHILDREN = 2  # x 1 torch thread each
 SLUICE_DB, CELERY_DB = 0, 1
 FULL = {
     "repeats": 2,
@@ -120,10 +122,11 @@ class Stack:
             )
 
 
-def _celery_worker(home: Path, url: str) -> subprocess.Popen[bytes]:
-    """2 prefork children x 1 torch thread. Gossip, mingle and heartbeats are off, as is usual
-    for a Redis broker: they are cluster chatter, not work."""
-    env = dict(os.environ, SLUICE_BENCH_CELERY_URL=url, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def _celery_worker(home: Path, url: str, artifact: str, sha256: str) -> subprocess.Popen[bytes]:
+    """2 prefork children x 1 torch thread, running `artifact`. Gossip, mingle and heartbeats are
+    off, as is usual for a Redis broker: they are cluster chatter, not work."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update({URL_ENV: url, ARTIFACT_ENV: artifact, SHA256_ENV: sha256})
     logs = home / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     with (logs / "celery.log").open("ab") as sink:
@@ -138,7 +141,7 @@ def _celery_worker(home: Path, url: str) -> subprocess.Popen[bytes]:
                 "--pool",
                 "prefork",
                 "--concurrency",
-                "2",
+                str(CELERY_CHILDREN),
                 "--loglevel",
                 "WARNING",
                 "--without-gossip",
@@ -156,21 +159,36 @@ def _celery_worker(home: Path, url: str) -> subprocess.Popen[bytes]:
 
 
 def _wait_celery(stack: Stack, timeout_s: float = 180.0) -> None:
-    """Until both children answer (each loads the model before taking its first task)."""
+    """Until every child has answered a task (a child takes none before its model is loaded)."""
     from celery.exceptions import TimeoutError as CeleryTimeout
 
-    os.environ["SLUICE_BENCH_CELERY_URL"] = stack.celery_url
-    from bench.celery_baseline import embed
+    # The orchestrator's own handle on the Celery app, which reads its broker from the environment.
+    os.environ[URL_ENV] = stack.celery_url
+    from bench.celery_baseline import child_pid
 
     deadline = time.monotonic() + timeout_s
-    pending = [embed.delay("warming up the peer") for _ in range(8)]
-    while pending:
+    answered: set[int] = set()
+    while len(answered) < CELERY_CHILDREN:
         stack.check_alive()
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the Celery worker was not ready in {timeout_s:.0f}s")
-        with contextlib.suppress(CeleryTimeout):
-            pending[0].get(timeout=1.0)
-            pending.pop(0)
+            raise TimeoutError(f"{len(answered)} of {CELERY_CHILDREN} Celery children ready after {timeout_s:.0f}s")
+        for result in [child_pid.delay() for _ in range(2 * CELERY_CHILDREN)]:
+            with contextlib.suppress(CeleryTimeout):
+                answered.add(int(result.get(timeout=5.0)))
+        time.sleep(0.2)
+
+
+def _version_artifact(database_url: str, version: str) -> tuple[str, str]:
+    from sluice.registry import queries
+    from sluice.registry.store import Registry
+
+    registry = Registry(url=database_url, pool_size=1)
+    try:
+        with registry.session() as session:
+            row = queries.get_version(session, MODEL, version)
+            return row.artifact, row.sha256
+    finally:
+        registry.dispose()
 
 
 @contextlib.contextmanager
@@ -187,16 +205,18 @@ def both_systems(pg_url: str) -> Iterator[Stack]:
         redis_pid = int(client.info("server")["process_id"])
         client.close()
         celery_url = f"{redis_base}/{CELERY_DB}"
+        # The same model as the Sluice version, whatever the seed registers for it.
+        artifact, sha256 = _version_artifact(platform.database_url, VERSION)
         stack = Stack(
             platform=platform,
-            celery=_celery_worker(platform.home, celery_url),
+            celery=_celery_worker(platform.home, celery_url, artifact, sha256),
             celery_url=celery_url,
             redis_pid=redis_pid,
         )
         try:
-            platform.start_workers(MODEL, "v1", 2, threads=1)
-            platform.wait_ready(MODEL, "v1", 2)
-            warm(platform, "v1")
+            platform.start_workers(MODEL, VERSION, SLUICE_WORKERS, threads=1)
+            platform.wait_ready(MODEL, VERSION, SLUICE_WORKERS)
+            warm(platform, VERSION)
             _wait_celery(stack)
             yield stack
         finally:
@@ -229,7 +249,7 @@ def run_phase(stack: Stack, spec: dict[str, Any], workdir: Path) -> dict[str, An
         "api_url": stack.platform.api_url,
         "api_key": stack.platform.demo_key,
     }
-    env = dict(os.environ, SLUICE_BENCH_CELERY_URL=stack.celery_url)
+    env = dict(os.environ, **{URL_ENV: stack.celery_url})
     with (workdir / "clients.log").open("ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "bench.peer_client", json.dumps(spec)],
