@@ -13,6 +13,7 @@ import math
 import os
 import platform as py_platform
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -395,6 +396,34 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def private_redis() -> Iterator[tuple[str, int]]:
+    """A redis-server of the bench's own (no persistence): nobody else publishes on its channels."""
+    import redis
+
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-redis-") as directory:
+        proc = subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
+             "--dir", directory, "--save", "", "--appendonly", "no", "--daemonize", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            client = redis.Redis(port=port, socket_connect_timeout=0.5)
+            deadline = time.monotonic() + 20
+            while True:
+                with contextlib.suppress(redis.RedisError):
+                    if client.ping():
+                        break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {port} did not start")
+                time.sleep(0.05)
+            client.close()
+            yield f"redis://127.0.0.1:{port}", 0
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
 
 
 # --------------------------------------------------------------------------------------------

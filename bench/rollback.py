@@ -34,10 +34,7 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import socket
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -52,6 +49,7 @@ from bench.common import (
     cpu_seconds,
     fmt,
     free_port,
+    private_redis,
     sigterm_as_interrupt,
     table,
     write_json,
@@ -111,34 +109,6 @@ def claimed_redis_db(pinned: int | None) -> Iterator[tuple[str, int]]:
         if held is not None and base.get(REDIS_DB_LOCK.format(db=held)) == token.encode():
             base.delete(REDIS_DB_LOCK.format(db=held))
         base.close()
-
-
-@contextlib.contextmanager
-def private_redis() -> Iterator[tuple[str, int]]:
-    """A redis-server of the bench's own (no persistence): nobody else publishes on its channels."""
-    import redis
-
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="sluice-bench-redis-") as directory:
-        proc = subprocess.Popen(
-            [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
-             "--dir", directory, "--save", "", "--appendonly", "no", "--daemonize", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            client = redis.Redis(port=port, socket_connect_timeout=0.5)
-            deadline = time.monotonic() + 20
-            while True:
-                with contextlib.suppress(redis.RedisError):
-                    if client.ping():
-                        break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server on port {port} did not start")
-                time.sleep(0.05)
-            client.close()
-            yield f"redis://127.0.0.1:{port}", 0
-        finally:
-            proc.terminate()
-            proc.wait(timeout=20)
 
 
 @dataclass(frozen=True, slots=True)
