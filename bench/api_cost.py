@@ -1,0 +1,539 @@
+"""What one API process spends per request (issue 9, point 2): CPU ms of the API process, and of
+Redis, per single submit, per job read (plain and `?wait=`) and per job through `jobs:bulk`.
+
+One `sluice api` process (`python -m launch.cli api`, as `sluice api` starts it: uvicorn, the
+settings from the environment), a redis-server of the bench's own (so its CPU is ours alone) and
+a fresh registry database. The model is the seeded `minilm` (kind `embedding`), so the API
+validates and costs text inputs as it does for the real one; no worker runs. Jobs to read are
+made final by the bench itself, through the kernel's finish script (`StreamConsumer.finish`),
+with an output the size of MiniLM's (384 float32 values as the worker writes them), so a read
+returns what a user polling MiniLM gets. The tenant has limits no phase reaches, and the API's
+no-worker breaker grace is set past the run, so every request is answered 202 or 200 (anything
+else stops the bench).
+
+The load comes from another process (`bench.rawhttp`, kept-alive connections, closed loop:
+each connection sends its next request when the answer is in), so the client's CPU is not
+counted. Texts follow the skewed mix (`bench.common.skewed_texts`). Phases, each measured from
+/proc (user + system CPU of the API process, of redis-server, of the client) around one drive:
+
+* `submit`: `POST /v1/models/minilm/jobs` with `{"input": {"text": ...}}`, online lane;
+* `read`: `GET /v1/jobs/{id}` of a finished job;
+* `read_wait`: `GET /v1/jobs/{id}?wait=30` of a finished job;
+* `bulk`: `POST /v1/models/minilm/jobs:bulk` with `--bulk-size` inputs (bulk lane).
+
+The phases run interleaved, `--rounds` times, after a warm-up; each figure is reported as the
+median with the minimum and maximum over the rounds. CPU per request hardly moves with the
+machine's other load; wall-clock rates do, and are shown only as context. `--profile DIR` then
+runs each phase once more under py-spy (a separate run: sampling slows the process) and prints
+where the API's time went.
+
+    python -m bench.api_cost [--rounds 5] [--requests 3000] [--bulk-requests 40] [--profile DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import pyspy, rawhttp
+from bench.common import (
+    REPO,
+    CpuWindow,
+    command_line,
+    cpu_seconds,
+    fmt,
+    free_port,
+    machine_info,
+    sigterm_as_interrupt,
+    skewed_texts,
+    table,
+    write_json,
+)
+from bench.durable_accept import database
+from bench.rollback import private_redis
+
+MODEL, VERSION = "minilm", "v1"
+PHASES = ("submit", "read", "read_wait", "bulk")
+TARGETS = {"submit": "<= 1.0 ms", "read": "<= 0.5 ms", "read_wait": "<= 0.5 ms", "bulk": ">= 20000 jobs/s"}
+EMBEDDING_DIM = 384
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True, slots=True)
+class Stack:
+    """The processes under measurement and how to reach them."""
+
+    api_pid: int
+    redis_pid: int
+    port: int
+    key: str
+    redis_url: str
+
+
+@contextmanager
+def api_process(*, redis_url: str, database_url: str, home: Path) -> Iterator[tuple[int, int]]:
+    """`sluice api` on a free port: answers (pid, port) once /readyz says 200."""
+    port = free_port()
+    env = dict(
+        os.environ,
+        SLUICE_REDIS_URL=redis_url,
+        SLUICE_DATABASE_URL=database_url,
+        SLUICE_HOME=str(home),
+        # No worker runs: the breaker must not take the version out of service mid-run.
+        SLUICE_BREAKER_NO_WORKER_GRACE_S="1e9",
+        PYTHONUNBUFFERED="1",
+    )
+    log = home / "api.log"
+    with log.open("ab") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "launch.cli", "api", "--port", str(port)],
+            env=env,
+            cwd=REPO,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the API did not start; see {log}")
+            time.sleep(0.2)
+        yield proc.pid, port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def bench_tenant(database_url: str, home: Path) -> str:
+    """A seeded registry (minilm v1, kind embedding) and a tenant no phase can rate-limit; its key."""
+    from launch.seed import seed
+    from sluice.registry import queries
+    from sluice.registry.store import Registry
+
+    registry = Registry(url=database_url, pool_size=1)
+    try:
+        seed(registry, home=home)
+        with registry.session() as session:
+            _, key = queries.create_tenant(
+                session, tenant_id="bench", actor="bench", rate_limit_per_s=1e6, max_queued=1_000_000_000
+            )
+        return key.secret
+    finally:
+        registry.dispose()
+
+
+def redis_pid(redis_url: str) -> int:
+    import redis
+
+    with redis.Redis.from_url(redis_url) as client:
+        return int(client.info("server")["process_id"])
+
+
+def embedding_output(seed: int) -> str:
+    """An output as a MiniLM worker stores it: a unit vector of float32 values, as JSON."""
+    import json
+
+    import numpy as np
+
+    vector = np.random.default_rng(seed).standard_normal(EMBEDDING_DIM).astype(np.float32)
+    vector /= np.linalg.norm(vector)
+    return json.dumps({"embedding": vector.tolist(), "dim": EMBEDDING_DIM}, separators=(",", ":"))
+
+
+async def _finish(redis_url: str, job_ids: Sequence[str]) -> None:
+    import redis.asyncio as aioredis
+
+    from sluice.samples import Sample
+    from sluice.streams import StreamConsumer
+
+    client = aioredis.Redis.from_url(redis_url)
+    consumer = StreamConsumer(
+        redis=client,
+        model=MODEL,
+        version=VERSION,
+        name="bench-api-cost",
+        claim_after_s=30.0,
+        max_deliveries=3,
+        result_ttl_s=86_400,
+    )
+    try:
+        for start in range(0, len(job_ids), 500):
+            now = time.time()
+            sample = Sample(
+                status="succeeded",
+                finished_at=now,
+                queue_wait_ms=1.0,
+                model_ms=5.0,
+                total_ms=6.0,
+                batch_size=32,
+                close_reason="size",
+            )
+            pipe = client.pipeline(transaction=False)
+            chunk = job_ids[start : start + 500]
+            for index, job_id in enumerate(chunk):
+                await consumer.finish(
+                    pipe,
+                    job_id,
+                    status="succeeded",
+                    output=embedding_output(start + index),
+                    error="",
+                    started=now - 0.005,
+                    finished=now,
+                    model_ms=5.0,
+                    batch_size=32,
+                    close_reason="size",
+                    sample=sample,
+                    event=None,
+                )
+            won = await pipe.execute()
+            if won != [1] * len(chunk):
+                raise RuntimeError("the finish script refused some of the bench's jobs")
+    finally:
+        await client.aclose()
+
+
+def finish_jobs(redis_url: str, job_ids: Sequence[str]) -> None:
+    """Make the jobs `succeeded`, as a worker's finish would (sample included, no event)."""
+    asyncio.run(_finish(redis_url, job_ids))
+
+
+# --- the phases ------------------------------------------------------------------------------------
+
+
+def _json(value: Any) -> bytes:
+    import json
+
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def submit_requests(key: str, texts: Sequence[str]) -> list[bytes]:
+    return [
+        rawhttp.request("POST", f"/v1/models/{MODEL}/jobs", key=key, body=_json({"input": {"text": text}}))
+        for text in texts
+    ]
+
+
+def read_requests(key: str, job_ids: Sequence[str], n: int, *, wait: bool, seed: int) -> list[bytes]:
+    rng = random.Random(seed)
+    query = "?wait=30" if wait else ""
+    return [rawhttp.request("GET", f"/v1/jobs/{rng.choice(job_ids)}{query}", key=key) for _ in range(n)]
+
+
+def bulk_requests(key: str, texts: Sequence[str], size: int) -> list[bytes]:
+    return [
+        rawhttp.request(
+            "POST",
+            f"/v1/models/{MODEL}/jobs:bulk",
+            key=key,
+            body=_json({"inputs": [{"text": text} for text in texts[start : start + size]]}),
+        )
+        for start in range(0, len(texts) - size + 1, size)
+    ]
+
+
+def phase_requests(
+    phase: str, stack: Stack, pool_ids: Sequence[str], *, n: int, bulk_n: int, bulk_size: int, seed: int
+) -> tuple[list[bytes], int]:
+    """The requests of one run of `phase`, and the jobs each request carries."""
+    if phase == "submit":
+        return submit_requests(stack.key, skewed_texts(n, seed=seed)), 1
+    if phase in ("read", "read_wait"):
+        return read_requests(stack.key, pool_ids, n, wait=phase == "read_wait", seed=seed), 1
+    return bulk_requests(stack.key, skewed_texts(bulk_n * bulk_size, seed=seed), bulk_size), bulk_size
+
+
+EXPECTED_STATUS = {"submit": 202, "read": 200, "read_wait": 200, "bulk": 202}
+
+
+def measure(
+    executor: ProcessPoolExecutor,
+    stack: Stack,
+    phase: str,
+    requests: list[bytes],
+    *,
+    jobs_per_request: int,
+    concurrency: int,
+    keep_bodies: bool = False,
+) -> tuple[dict[str, Any], rawhttp.Driven]:
+    """Drive one phase from the client process; the CPU the API and Redis spent on it."""
+    api0, redis0 = user_system(stack.api_pid), cpu_seconds(stack.redis_pid)
+    window = CpuWindow()
+    driven = executor.submit(rawhttp.drive, stack.port, requests, concurrency, keep_bodies).result()
+    api1, redis_s = user_system(stack.api_pid), cpu_seconds(stack.redis_pid) - redis0
+    window.stop()
+    api_s, api_system_s = sum(api1) - sum(api0), api1[1] - api0[1]
+    unexpected = {status: count for status, count in driven.statuses.items() if status != EXPECTED_STATUS[phase]}
+    if unexpected:
+        raise RuntimeError(f"{phase}: answers other than {EXPECTED_STATUS[phase]}: {unexpected}")
+    n, jobs = len(requests), len(requests) * jobs_per_request
+    return {
+        "phase": phase,
+        "requests": n,
+        "jobs": jobs,
+        "concurrency": concurrency,
+        "wall_s": driven.wall_s,
+        "api_cpu_s": api_s,
+        "api_system_share": api_system_s / api_s if api_s > 0 else None,
+        "redis_cpu_s": redis_s,
+        "client_cpu_s": driven.client_cpu_s,
+        "api_ms_per_request": api_s * 1000 / n,
+        "redis_ms_per_request": redis_s * 1000 / n,
+        "client_ms_per_request": driven.client_cpu_s * 1000 / n,
+        "api_ms_per_job": api_s * 1000 / jobs,
+        "redis_ms_per_job": redis_s * 1000 / jobs,
+        "jobs_per_api_cpu_s": jobs / api_s if api_s > 0 else None,
+        "requests_per_s_wall": n / driven.wall_s,
+        "jobs_per_s_wall": jobs / driven.wall_s,
+        "other_load_cores": window.foreign_cores(api_s + redis_s + driven.client_cpu_s),
+    }, driven
+
+
+def user_system(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process, from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) / TICKS, int(fields[12]) / TICKS
+
+
+def job_ids(bodies: Sequence[bytes]) -> list[str]:
+    import json
+
+    return [json.loads(body)["id"] for body in bodies]
+
+
+# --- the report ------------------------------------------------------------------------------------
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for phase in PHASES:
+        mine = [run for run in runs if run["phase"] == phase]
+        out[phase] = {
+            name: spread([run[name] for run in mine])
+            for name in (
+                "api_ms_per_request",
+                "redis_ms_per_request",
+                "client_ms_per_request",
+                "api_ms_per_job",
+                "redis_ms_per_job",
+                "api_system_share",
+                "jobs_per_api_cpu_s",
+                "requests_per_s_wall",
+                "jobs_per_s_wall",
+                "other_load_cores",
+            )
+        }
+        out[phase]["rounds"] = len(mine)
+    return out
+
+
+def _cell(figure: dict[str, float], digits: int = 3) -> str:
+    return f"{fmt(figure['median'], digits)} ({fmt(figure['min'], digits)}-{fmt(figure['max'], digits)})"
+
+
+def print_report(summary: dict[str, dict[str, Any]], *, bulk_size: int) -> None:
+    rows = []
+    for phase in PHASES:
+        s = summary[phase]
+        rows.append(
+            [
+                phase if phase != "bulk" else f"bulk ({bulk_size}/request), per job",
+                _cell(s["api_ms_per_job"]),
+                _cell(s["api_system_share"], 2),
+                _cell(s["redis_ms_per_job"]),
+                _cell(s["jobs_per_api_cpu_s"], 0),
+                _cell(s["jobs_per_s_wall"], 0),
+                _cell(s["other_load_cores"], 2),
+                TARGETS[phase],
+            ]
+        )
+    print()
+    print("CPU per job of one API process and of Redis, median (min-max) over rounds; wall-clock rates for context")
+    print(
+        table(
+            [
+                "phase",
+                "API CPU ms",
+                "of it in the kernel",
+                "Redis CPU ms",
+                "jobs per API CPU-s",
+                "jobs/s (wall)",
+                "other load, cores",
+                "target",
+            ],
+            rows,
+        )
+    )
+    bulk = summary["bulk"]
+    print(
+        f"bulk per request: API {_cell(bulk['api_ms_per_request'], 2)} ms CPU, "
+        f"Redis {_cell(bulk['redis_ms_per_request'], 2)} ms CPU"
+    )
+
+
+def print_profile(phase: str, profile: pyspy.Profile, n: int = 30) -> None:
+    print(
+        f"\npy-spy, API process, phase {phase}: {profile.samples} samples; share of samples on the stack / at the top"
+    )
+    print(
+        table(
+            ["function", "inclusive", "self"],
+            [[key, f"{inclusive:.1%}", f"{self_:.1%}"] for key, inclusive, self_ in profile.top(n)],
+            max_width=100,
+        )
+    )
+
+
+# --- main ------------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace, stack: Stack, executor: ProcessPoolExecutor) -> dict[str, Any]:
+    sizes = {"n": args.requests, "bulk_n": args.bulk_requests, "bulk_size": args.bulk_size}
+    concurrency = {
+        "submit": args.concurrency,
+        "read": args.concurrency,
+        "read_wait": args.concurrency,
+        "bulk": args.bulk_concurrency,
+    }
+    # The pool of finished jobs the reads choose from; submitting it is the submit path's warm-up.
+    _, driven = measure(
+        executor,
+        stack,
+        "submit",
+        submit_requests(stack.key, skewed_texts(args.pool, seed=10_000)),
+        jobs_per_request=1,
+        concurrency=args.concurrency,
+        keep_bodies=True,
+    )
+    pool_ids = job_ids(driven.bodies)
+    finish_jobs(stack.redis_url, pool_ids)
+    for phase in PHASES[1:]:
+        requests, per = phase_requests(phase, stack, pool_ids, n=200, bulk_n=4, bulk_size=args.bulk_size, seed=1)
+        measure(executor, stack, phase, requests, jobs_per_request=per, concurrency=concurrency[phase])
+    idle = CpuWindow()
+    api0 = cpu_seconds(stack.api_pid)
+    time.sleep(3)
+    idle_api_cores = (cpu_seconds(stack.api_pid) - api0) / idle.stop().elapsed
+
+    runs = []
+    for round_ in range(args.rounds):
+        for phase in PHASES:
+            requests, per = phase_requests(
+                phase, stack, pool_ids, seed=args.seed + 100 * round_ + PHASES.index(phase), **sizes
+            )
+            result, _ = measure(executor, stack, phase, requests, jobs_per_request=per, concurrency=concurrency[phase])
+            result["round"] = round_ + 1
+            runs.append(result)
+            print(
+                f"round {round_ + 1} {phase:<9} API {result['api_ms_per_job']:.3f} ms/job CPU "
+                f"({result['api_system_share']:.0%} in the kernel), "
+                f"Redis {result['redis_ms_per_job']:.3f}, {result['jobs_per_s_wall']:.0f} jobs/s wall, "
+                f"other load {result['other_load_cores']:.2f} cores",
+                flush=True,
+            )
+
+    profiles: dict[str, list[list[Any]]] = {}
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        for phase in PHASES:
+            requests, per = phase_requests(phase, stack, pool_ids, seed=args.seed + 7, **sizes)
+            path = args.profile / f"api_cost-{phase}.txt"
+            with pyspy.recording(stack.api_pid, path, extra=("--native",) if args.profile_native else ()):
+                measure(executor, stack, phase, requests, jobs_per_request=per, concurrency=concurrency[phase])
+            profile = pyspy.summarise(path)
+            print_profile(phase, profile)
+            profiles[phase] = [[key, inclusive, self_] for key, inclusive, self_ in profile.top(60)]
+    return {"runs": runs, "idle_api_cores": idle_api_cores, "profiles": profiles, "pool_jobs": len(pool_ids)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the four phases")
+    parser.add_argument("--requests", type=int, default=3000, help="requests per submit and read phase")
+    parser.add_argument("--bulk-requests", type=int, default=40, help="jobs:bulk requests per bulk phase")
+    parser.add_argument("--bulk-size", type=int, default=500, help="inputs per jobs:bulk request")
+    parser.add_argument("--concurrency", type=int, default=32, help="connections for single requests")
+    parser.add_argument("--bulk-concurrency", type=int, default=4, help="connections for jobs:bulk")
+    parser.add_argument("--pool", type=int, default=2000, help="finished jobs the reads choose from")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="then run each phase under py-spy, writing collapsed stacks to this directory",
+    )
+    parser.add_argument("--profile-native", action="store_true", help="with --profile: native frames too")
+    args = parser.parse_args()
+
+    with (
+        sigterm_as_interrupt(),
+        tempfile.TemporaryDirectory(prefix="sluice-bench-api-cost-") as tmp,
+        private_redis() as (redis_base, _),
+        database() as database_url,
+    ):
+        home = Path(tmp)
+        redis_url = f"{redis_base}/0"
+        key = bench_tenant(database_url, home)
+        with (
+            api_process(redis_url=redis_url, database_url=database_url, home=home) as (api_pid, port),
+            ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as executor,
+        ):
+            stack = Stack(api_pid=api_pid, redis_pid=redis_pid(redis_url), port=port, key=key, redis_url=redis_url)
+            measured = run(args, stack, executor)
+
+    summary = summarise(measured["runs"])
+    print_report(summary, bulk_size=args.bulk_size)
+    print(f"API process idle: {measured['idle_api_cores'] * 1000:.1f} ms CPU per second (included above)")
+    path = write_json(
+        "api_cost.json",
+        {
+            "command": command_line("bench.api_cost"),
+            "machine": machine_info(),
+            "rounds": args.rounds,
+            "requests_per_phase": args.requests,
+            "bulk_requests": args.bulk_requests,
+            "bulk_size": args.bulk_size,
+            "concurrency": args.concurrency,
+            "bulk_concurrency": args.bulk_concurrency,
+            "targets": TARGETS,
+            "cpu": "user + system from /proc/<pid>/stat (10 ms ticks), per process",
+            "summary": summary,
+            "idle_api_cores": measured["idle_api_cores"],
+            "runs": measured["runs"],
+            "profiles": measured["profiles"],
+        },
+    )
+    print(f"written: {path}")
+
+
+if __name__ == "__main__":
+    main()
