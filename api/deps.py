@@ -36,7 +36,9 @@ class AppState:
     draining: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
+    # Async although it never waits: FastAPI runs a plain function dependency on a worker thread,
+    # which cost every request a thread hand-off (0.03-0.08 ms of CPU, measured by bench.api_cost).
     state: AppState = request.app.state.sluice
     return state
 

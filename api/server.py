@@ -52,6 +52,8 @@ class TwoStageServer(uvicorn.Server):
 
 
 def serve(app: FastAPI, *, host: str, port: int, grace_s: float) -> None:
-    config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=int(grace_s))
+    # Named, not "auto": without uvloop or httptools uvicorn silently falls back to pure-Python
+    # equivalents that cost each request more CPU; a missing one should fail at start-up instead.
+    config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, loop="uvloop",
+                            http="httptools", timeout_graceful_shutdown=int(grace_s))
     TwoStageServer(config, app=app).run()
