@@ -7,11 +7,14 @@ job gains later are written by the transition scripts of `sluice.streams`.
 from __future__ import annotations
 
 import json
+import math
 import secrets
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Literal, get_args
+
+import orjson
 
 
 class JobStatus(StrEnum):
@@ -38,6 +41,11 @@ OUTPUT_FIELD = "output"
 # The tenant of shadow copies: not a valid tenant id (ids start with a letter or digit), so no
 # key can ever read one, and copies never count against a real tenant's quota.
 SHADOW_TENANT = "_shadow"
+
+
+# The fields a job's owner reads back as they were stored: JSON already, copied into the resource
+# rather than parsed and printed again (`JobView`), in the order the resource has them.
+_COPIED_FIELDS = (OUTPUT_FIELD, "error", "metadata")
 
 
 def new_job_id() -> str:
@@ -117,10 +125,7 @@ class JobRecord:
 
     @classmethod
     def from_redis(cls, raw: dict[Any, Any]) -> JobRecord:
-        data = {
-            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-            for k, v in raw.items()
-        }
+        data = _decoded(raw)
 
         def num(name: str) -> float | None:
             value = data.get(name)
@@ -188,3 +193,60 @@ class JobRecord:
         if self.metadata:
             body["metadata"] = self.metadata
         return body
+
+
+def _decoded(raw: dict[Any, Any]) -> dict[str, Any]:
+    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in raw.items()}
+
+
+def _without_non_finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _without_non_finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_without_non_finite(item) for item in value]
+    return value
+
+
+def _copied(text: str) -> Any:
+    """A stored JSON field as the resource carries it. Python's encoder (a worker's) writes a
+    non-finite float as the bare word NaN or Infinity, which no JSON reader takes: a field that may
+    hold one is parsed, and such numbers answered as null, as the response models did. Anything
+    else (MiniLM's 384 floats: a 7 KB text) is copied as it is."""
+    if "NaN" in text or "Infinity" in text:
+        return _without_non_finite(json.loads(text))
+    return orjson.Fragment(text)
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """A job as its owner reads it: whose it is, its status, and its resource as JSON bytes.
+
+    Built from the stored hash without parsing the input (not part of the resource) nor the output,
+    error and metadata, which are JSON already and copied in: parsing an embedding's floats and
+    printing them again was most of a job read's CPU. The body equals
+    `orjson.dumps(JobRecord.from_redis(raw).resource())` (tests/unit/test_records.py).
+    """
+
+    id: str
+    tenant: str
+    status: JobStatus
+    body: bytes
+
+    @property
+    def is_final(self) -> bool:
+        return self.status in FINAL_STATES
+
+    @classmethod
+    def from_redis(cls, raw: dict[Any, Any]) -> JobView:
+        data = _decoded(raw)
+        stored = {name: data.pop(name, "") for name in ("input", *_COPIED_FIELDS)}
+        record = JobRecord.from_redis(data)
+        resource = record.resource()
+        for name in _COPIED_FIELDS:
+            # As `resource()`: an output or error when there is one, metadata when it is not empty.
+            if stored[name] and (name != "metadata" or stored[name] != "{}"):
+                resource[name] = _copied(stored[name])
+        return cls(id=record.id, tenant=record.tenant, status=record.status, body=orjson.dumps(resource))

@@ -9,12 +9,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Header, Query
+from fastapi.responses import StreamingResponse
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
 
 from api.deps import AppState, CurrentKey, StateDep
 from api.resources import BulkAccepted, ErrorResource, JobResource
+from api.responses import JsonResponse
 from sluice.errors import Conflict, InvalidInput, JobExpired, PayloadTooLarge, ServiceUnavailable, TooManyRequests
 from sluice.idempotency import IdempotencyClaim
 from sluice.jobs import JobRecord, JobStatus, new_job_id
@@ -165,46 +166,45 @@ async def _queue(
 async def submit_job(
     model: str, body: SubmitJob, key: CurrentKey, state: StateDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
-) -> JSONResponse:
+) -> JsonResponse:
     records, replayed = await _admit(state, key, model, body, [body.input], idempotency_key,
                                      _request_hash(model, body))
     record = records[0]
     headers = {"Location": f"/v1/jobs/{record.id}"}
     if replayed:
         headers["Idempotent-Replayed"] = "true"
-    return JSONResponse(record.resource(), status_code=202, headers=headers)
+    return JsonResponse(record.resource(), status_code=202, headers=headers)
 
 
 @router.post("/models/{model}/jobs:bulk", status_code=202, response_model=BulkAccepted, responses=_SUBMIT_ERRORS)
 async def submit_bulk(
-    model: str, body: SubmitBulk, key: CurrentKey, state: StateDep, response: Response,
+    model: str, body: SubmitBulk, key: CurrentKey, state: StateDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
-) -> BulkAccepted:
+) -> JsonResponse:
     if len(body.inputs) > state.settings.max_bulk_items:
         raise PayloadTooLarge(f"{len(body.inputs)} inputs; at most {state.settings.max_bulk_items} per request")
     records, replayed = await _admit(state, key, model, body, body.inputs, idempotency_key,
                                      _request_hash(model, body))
-    if replayed:
-        response.headers["Idempotent-Replayed"] = "true"
-    return BulkAccepted(ids=[r.id for r in records], model=model,
-                        version=records[0].version if records else "", count=len(records))
+    accepted = {"ids": [r.id for r in records], "model": model, "version": records[0].version if records else "",
+                "count": len(records)}
+    return JsonResponse(accepted, status_code=202, headers={"Idempotent-Replayed": "true"} if replayed else None)
 
 
 @router.get("/jobs/{job_id}", response_model=JobResource, response_model_exclude_unset=True)
 async def get_job(
     job_id: str, key: CurrentKey, state: StateDep,
     wait: Annotated[float, Query(ge=0, description="Long-poll up to this many seconds for a final state")] = 0,
-) -> dict[str, Any]:
-    record = await state.broker.get_for_tenant(job_id, key.tenant)
+) -> JsonResponse:
+    job = await state.broker.view_for_tenant(job_id, key.tenant)
     deadline = time.monotonic() + min(wait, state.settings.max_wait_s)
-    while not record.is_final and not state.draining.is_set():
+    while not job.is_final and not state.draining.is_set():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
         event = state.hub.watch(job_id)
         try:
-            record = await state.broker.get_for_tenant(job_id, key.tenant)
-            if record.is_final:
+            job = await state.broker.view_for_tenant(job_id, key.tenant)
+            if job.is_final:
                 break
             try:
                 await asyncio.wait_for(event.wait(), timeout=remaining)
@@ -212,8 +212,8 @@ async def get_job(
                 pass
         finally:
             state.hub.unwatch(job_id, event)
-        record = await state.broker.get_for_tenant(job_id, key.tenant)
-    return record.resource()
+        job = await state.broker.view_for_tenant(job_id, key.tenant)
+    return JsonResponse(job.body)
 
 
 @router.get("/jobs/{job_id}/events", response_class=StreamingResponse,
