@@ -71,25 +71,25 @@ def _request_hash(model: str, body: BaseModel) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-async def _claim_key(state: AppState, key: KeyInfo, idempotency_key: str | None,
-                     request_hash: str) -> IdempotencyClaim | None:
+async def _claim_key(state: AppState, key: KeyInfo, model: str, options: SubmitJob | SubmitBulk,
+                     idempotency_key: str | None) -> IdempotencyClaim | None:
     if not idempotency_key:
         return None
     if len(idempotency_key) > 255:
         raise InvalidInput("Idempotency-Key must be at most 255 characters")
-    return await state.broker.claim_idempotency_key(key.tenant, idempotency_key, request_hash)
+    return await state.broker.claim_idempotency_key(key.tenant, idempotency_key, _request_hash(model, options))
 
 
 async def _admit(
     state: AppState, key: KeyInfo, model: str, options: SubmitJob | SubmitBulk, inputs: list[Any],
-    idempotency_key: str | None, request_hash: str,
+    idempotency_key: str | None,
 ) -> tuple[list[JobRecord], bool]:
     """The jobs of this submission, and whether they were made by an earlier identical one.
 
     A replay is answered before anything else is checked: the request was accepted once, and a
     client retrying it must get that answer from a draining replica or past an open breaker too.
     """
-    claim = await _claim_key(state, key, idempotency_key, request_hash)
+    claim = await _claim_key(state, key, model, options, idempotency_key)
     if claim is not None and claim.replay is not None:
         return await _replayed(state, claim.replay), True
     try:
@@ -167,8 +167,7 @@ async def submit_job(
     model: str, body: SubmitJob, key: CurrentKey, state: StateDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JsonResponse:
-    records, replayed = await _admit(state, key, model, body, [body.input], idempotency_key,
-                                     _request_hash(model, body))
+    records, replayed = await _admit(state, key, model, body, [body.input], idempotency_key)
     record = records[0]
     headers = {"Location": f"/v1/jobs/{record.id}"}
     if replayed:
@@ -183,8 +182,7 @@ async def submit_bulk(
 ) -> JsonResponse:
     if len(body.inputs) > state.settings.max_bulk_items:
         raise PayloadTooLarge(f"{len(body.inputs)} inputs; at most {state.settings.max_bulk_items} per request")
-    records, replayed = await _admit(state, key, model, body, body.inputs, idempotency_key,
-                                     _request_hash(model, body))
+    records, replayed = await _admit(state, key, model, body, body.inputs, idempotency_key)
     accepted = {"ids": [r.id for r in records], "model": model, "version": records[0].version if records else "",
                 "count": len(records)}
     return JsonResponse(accepted, status_code=202, headers={"Idempotent-Replayed": "true"} if replayed else None)
