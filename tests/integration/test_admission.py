@@ -115,6 +115,25 @@ def test_jobs_refused_after_shedding_admitted_them_give_their_place_back(redis_u
 
     assert asyncio.run(admitted_twice()) == (10, 10)
 
+def test_a_burst_that_finds_the_load_stale_shares_one_read(redis_url: str) -> None:
+    """Each submission that found the cached load stale used to read the backlog itself: a burst
+    made one read per request instead of one per `load_cache_s`."""
+    model = unique("admit")
+
+    async def burst() -> list[object]:
+        client = connections.connect(redis_url)
+        try:
+            await heartbeats.beat(client, model, "v1", "w1", _serving(items_per_s=10.0))
+            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60))
+            return list(await asyncio.gather(*[admission.load(model, "v1") for _ in range(20)]))
+        finally:
+            await client.aclose()
+
+    loads = asyncio.run(burst())
+    assert len({id(load) for load in loads}) == 1
+    assert loads[0].live_workers == 1  # type: ignore[attr-defined]
+
+
 # --- over HTTP: lanes, the tenant's quota and its rate tokens -------------------------------------
 
 # What one warm MiniLM worker serves on this 2-core machine (DESIGN §3, §9: 71.9 texts/s in process):
