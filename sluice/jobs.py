@@ -102,12 +102,12 @@ class JobRecord:
             "version": self.version,
             "lane": self.lane,
             "status": self.status.value,
-            "input": json.dumps(self.input, separators=(",", ":")),
+            "input": _json_text(self.input),
             "enqueued_at": repr(self.enqueued_at),
             "cost": str(self.cost),
             "attempts": str(self.attempts),
             "cache_hit": "1" if self.cache_hit else "0",
-            "metadata": json.dumps(self.metadata, separators=(",", ":")),
+            "metadata": _json_text(self.metadata),
         }
         if self.callback_url:
             fields["callback_url"] = self.callback_url
@@ -193,6 +193,16 @@ class JobRecord:
         if self.metadata:
             body["metadata"] = self.metadata
         return body
+
+
+def _json_text(value: Any) -> str:
+    """A request's value (an input, metadata) as compact JSON. orjson writes a bulk submission's
+    texts several times faster than the standard encoder, but refuses integers past 64 bits, which
+    a request body may carry: those go to the standard one."""
+    try:
+        return orjson.dumps(value).decode()
+    except orjson.JSONEncodeError:
+        return json.dumps(value, separators=(",", ":"))
 
 
 def _decoded(raw: dict[Any, Any]) -> dict[str, Any]:

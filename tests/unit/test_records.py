@@ -99,6 +99,18 @@ def _submitted(**changes: Any) -> JobRecord:
     return JobRecord(**{**base, **changes})
 
 
+@pytest.mark.parametrize("record", [
+    _submitted(),
+    _submitted(input={"text": "\u65e5\u672c \U0001f600"}, metadata={"k": "\u00fc", "f": 0.1, "n": None, "b": False}),
+    _submitted(input={"tokens": 512}, lane="bulk", callback_url="https://example.com/h", deadline=1_700_000_060.5,
+               shadow="v2", cost=512),
+    # A request body may carry integers of up to 4300 digits.
+    _submitted(metadata={"n": 10**40}),
+], ids=["plain", "unicode", "every-field", "big-integer"])
+def test_a_job_record_round_trips_as_submitted(record: JobRecord) -> None:
+    assert JobRecord.from_redis(_as_redis(record.to_redis())) == record
+
+
 def _finished(record: JobRecord, *, status: str, output: str = "", error: str = "") -> dict[bytes, bytes]:
     """The hash as Redis hands it back once a worker's finish script wrote the outcome."""
     fields = {**record.to_redis(), "status": status, "started_at": "1700000000.5", "finished_at": "1700000001.0",
