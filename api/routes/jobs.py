@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
 
 from api.deps import AppState, CurrentKey, StateDep
+from api.middleware import StrictJsonRoute
 from api.resources import BulkAccepted, ErrorResource, JobResource
 from api.responses import JsonResponse
 from sluice.errors import Conflict, InvalidInput, JobExpired, PayloadTooLarge, ServiceUnavailable, TooManyRequests
@@ -26,7 +27,7 @@ from sluice.registry.queries import KeyInfo
 from sluice.routing import hash_unit, route, shadow_target
 from sluice.webhooks import CallbackRefused, allowed_networks, check_callback_url
 
-router = APIRouter(prefix="/v1", tags=["jobs"])
+router = APIRouter(prefix="/v1", tags=["jobs"], route_class=StrictJsonRoute)
 
 MetadataValue = str | int | float | bool | None
 
