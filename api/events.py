@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
 from sluice import events
+from sluice.jobs import FINAL_STATES
 
 log = logging.getLogger(__name__)
 
@@ -25,31 +26,39 @@ class EventHub:
         self.redis = redis
         self.on_control = on_control
         self._waiters: dict[str, set[asyncio.Event]] = defaultdict(set)
+        # Woken only by a final state: a long-poll has nothing to answer on `running`.
+        self._final_waiters: dict[str, set[asyncio.Event]] = defaultdict(set)
         self.connected = asyncio.Event()
 
-    def watch(self, job_id: str) -> asyncio.Event:
-        """Register before reading the job, so an event between the read and the wait is not lost."""
+    def watch(self, job_id: str, *, final_only: bool = False) -> asyncio.Event:
+        """Register before reading the job, so an event between the read and the wait is not lost.
+        With `final_only`, only the job reaching a final state wakes it (or `wake_all`)."""
         event = asyncio.Event()
-        self._waiters[job_id].add(event)
+        (self._final_waiters if final_only else self._waiters)[job_id].add(event)
         return event
 
     def unwatch(self, job_id: str, event: asyncio.Event) -> None:
-        waiters = self._waiters.get(job_id)
-        if waiters is not None:
-            waiters.discard(event)
-            if not waiters:
-                del self._waiters[job_id]
+        for by_job in (self._waiters, self._final_waiters):
+            waiters = by_job.get(job_id)
+            if waiters is not None and event in waiters:
+                waiters.discard(event)
+                if not waiters:
+                    del by_job[job_id]
 
     def wake_all(self) -> None:
         """Wake every long-poll and SSE stream, e.g. so they end when the process drains."""
-        for waiters in self._waiters.values():
-            for event in waiters:
-                event.set()
+        for by_job in (self._waiters, self._final_waiters):
+            for waiters in by_job.values():
+                for event in waiters:
+                    event.set()
 
     def _dispatch(self, event: events.Event) -> None:
         if isinstance(event, events.JobChanged):
             for waiter in self._waiters.get(event.id, ()):
                 waiter.set()
+            if event.status in FINAL_STATES:
+                for waiter in self._final_waiters.get(event.id, ()):
+                    waiter.set()
         else:
             self.on_control(event)
 

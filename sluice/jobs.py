@@ -234,16 +234,17 @@ def _copied(text: str) -> Any:
 class JobView:
     """A job as its owner reads it: whose it is, its status, and its resource as JSON bytes.
 
-    Built from the stored hash without parsing the input (not part of the resource) nor the output,
-    error and metadata, which are JSON already and copied in: parsing an embedding's floats and
-    printing them again was most of a job read's CPU. The body equals
+    The resource is built only when asked for (a long-poll reads a job that is not final yet only to
+    learn so), and without parsing the input (not part of the resource) nor the output, error and
+    metadata, which are JSON already and copied in: parsing an embedding's floats and printing
+    them again was most of a job read's CPU. `body()` equals
     `orjson.dumps(JobRecord.from_redis(raw).resource())` (tests/unit/test_records.py).
     """
 
     id: str
     tenant: str
     status: JobStatus
-    body: bytes
+    stored: dict[str, Any]
 
     @property
     def is_final(self) -> bool:
@@ -252,11 +253,14 @@ class JobView:
     @classmethod
     def from_redis(cls, raw: dict[Any, Any]) -> JobView:
         data = _decoded(raw)
-        stored = {name: data.pop(name, "") for name in ("input", *_COPIED_FIELDS)}
-        record = JobRecord.from_redis(data)
-        resource = record.resource()
+        return cls(id=data["id"], tenant=data["tenant"], status=JobStatus(data["status"]), stored=data)
+
+    def body(self) -> bytes:
+        data = dict(self.stored)
+        copied = {name: data.pop(name, "") for name in ("input", *_COPIED_FIELDS)}
+        resource = JobRecord.from_redis(data).resource()
         for name in _COPIED_FIELDS:
             # As `resource()`: an output or error when there is one, metadata when it is not empty.
-            if stored[name] and (name != "metadata" or stored[name] != "{}"):
-                resource[name] = _copied(stored[name])
-        return cls(id=record.id, tenant=record.tenant, status=record.status, body=orjson.dumps(resource))
+            if copied[name] and (name != "metadata" or copied[name] != "{}"):
+                resource[name] = _copied(copied[name])
+        return orjson.dumps(resource)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import time
@@ -194,25 +195,27 @@ async def get_job(
     job_id: str, key: CurrentKey, state: StateDep,
     wait: Annotated[float, Query(ge=0, description="Long-poll up to this many seconds for a final state")] = 0,
 ) -> JsonResponse:
-    job = await state.broker.view_for_tenant(job_id, key.tenant)
-    deadline = time.monotonic() + min(wait, state.settings.max_wait_s)
-    while not job.is_final and not state.draining.is_set():
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        event = state.hub.watch(job_id)
-        try:
-            job = await state.broker.view_for_tenant(job_id, key.tenant)
-            if job.is_final:
-                break
-            try:
-                await asyncio.wait_for(event.wait(), timeout=remaining)
-            except TimeoutError:
-                pass
-        finally:
-            state.hub.unwatch(job_id, event)
+    wait_s = min(wait, state.settings.max_wait_s)
+    if wait_s <= 0 or state.draining.is_set():
+        return JsonResponse((await state.broker.view_for_tenant(job_id, key.tenant)).body())
+    deadline = time.monotonic() + wait_s
+    # Watched before the read, so a final state written after it still wakes the wait; `running`
+    # does not: each wake-up costs a read, and only a final state ends the long-poll.
+    event = state.hub.watch(job_id, final_only=True)
+    try:
         job = await state.broker.view_for_tenant(job_id, key.tenant)
-    return JsonResponse(job.body)
+        while not job.is_final and not state.draining.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await event.wait()
+            event.clear()
+            job = await state.broker.view_for_tenant(job_id, key.tenant)
+    finally:
+        state.hub.unwatch(job_id, event)
+    return JsonResponse(job.body())
 
 
 @router.get("/jobs/{job_id}/events", response_class=StreamingResponse,

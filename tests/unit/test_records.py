@@ -142,7 +142,7 @@ def test_a_job_view_answers_the_resource_of_the_stored_record(raw: dict[bytes, b
     record = JobRecord.from_redis(raw)
     view = JobView.from_redis(raw)
     # Compared as printed: the same keys in the same order, and an int stays an int.
-    assert json.dumps(json.loads(view.body)) == json.dumps(record.resource())
+    assert json.dumps(json.loads(view.body())) == json.dumps(record.resource())
     assert (view.id, view.tenant, view.status, view.is_final) == (record.id, record.tenant, record.status,
                                                                   record.is_final)
 
@@ -151,4 +151,4 @@ def test_a_job_view_answers_a_non_finite_output_number_as_null() -> None:
     """Python's encoder writes NaN and Infinity as bare words, which are not JSON: copied as they
     are, they would make the whole answer unreadable."""
     raw = _finished(_submitted(), status="succeeded", output='{"embedding":[NaN,1.0,-Infinity],"dim":3}')
-    assert json.loads(JobView.from_redis(raw).body)["output"] == {"embedding": [None, 1.0, None], "dim": 3}
+    assert json.loads(JobView.from_redis(raw).body())["output"] == {"embedding": [None, 1.0, None], "dim": 3}
