@@ -19,6 +19,12 @@ counted. Texts follow the skewed mix (`bench.common.skewed_texts`). Phases, each
 * `submit`: `POST /v1/models/minilm/jobs` with `{"input": {"text": ...}}`, online lane;
 * `read`: `GET /v1/jobs/{id}` of a finished job;
 * `read_wait`: `GET /v1/jobs/{id}?wait=30` of a finished job;
+* `long_poll`: `GET /v1/jobs/{id}?wait=30` of each job the submit phase just queued, as a client
+  submitting and polling does: 20 ms after the request left, the bench's stand-in worker (in the
+  client process, `bench.job_progress.Progress`) claims the job (`running`, with its event) and
+  20 ms later finishes it (with its event), through the scripts a worker runs. The API's cost
+  includes reading both events off pub/sub and the reads each wake-up makes; Redis's includes
+  the claim and finish scripts. The share of long-polls that really waited is reported;
 * `bulk`: `POST /v1/models/minilm/jobs:bulk` with `--bulk-size` inputs (bulk lane).
 
 The phases run interleaved, `--rounds` times, after a warm-up; each figure is reported as the
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing
 import os
 import random
@@ -43,7 +50,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,12 +73,22 @@ from bench.common import (
     write_json,
 )
 from bench.durable_accept import database
+from bench.job_progress import Progress, finish_jobs
 from bench.rollback import private_redis
 
 MODEL, VERSION = "minilm", "v1"
-PHASES = ("submit", "read", "read_wait", "bulk")
-TARGETS = {"submit": "<= 1.0 ms", "read": "<= 0.5 ms", "read_wait": "<= 0.5 ms", "bulk": ">= 20000 jobs/s"}
-EMBEDDING_DIM = 384
+TENANT = "bench"
+# The submit phase's jobs are long-polled in the next phase, so both run as many requests.
+PHASES = ("submit", "read", "read_wait", "long_poll", "bulk")
+TARGETS = {
+    "submit": "<= 1.0 ms",
+    "read": "<= 0.5 ms",
+    "read_wait": "<= 0.5 ms",
+    "long_poll": "<= 0.5 ms",
+    "bulk": ">= 20000 jobs/s",
+}
+# When the bench's stand-in worker claims a long-polled job, and finishes it, after the request left.
+RUNNING_AFTER_S, FINAL_AFTER_S = 0.02, 0.04
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -141,7 +158,7 @@ def bench_tenant(database_url: str, home: Path) -> str:
         seed(registry, home=home)
         with registry.session() as session:
             _, key = queries.create_tenant(
-                session, tenant_id="bench", actor="bench", rate_limit_per_s=1e6, max_queued=1_000_000_000
+                session, tenant_id=TENANT, actor="bench", rate_limit_per_s=1e6, max_queued=1_000_000_000
             )
         return key.secret
     finally:
@@ -155,94 +172,21 @@ def redis_pid(redis_url: str) -> int:
         return int(client.info("server")["process_id"])
 
 
-def embedding_output(seed: int) -> str:
-    """An output as a MiniLM worker stores it: a unit vector of float32 values, as JSON."""
-    import json
-
-    import numpy as np
-
-    vector = np.random.default_rng(seed).standard_normal(EMBEDDING_DIM).astype(np.float32)
-    vector /= np.linalg.norm(vector)
-    return json.dumps({"embedding": vector.tolist(), "dim": EMBEDDING_DIM}, separators=(",", ":"))
-
-
-async def _finish(redis_url: str, job_ids: Sequence[str]) -> None:
-    import redis.asyncio as aioredis
-
-    from sluice.samples import Sample
-    from sluice.streams import StreamConsumer
-
-    client = aioredis.Redis.from_url(redis_url)
-    consumer = StreamConsumer(
-        redis=client,
-        model=MODEL,
-        version=VERSION,
-        name="bench-api-cost",
-        claim_after_s=30.0,
-        max_deliveries=3,
-        result_ttl_s=86_400,
-    )
-    try:
-        for start in range(0, len(job_ids), 500):
-            now = time.time()
-            sample = Sample(
-                status="succeeded",
-                finished_at=now,
-                queue_wait_ms=1.0,
-                model_ms=5.0,
-                total_ms=6.0,
-                batch_size=32,
-                close_reason="size",
-            )
-            pipe = client.pipeline(transaction=False)
-            chunk = job_ids[start : start + 500]
-            for index, job_id in enumerate(chunk):
-                await consumer.finish(
-                    pipe,
-                    job_id,
-                    status="succeeded",
-                    output=embedding_output(start + index),
-                    error="",
-                    started=now - 0.005,
-                    finished=now,
-                    model_ms=5.0,
-                    batch_size=32,
-                    close_reason="size",
-                    sample=sample,
-                    event=None,
-                )
-            won = await pipe.execute()
-            if won != [1] * len(chunk):
-                raise RuntimeError("the finish script refused some of the bench's jobs")
-    finally:
-        await client.aclose()
-
-
-def finish_jobs(redis_url: str, job_ids: Sequence[str]) -> None:
-    """Make the jobs `succeeded`, as a worker's finish would (sample included, no event)."""
-    asyncio.run(_finish(redis_url, job_ids))
-
-
 # --- the phases ------------------------------------------------------------------------------------
 
 
 def _json(value: Any) -> bytes:
-    import json
-
     return json.dumps(value, separators=(",", ":")).encode()
 
 
 def submit_requests(key: str, texts: Sequence[str]) -> list[bytes]:
-    return [
-        rawhttp.request("POST", f"/v1/models/{MODEL}/jobs", key=key, body=_json({"input": {"text": text}}))
-        for text in texts
-    ]
+    body = [_json({"input": {"text": text}}) for text in texts]
+    return [rawhttp.request("POST", f"/v1/models/{MODEL}/jobs", key=key, body=one) for one in body]
 
 
-def read_requests(key: str, job_ids: Sequence[str], n: int, *, wait: bool, seed: int) -> list[bytes]:
-    rng = random.Random(seed)
+def read_requests(key: str, job_ids: Sequence[str], *, wait: bool) -> list[bytes]:
     query = "?wait=30" if wait else ""
-    return [rawhttp.request("GET", f"/v1/jobs/{rng.choice(job_ids)}{query}", key=key) for _ in range(n)]
+    return [rawhttp.request("GET", f"/v1/jobs/{job_id}{query}", key=key) for job_id in job_ids]
 
 
 def bulk_requests(key: str, texts: Sequence[str], size: int) -> list[bytes]:
@@ -257,41 +201,93 @@ def bulk_requests(key: str, texts: Sequence[str], size: int) -> list[bytes]:
     ]
 
 
-def phase_requests(
-    phase: str, stack: Stack, pool_ids: Sequence[str], *, n: int, bulk_n: int, bulk_size: int, seed: int
-) -> tuple[list[bytes], int]:
-    """The requests of one run of `phase`, and the jobs each request carries."""
-    if phase == "submit":
-        return submit_requests(stack.key, skewed_texts(n, seed=seed)), 1
-    if phase in ("read", "read_wait"):
-        return read_requests(stack.key, pool_ids, n, wait=phase == "read_wait", seed=seed), 1
-    return bulk_requests(stack.key, skewed_texts(bulk_n * bulk_size, seed=seed), bulk_size), bulk_size
+def drive_long_polls(
+    port: int, requests: Sequence[bytes], job_ids: Sequence[str], concurrency: int, *, redis_url: str, tenant: str
+) -> rawhttp.Driven:
+    """In the client process: each long-poll's job is claimed and finished while it waits."""
+
+    async def main() -> rawhttp.Driven:
+        progress = Progress(
+            redis_url=redis_url,
+            model=MODEL,
+            version=VERSION,
+            tenant=tenant,
+            running_after_s=RUNNING_AFTER_S,
+            final_after_s=FINAL_AFTER_S,
+        )
+        try:
+            return await rawhttp.drive_async(
+                port, requests, concurrency, on_send=lambda index: progress.schedule(job_ids[index])
+            )
+        finally:
+            await progress.close()
+
+    return asyncio.run(main())
 
 
-EXPECTED_STATUS = {"submit": 202, "read": 200, "read_wait": 200, "bulk": 202}
+EXPECTED_STATUS = {"submit": 202, "read": 200, "read_wait": 200, "long_poll": 200, "bulk": 202}
+
+
+@dataclass
+class Phases:
+    """Runs the phases against one stack; `pending` holds the last submit phase's jobs, which are
+    still queued, for the next long-poll phase."""
+
+    stack: Stack
+    executor: ProcessPoolExecutor
+    args: argparse.Namespace
+    finished: Sequence[str] = ()
+    pending: Sequence[str] = ()
+
+    def run(self, phase: str, *, n: int, seed: int) -> dict[str, Any]:
+        key, concurrency, per = self.stack.key, self.args.concurrency, 1
+        if phase == "submit":
+            future = self._drive(submit_requests(key, skewed_texts(n, seed=seed)), concurrency, keep_bodies=True)
+        elif phase in ("read", "read_wait"):
+            chosen = random.Random(seed).choices(self.finished, k=n)
+            future = self._drive(read_requests(key, chosen, wait=phase == "read_wait"), concurrency)
+        elif phase == "long_poll":
+            waiting, self.pending = list(self.pending[:n]), self.pending[n:]
+            future = self.executor.submit(
+                drive_long_polls,
+                self.stack.port,
+                read_requests(key, waiting, wait=True),
+                waiting,
+                concurrency,
+                redis_url=self.stack.redis_url,
+                tenant=TENANT,
+            )
+        else:
+            per, concurrency = self.args.bulk_size, self.args.bulk_concurrency
+            texts = skewed_texts(max(1, n // per) * per, seed=seed)
+            future = self._drive(bulk_requests(key, texts, per), concurrency)
+        result, driven = measure(self.stack, phase, future, jobs_per_request=per, concurrency=concurrency)
+        if phase == "submit":
+            self.pending = [json.loads(body)["id"] for body in driven.bodies]
+        if phase == "long_poll":
+            # A long-poll that came back before its job was finished did not wait: say how many did.
+            result["waited_share"] = sum(t >= 0.9 * FINAL_AFTER_S for t in driven.round_trips_s) / len(waiting)
+        return result
+
+    def _drive(self, requests: list[bytes], concurrency: int, keep_bodies: bool = False) -> Future[rawhttp.Driven]:
+        return self.executor.submit(rawhttp.drive, self.stack.port, requests, concurrency, keep_bodies)
 
 
 def measure(
-    executor: ProcessPoolExecutor,
-    stack: Stack,
-    phase: str,
-    requests: list[bytes],
-    *,
-    jobs_per_request: int,
-    concurrency: int,
-    keep_bodies: bool = False,
+    stack: Stack, phase: str, future: Future[rawhttp.Driven], *, jobs_per_request: int, concurrency: int
 ) -> tuple[dict[str, Any], rawhttp.Driven]:
-    """Drive one phase from the client process; the CPU the API and Redis spent on it."""
+    """The CPU the API and Redis spent while the client process drove one phase."""
     api0, redis0 = user_system(stack.api_pid), cpu_seconds(stack.redis_pid)
     window = CpuWindow()
-    driven = executor.submit(rawhttp.drive, stack.port, requests, concurrency, keep_bodies).result()
+    driven = future.result()
     api1, redis_s = user_system(stack.api_pid), cpu_seconds(stack.redis_pid) - redis0
     window.stop()
     api_s, api_system_s = sum(api1) - sum(api0), api1[1] - api0[1]
     unexpected = {status: count for status, count in driven.statuses.items() if status != EXPECTED_STATUS[phase]}
     if unexpected:
         raise RuntimeError(f"{phase}: answers other than {EXPECTED_STATUS[phase]}: {unexpected}")
-    n, jobs = len(requests), len(requests) * jobs_per_request
+    n = sum(driven.statuses.values())
+    jobs = n * jobs_per_request
     return {
         "phase": phase,
         "requests": n,
@@ -320,12 +316,6 @@ def user_system(pid: int) -> tuple[float, float]:
     return int(fields[11]) / TICKS, int(fields[12]) / TICKS
 
 
-def job_ids(bodies: Sequence[bytes]) -> list[str]:
-    import json
-
-    return [json.loads(body)["id"] for body in bodies]
-
-
 # --- the report ------------------------------------------------------------------------------------
 
 
@@ -352,6 +342,8 @@ def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 "other_load_cores",
             )
         }
+        if phase == "long_poll":
+            out[phase]["waited_share"] = spread([run["waited_share"] for run in mine])
         out[phase]["rounds"] = len(mine)
     return out
 
@@ -393,6 +385,7 @@ def print_report(summary: dict[str, dict[str, Any]], *, bulk_size: int) -> None:
             rows,
         )
     )
+    print(f"long_poll: {_cell(summary['long_poll']['waited_share'], 2)} of the long-polls waited for their job")
     bulk = summary["bulk"]
     print(
         f"bulk per request: API {_cell(bulk['api_ms_per_request'], 2)} ms CPU, "
@@ -417,28 +410,20 @@ def print_profile(phase: str, profile: pyspy.Profile, n: int = 30) -> None:
 
 
 def run(args: argparse.Namespace, stack: Stack, executor: ProcessPoolExecutor) -> dict[str, Any]:
-    sizes = {"n": args.requests, "bulk_n": args.bulk_requests, "bulk_size": args.bulk_size}
-    concurrency = {
-        "submit": args.concurrency,
-        "read": args.concurrency,
-        "read_wait": args.concurrency,
-        "bulk": args.bulk_concurrency,
+    phases = Phases(stack=stack, executor=executor, args=args)
+    sizes = {
+        "submit": args.requests,
+        "read": args.requests,
+        "read_wait": args.requests,
+        "long_poll": args.requests,
+        "bulk": args.bulk_requests * args.bulk_size,
     }
-    # The pool of finished jobs the reads choose from; submitting it is the submit path's warm-up.
-    _, driven = measure(
-        executor,
-        stack,
-        "submit",
-        submit_requests(stack.key, skewed_texts(args.pool, seed=10_000)),
-        jobs_per_request=1,
-        concurrency=args.concurrency,
-        keep_bodies=True,
-    )
-    pool_ids = job_ids(driven.bodies)
-    finish_jobs(stack.redis_url, pool_ids)
-    for phase in PHASES[1:]:
-        requests, per = phase_requests(phase, stack, pool_ids, n=200, bulk_n=4, bulk_size=args.bulk_size, seed=1)
-        measure(executor, stack, phase, requests, jobs_per_request=per, concurrency=concurrency[phase])
+    # The finished jobs the reads choose from; submitting them is the submit path's warm-up.
+    phases.run("submit", n=args.pool, seed=10_000)
+    finish_jobs(stack.redis_url, MODEL, VERSION, phases.pending)
+    phases.finished, phases.pending = phases.pending, ()
+    for phase in PHASES:
+        phases.run(phase, n=4 * args.bulk_size if phase == "bulk" else 200, seed=1)
     idle = CpuWindow()
     api0 = cpu_seconds(stack.api_pid)
     time.sleep(3)
@@ -447,17 +432,15 @@ def run(args: argparse.Namespace, stack: Stack, executor: ProcessPoolExecutor) -
     runs = []
     for round_ in range(args.rounds):
         for phase in PHASES:
-            requests, per = phase_requests(
-                phase, stack, pool_ids, seed=args.seed + 100 * round_ + PHASES.index(phase), **sizes
-            )
-            result, _ = measure(executor, stack, phase, requests, jobs_per_request=per, concurrency=concurrency[phase])
+            result = phases.run(phase, n=sizes[phase], seed=args.seed + 100 * round_ + PHASES.index(phase))
             result["round"] = round_ + 1
             runs.append(result)
+            waited = f", {result['waited_share']:.0%} waited" if "waited_share" in result else ""
             print(
                 f"round {round_ + 1} {phase:<9} API {result['api_ms_per_job']:.3f} ms/job CPU "
-                f"({result['api_system_share']:.0%} in the kernel), "
-                f"Redis {result['redis_ms_per_job']:.3f}, {result['jobs_per_s_wall']:.0f} jobs/s wall, "
-                f"other load {result['other_load_cores']:.2f} cores",
+                f"({result['api_system_share']:.0%} in the kernel), Redis {result['redis_ms_per_job']:.3f}, "
+                f"{result['jobs_per_s_wall']:.0f} jobs/s wall, other load {result['other_load_cores']:.2f} cores"
+                f"{waited}",
                 flush=True,
             )
 
@@ -465,20 +448,19 @@ def run(args: argparse.Namespace, stack: Stack, executor: ProcessPoolExecutor) -
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
         for phase in PHASES:
-            requests, per = phase_requests(phase, stack, pool_ids, seed=args.seed + 7, **sizes)
             path = args.profile / f"api_cost-{phase}.txt"
             with pyspy.recording(stack.api_pid, path, extra=("--native",) if args.profile_native else ()):
-                measure(executor, stack, phase, requests, jobs_per_request=per, concurrency=concurrency[phase])
+                phases.run(phase, n=sizes[phase], seed=args.seed + 7)
             profile = pyspy.summarise(path)
             print_profile(phase, profile)
             profiles[phase] = [[key, inclusive, self_] for key, inclusive, self_ in profile.top(60)]
-    return {"runs": runs, "idle_api_cores": idle_api_cores, "profiles": profiles, "pool_jobs": len(pool_ids)}
+    return {"runs": runs, "idle_api_cores": idle_api_cores, "profiles": profiles}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the four phases")
-    parser.add_argument("--requests", type=int, default=3000, help="requests per submit and read phase")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the phases")
+    parser.add_argument("--requests", type=int, default=3000, help="requests per submit, read and long-poll phase")
     parser.add_argument("--bulk-requests", type=int, default=40, help="jobs:bulk requests per bulk phase")
     parser.add_argument("--bulk-size", type=int, default=500, help="inputs per jobs:bulk request")
     parser.add_argument("--concurrency", type=int, default=32, help="connections for single requests")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -28,10 +28,12 @@ def request(method: str, path: str, *, key: str, body: bytes | None = None) -> b
 
 @dataclass(slots=True)
 class Driven:
-    """What one run of `drive` saw: answers by status, the bodies if asked, its own time and CPU."""
+    """What one run of `drive` saw: answers by status, the bodies if asked, each request's round
+    trip (s, in request order), its own time and CPU."""
 
     statuses: Counter[int] = field(default_factory=Counter)
     bodies: list[bytes] = field(default_factory=list)
+    round_trips_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     client_cpu_s: float = 0.0
 
@@ -45,8 +47,16 @@ def _content_length(head: bytes) -> int:
     return int(lowered[at + 17 : end])
 
 
-async def _drive(port: int, requests: Sequence[bytes], concurrency: int, keep_bodies: bool) -> Driven:
-    driven = Driven(bodies=[b""] * len(requests) if keep_bodies else [])
+async def drive_async(
+    port: int,
+    requests: Sequence[bytes],
+    concurrency: int,
+    *,
+    keep_bodies: bool = False,
+    on_send: Callable[[int], None] | None = None,
+) -> Driven:
+    """`drive` on the running loop; `on_send(index)` is called as each request goes out."""
+    driven = Driven(bodies=[b""] * len(requests) if keep_bodies else [], round_trips_s=[0.0] * len(requests))
     # One iterator shared by every connection: each takes the next request when it is free.
     pending = iter(range(len(requests)))
 
@@ -54,9 +64,13 @@ async def _drive(port: int, requests: Sequence[bytes], concurrency: int, keep_bo
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
             for index in pending:
+                sent = time.perf_counter()
                 writer.write(requests[index])
+                if on_send is not None:
+                    on_send(index)
                 head = await reader.readuntil(b"\r\n\r\n")
                 body = await reader.readexactly(_content_length(head))
+                driven.round_trips_s[index] = time.perf_counter() - sent
                 driven.statuses[int(head[9:12])] += 1
                 if keep_bodies:
                     driven.bodies[index] = body
@@ -73,4 +87,4 @@ async def _drive(port: int, requests: Sequence[bytes], concurrency: int, keep_bo
 
 def drive(port: int, requests: Sequence[bytes], concurrency: int, keep_bodies: bool = False) -> Driven:
     """Send every request once to 127.0.0.1:`port`, `concurrency` at a time; answer what came back."""
-    return asyncio.run(_drive(port, requests, concurrency, keep_bodies))
+    return asyncio.run(drive_async(port, requests, concurrency, keep_bodies=keep_bodies))
