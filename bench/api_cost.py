@@ -25,7 +25,12 @@ counted. Texts follow the skewed mix (`bench.common.skewed_texts`). Phases, each
   20 ms later finishes it (with its event), through the scripts a worker runs. The API's cost
   includes reading both events off pub/sub and the reads each wake-up makes; Redis's includes
   the claim and finish scripts. The share of long-polls that really waited is reported;
-* `bulk`: `POST /v1/models/minilm/jobs:bulk` with `--bulk-size` inputs (bulk lane).
+* `bulk`: `POST /v1/models/minilm/jobs:bulk` with `--bulk-size` inputs (bulk lane);
+* with `--paced-rate R`: `submit_paced` and `read_paced`, single submits and reads sent one at
+  a time on one connection, R a second. The surprise: CPU per request depends on the rate. A
+  process that sleeps between requests meets each one cold (caches, wake-ups), and on the shared
+  2-core machine a read cost about 0.3 ms closed-loop but 0.7-1.2 ms at 30 a second, the rate
+  of the platform's open-loop benches.
 
 The phases run interleaved, `--rounds` times, after a warm-up; each figure is reported as the
 median with the minimum and maximum over the rounds. CPU per request hardly moves with the
@@ -33,7 +38,8 @@ machine's other load; wall-clock rates do, and are shown only as context. `--pro
 runs each phase once more under py-spy (a separate run: sampling slows the process) and prints
 where the API's time went.
 
-    python -m bench.api_cost [--rounds 5] [--requests 3000] [--bulk-requests 40] [--profile DIR]
+    python -m bench.api_cost [--rounds 5] [--requests 3000] [--bulk-requests 40] [--paced-rate 30]
+                             [--profile DIR [--profile-native]]
 """
 
 from __future__ import annotations
@@ -86,7 +92,11 @@ TARGETS = {
     "read_wait": "<= 0.5 ms",
     "long_poll": "<= 0.5 ms",
     "bulk": ">= 20000 jobs/s",
+    "submit_paced": "<= 1.0 ms",
+    "read_paced": "<= 0.5 ms",
 }
+# With --paced-rate: a submit and a read phase on one connection at that many requests a second.
+PACED = ("submit_paced", "read_paced")
 # When the bench's stand-in worker claims a long-polled job, and finishes it, after the request left.
 RUNNING_AFTER_S, FINAL_AFTER_S = 0.02, 0.04
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -225,7 +235,15 @@ def drive_long_polls(
     return asyncio.run(main())
 
 
-EXPECTED_STATUS = {"submit": 202, "read": 200, "read_wait": 200, "long_poll": 200, "bulk": 202}
+EXPECTED_STATUS = {
+    "submit": 202,
+    "read": 200,
+    "read_wait": 200,
+    "long_poll": 200,
+    "bulk": 202,
+    "submit_paced": 202,
+    "read_paced": 200,
+}
 
 
 @dataclass
@@ -243,6 +261,14 @@ class Phases:
         key, concurrency, per = self.stack.key, self.args.concurrency, 1
         if phase == "submit":
             future = self._drive(submit_requests(key, skewed_texts(n, seed=seed)), concurrency, keep_bodies=True)
+        elif phase in PACED:
+            concurrency, interval_s = 1, 1.0 / self.args.paced_rate
+            requests = (
+                submit_requests(key, skewed_texts(n, seed=seed))
+                if phase == "submit_paced"
+                else read_requests(key, random.Random(seed).choices(self.finished, k=n), wait=False)
+            )
+            future = self.executor.submit(rawhttp.drive, self.stack.port, requests, 1, False, interval_s)
         elif phase in ("read", "read_wait"):
             chosen = random.Random(seed).choices(self.finished, k=n)
             future = self._drive(read_requests(key, chosen, wait=phase == "read_wait"), concurrency)
@@ -325,7 +351,7 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
-    for phase in PHASES:
+    for phase in dict.fromkeys(run["phase"] for run in runs):
         mine = [run for run in runs if run["phase"] == phase]
         out[phase] = {
             name: spread([run[name] for run in mine])
@@ -354,8 +380,7 @@ def _cell(figure: dict[str, float], digits: int = 3) -> str:
 
 def print_report(summary: dict[str, dict[str, Any]], *, bulk_size: int) -> None:
     rows = []
-    for phase in PHASES:
-        s = summary[phase]
+    for phase, s in summary.items():
         rows.append(
             [
                 phase if phase != "bulk" else f"bulk ({bulk_size}/request), per job",
@@ -429,10 +454,12 @@ def run(args: argparse.Namespace, stack: Stack, executor: ProcessPoolExecutor) -
     time.sleep(3)
     idle_api_cores = (cpu_seconds(stack.api_pid) - api0) / idle.stop().elapsed
 
+    sizes.update(dict.fromkeys(PACED, args.paced_requests))
+    measured = PHASES + (PACED if args.paced_rate else ())
     runs = []
     for round_ in range(args.rounds):
-        for phase in PHASES:
-            result = phases.run(phase, n=sizes[phase], seed=args.seed + 100 * round_ + PHASES.index(phase))
+        for phase in measured:
+            result = phases.run(phase, n=sizes[phase], seed=args.seed + 100 * round_ + measured.index(phase))
             result["round"] = round_ + 1
             runs.append(result)
             waited = f", {result['waited_share']:.0%} waited" if "waited_share" in result else ""
@@ -474,6 +501,13 @@ def main() -> None:
         help="then run each phase under py-spy, writing collapsed stacks to this directory",
     )
     parser.add_argument("--profile-native", action="store_true", help="with --profile: native frames too")
+    parser.add_argument(
+        "--paced-rate",
+        type=float,
+        default=0.0,
+        help="also measure single submits and reads sent one at a time at this rate (e.g. 30)",
+    )
+    parser.add_argument("--paced-requests", type=int, default=300, help="requests per paced phase")
     args = parser.parse_args()
 
     with (

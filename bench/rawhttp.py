@@ -1,10 +1,11 @@
-"""A closed-loop HTTP/1.1 load generator that costs the machine as little as possible.
+"""An HTTP/1.1 load generator that costs the machine as little as possible.
 
 Measuring what a server spends per request needs a client cheap enough not to be the bottleneck on
 a 2-core machine it shares with that server: httpx spends about a millisecond of CPU per request,
 more than the API it would be measuring. This one sends requests prepared in advance as bytes,
 over `concurrency` kept-alive connections, each sending its next request when the previous
-answer is in. It understands exactly what the API sends back: a status line, headers with a
+answer is in (closed loop), or paced: request i is sent no earlier than i intervals after the
+start. It understands exactly what the API sends back: a status line, headers with a
 `content-length`, and the body. It runs in a process of its own (`drive`), so that its CPU is
 never counted as the server's.
 """
@@ -54,6 +55,7 @@ async def drive_async(
     *,
     keep_bodies: bool = False,
     on_send: Callable[[int], None] | None = None,
+    interval_s: float = 0.0,
 ) -> Driven:
     """`drive` on the running loop; `on_send(index)` is called as each request goes out."""
     driven = Driven(bodies=[b""] * len(requests) if keep_bodies else [], round_trips_s=[0.0] * len(requests))
@@ -64,6 +66,8 @@ async def drive_async(
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
             for index in pending:
+                if interval_s:
+                    await asyncio.sleep(started + index * interval_s - time.perf_counter())
                 sent = time.perf_counter()
                 writer.write(requests[index])
                 if on_send is not None:
@@ -85,6 +89,9 @@ async def drive_async(
     return driven
 
 
-def drive(port: int, requests: Sequence[bytes], concurrency: int, keep_bodies: bool = False) -> Driven:
-    """Send every request once to 127.0.0.1:`port`, `concurrency` at a time; answer what came back."""
-    return asyncio.run(drive_async(port, requests, concurrency, keep_bodies=keep_bodies))
+def drive(
+    port: int, requests: Sequence[bytes], concurrency: int, keep_bodies: bool = False, interval_s: float = 0.0
+) -> Driven:
+    """Send every request once to 127.0.0.1:`port`, `concurrency` at a time (and, with `interval_s`,
+    request i no earlier than i intervals after the start); answer what came back."""
+    return asyncio.run(drive_async(port, requests, concurrency, keep_bodies=keep_bodies, interval_s=interval_s))
