@@ -11,11 +11,13 @@ concurrent submissions cannot overrun the quota.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import redis.asyncio as aioredis
 
@@ -66,6 +68,7 @@ class Admission:
         self.load_cache_s = load_cache_s
         self.clock = clock
         self._loads: dict[tuple[str, str], _Load] = {}
+        self._reading: dict[tuple[str, str], asyncio.Task[_Load]] = {}
         self._admitted: Counter[tuple[str, str]] = Counter()
         self._unwritten: Counter[tuple[str, str]] = Counter()
 
@@ -101,11 +104,30 @@ class Admission:
                 self._admitted[(version.model, version.version)] -= count
 
     async def load(self, model: str, version: str) -> _Load:
+        """The version's load, read at most every `load_cache_s`. Submissions that find it stale
+        while a read is under way wait for that read: each starting its own, a burst made one
+        backlog read per request instead of one per interval."""
         now = self.clock()
-        cached = self._loads.get((model, version))
+        key = (model, version)
+        cached = self._loads.get(key)
         if cached is not None and now - cached.read_at < self.load_cache_s:
             return cached
-        mark, unwritten = self._admitted[(model, version)], self._unwritten[(model, version)]
+        reading = self._reading.get(key)
+        if reading is None:
+            # The counts as the read begins, taken before the task first runs: what is admitted
+            # from here on may be missing from the backlog it reads.
+            reading = self._reading[key] = asyncio.create_task(
+                self._read(model, version, now, mark=self._admitted[key], unwritten=self._unwritten[key]))
+            reading.add_done_callback(partial(self._read_done, key))
+        # Shielded: a request that goes away must not cancel the read the others wait for.
+        return await asyncio.shield(reading)
+
+    def _read_done(self, key: tuple[str, str], reading: asyncio.Task[_Load]) -> None:
+        del self._reading[key]
+        if not reading.cancelled():
+            reading.exception()  # retrieved here: its waiters may all have gone
+
+    async def _read(self, model: str, version: str, now: float, *, mark: int, unwritten: int) -> _Load:
         # One after the other, on one pooled connection: read concurrently, a second connection
         # left stale by a Redis restart turns the first submission after it into a 503.
         backlog = await self._backlog(model, version)

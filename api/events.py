@@ -44,21 +44,25 @@ class EventHub:
         self.redis = redis
         self.on_control = on_control
         self._waiters: dict[str, set[asyncio.Event]] = defaultdict(set)
+        # Woken only by a final state: a long-poll has nothing to answer on `running`.
+        self._final_waiters: dict[str, set[asyncio.Event]] = defaultdict(set)
         self._final_watches: dict[str, set[FinalWatch]] = defaultdict(set)
         self.connected = asyncio.Event()
 
-    def watch(self, job_id: str) -> asyncio.Event:
-        """Register before reading the job, so an event between the read and the wait is not lost."""
+    def watch(self, job_id: str, *, final_only: bool = False) -> asyncio.Event:
+        """Register before reading the job, so an event between the read and the wait is not lost.
+        With `final_only`, only the job reaching a final state wakes it (or `wake_all`)."""
         event = asyncio.Event()
-        self._waiters[job_id].add(event)
+        (self._final_waiters if final_only else self._waiters)[job_id].add(event)
         return event
 
     def unwatch(self, job_id: str, event: asyncio.Event) -> None:
-        waiters = self._waiters.get(job_id)
-        if waiters is not None:
-            waiters.discard(event)
-            if not waiters:
-                del self._waiters[job_id]
+        for by_job in (self._waiters, self._final_waiters):
+            waiters = by_job.get(job_id)
+            if waiters is not None and event in waiters:
+                waiters.discard(event)
+                if not waiters:
+                    del by_job[job_id]
 
     def watch_final(self, job_ids: Iterable[str]) -> FinalWatch:
         """One watch for many jobs; like `watch`, register before reading them."""
@@ -77,9 +81,10 @@ class EventHub:
 
     def wake_all(self) -> None:
         """Wake every long-poll and SSE stream, e.g. so they end when the process drains."""
-        for waiters in self._waiters.values():
-            for event in waiters:
-                event.set()
+        for by_job in (self._waiters, self._final_waiters):
+            for waiters in by_job.values():
+                for event in waiters:
+                    event.set()
         for watches in self._final_watches.values():
             for watch in watches:
                 watch.event.set()
@@ -89,6 +94,8 @@ class EventHub:
             for waiter in self._waiters.get(event.id, ()):
                 waiter.set()
             if event.status in FINAL_STATES:
+                for waiter in self._final_waiters.get(event.id, ()):
+                    waiter.set()
                 for watch in self._final_watches.get(event.id, ()):
                     watch.finished.add(event.id)
                     watch.event.set()

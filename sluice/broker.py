@@ -19,7 +19,7 @@ from sluice.connections import translate_redis_errors
 from sluice.durability import fsynced, wait_fsynced
 from sluice.errors import Conflict, NotDurable, NotFound
 from sluice.idempotency import LEASE_S, RELEASE_SCRIPT, IdempotencyClaim, IdempotencyRecord
-from sluice.jobs import JobRecord, JobStatus
+from sluice.jobs import JobRecord, JobStatus, JobView
 from sluice.quota import Refusal, TenantLimits
 from sluice.samples import Sample, read_samples
 from sluice.streams import CANCEL_SCRIPT, ENQUEUE_SCRIPT, WITHDRAW_SCRIPT, enqueue_call, enqueue_verdict
@@ -114,6 +114,18 @@ class Broker:
         if record is None or record.tenant != tenant:
             raise NotFound(f"job '{job_id}' does not exist")
         return record
+
+    async def view_for_tenant(self, job_id: str, tenant: str) -> JobView:
+        """The job as its owner reads it (`JobView`: the resource, its output not parsed); another
+        tenant's job answers like a missing one."""
+        raw = None
+        if job_id.startswith("job_"):
+            with translate_redis_errors():
+                raw = await self.redis.hgetall(keys.job(job_id))
+        view = JobView.from_redis(raw) if raw else None
+        if view is None or view.tenant != tenant:
+            raise NotFound(f"job '{job_id}' does not exist")
+        return view
 
     async def cancel(self, job_id: str, tenant: str) -> str | None:
         """Cancel a queued job; answer None when done, else the state that prevents it."""

@@ -304,8 +304,11 @@ class Finished:
 # KEYS[1] the lane stream, KEYS[2] the tenant's queued set, KEYS[3] its rate bucket, then the
 # Idempotency-Key record if ARGV[6] is not '', then one job hash per job. ARGV: now, max_queued,
 # rate/s, burst, result_ttl_s, the key's in-progress marker or '', its completed record,
-# idempotency_ttl_s, then per job: id, when its quota place frees (`quota.frees_at`), the number of
-# record fields and the fields, the number of entry fields and the fields.
+# idempotency_ttl_s; the record fields every job shares (their number, then name, value pairs),
+# the entry fields every job shares (likewise); then per job: id, when its quota place frees
+# (`quota.frees_at`), the number of its own record fields and the fields, the number of its own
+# entry fields and the fields. (The jobs of one submission differ in little more than id and
+# input: sent once, the shared fields cut a bulk submission's arguments by two thirds.)
 # Checks, then charges, in this order: the key is still this request's claim ({'lost'}), the
 # quota ({'quota', queued jobs}), the rate ({'rate', seconds to wait}); then writes every record,
 # entry and quota place, and completes the key: {'ok'}. A refusal writes nothing.
@@ -321,15 +324,23 @@ local queued = queued_jobs(KEYS[2], ARGV[1])
 if queued + count > tonumber(ARGV[2]) then return {'quota', queued} end
 local wait = take_tokens(KEYS[3], tonumber(ARGV[3]), tonumber(ARGV[4]), now, count)
 if wait then return {'rate', tostring(wait)} end
-local i = 9
+local n = tonumber(ARGV[9])
+local record = {unpack(ARGV, 10, 9 + 2 * n)}
+local i = 10 + 2 * n
+local m = tonumber(ARGV[i])
+local entry = {unpack(ARGV, i + 1, i + 2 * m)}
+i = i + 1 + 2 * m
 for k = first, #KEYS do
-  local id, frees_at, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
-  redis.call('HSET', KEYS[k], unpack(ARGV, i + 3, i + 2 + 2 * n))
+  local id, frees_at, own = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+  redis.call('HSET', KEYS[k], unpack(ARGV, i + 3, i + 2 + 2 * own))
+  if n > 0 then redis.call('HSET', KEYS[k], unpack(record)) end
   redis.call('EXPIRE', KEYS[k], ttl)
-  i = i + 3 + 2 * n
-  local m = tonumber(ARGV[i])
-  redis.call('XADD', KEYS[1], '*', unpack(ARGV, i + 1, i + 2 * m))
-  i = i + 1 + 2 * m
+  i = i + 3 + 2 * own
+  own = tonumber(ARGV[i])
+  local fields = {unpack(ARGV, i + 1, i + 2 * own)}
+  for _, part in ipairs(entry) do fields[#fields + 1] = part end
+  redis.call('XADD', KEYS[1], '*', unpack(fields))
+  i = i + 1 + 2 * own
   redis.call('ZADD', KEYS[2], frees_at, id)
 end
 redis.call('EXPIRE', KEYS[2], ttl)
@@ -358,6 +369,15 @@ def _flat(fields: Mapping[str, str]) -> list[str]:
     return [str(len(fields)), *(part for pair in fields.items() for part in pair)]
 
 
+def _shared(rows: Sequence[Mapping[str, str]]) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """The fields all rows have with one value (never `id`, which names a row, so that each row
+    keeps one of its own), and each row's other fields."""
+    first, others = rows[0], rows[1:]
+    shared = {name: value for name, value in first.items()
+              if name != "id" and all(row.get(name) == value for row in others)}
+    return shared, [{name: value for name, value in row.items() if name not in shared} for row in rows]
+
+
 def enqueue_call(records: Sequence[JobRecord], *, limits: TenantLimits, now: float, result_ttl_s: int,
                  idempotency: IdempotencyClaim | None, idempotency_ttl_s: int) -> tuple[list[str], list[str]]:
     """KEYS and ARGV of ENQUEUE_SCRIPT for one submission: one tenant's jobs, for one lane of one
@@ -374,10 +394,12 @@ def enqueue_call(records: Sequence[JobRecord], *, limits: TenantLimits, now: flo
     else:
         script_keys.append(idempotency.redis_key)
         args += [idempotency.marker, idempotency.completed([r.id for r in records]), str(idempotency_ttl_s)]
-    for record in records:
+    shared_record, own_records = _shared([record.to_redis() for record in records])
+    shared_entry, own_entries = _shared([StreamEntry.of(record).to_fields() for record in records])
+    args += [*_flat(shared_record), *_flat(shared_entry)]
+    for record, own_record, own_entry in zip(records, own_records, own_entries, strict=True):
         script_keys.append(keys.job(record.id))
-        args += [record.id, repr(frees_at(record, result_ttl_s=result_ttl_s)), *_flat(record.to_redis()),
-                 *_flat(StreamEntry.of(record).to_fields())]
+        args += [record.id, repr(frees_at(record, result_ttl_s=result_ttl_s)), *_flat(own_record), *_flat(own_entry)]
     return script_keys, args
 
 

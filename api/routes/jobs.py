@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Header, Query
+from fastapi.responses import StreamingResponse
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
 
 from api.deps import AppState, CurrentKey, StateDep
+from api.middleware import StrictJsonRoute
 from api.resources import BulkAccepted, ErrorResource, JobResource
+from api.responses import JsonResponse
 from sluice.errors import Conflict, InvalidInput, JobExpired, PayloadTooLarge, ServiceUnavailable, TooManyRequests
 from sluice.idempotency import IdempotencyClaim
 from sluice.jobs import JobRecord, JobStatus, new_job_id
@@ -25,7 +28,7 @@ from sluice.registry.queries import KeyInfo
 from sluice.routing import hash_unit, route, shadow_target
 from sluice.webhooks import CallbackRefused, allowed_networks, check_callback_url
 
-router = APIRouter(prefix="/v1", tags=["jobs"])
+router = APIRouter(prefix="/v1", tags=["jobs"], route_class=StrictJsonRoute)
 
 MetadataValue = str | int | float | bool | None
 
@@ -70,25 +73,25 @@ def _request_hash(model: str, body: BaseModel) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-async def _claim_key(state: AppState, key: KeyInfo, idempotency_key: str | None,
-                     request_hash: str) -> IdempotencyClaim | None:
+async def _claim_key(state: AppState, key: KeyInfo, model: str, options: SubmitJob | SubmitBulk,
+                     idempotency_key: str | None) -> IdempotencyClaim | None:
     if not idempotency_key:
         return None
     if len(idempotency_key) > 255:
         raise InvalidInput("Idempotency-Key must be at most 255 characters")
-    return await state.broker.claim_idempotency_key(key.tenant, idempotency_key, request_hash)
+    return await state.broker.claim_idempotency_key(key.tenant, idempotency_key, _request_hash(model, options))
 
 
 async def _admit(
     state: AppState, key: KeyInfo, model: str, options: SubmitJob | SubmitBulk, inputs: list[Any],
-    idempotency_key: str | None, request_hash: str,
+    idempotency_key: str | None,
 ) -> tuple[list[JobRecord], bool]:
     """The jobs of this submission, and whether they were made by an earlier identical one.
 
     A replay is answered before anything else is checked: the request was accepted once, and a
     client retrying it must get that answer from a draining replica or past an open breaker too.
     """
-    claim = await _claim_key(state, key, idempotency_key, request_hash)
+    claim = await _claim_key(state, key, model, options, idempotency_key)
     if claim is not None and claim.replay is not None:
         return await _replayed(state, claim.replay), True
     try:
@@ -165,55 +168,54 @@ async def _queue(
 async def submit_job(
     model: str, body: SubmitJob, key: CurrentKey, state: StateDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
-) -> JSONResponse:
-    records, replayed = await _admit(state, key, model, body, [body.input], idempotency_key,
-                                     _request_hash(model, body))
+) -> JsonResponse:
+    records, replayed = await _admit(state, key, model, body, [body.input], idempotency_key)
     record = records[0]
     headers = {"Location": f"/v1/jobs/{record.id}"}
     if replayed:
         headers["Idempotent-Replayed"] = "true"
-    return JSONResponse(record.resource(), status_code=202, headers=headers)
+    return JsonResponse(record.resource(), status_code=202, headers=headers)
 
 
 @router.post("/models/{model}/jobs:bulk", status_code=202, response_model=BulkAccepted, responses=_SUBMIT_ERRORS)
 async def submit_bulk(
-    model: str, body: SubmitBulk, key: CurrentKey, state: StateDep, response: Response,
+    model: str, body: SubmitBulk, key: CurrentKey, state: StateDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
-) -> BulkAccepted:
+) -> JsonResponse:
     if len(body.inputs) > state.settings.max_bulk_items:
         raise PayloadTooLarge(f"{len(body.inputs)} inputs; at most {state.settings.max_bulk_items} per request")
-    records, replayed = await _admit(state, key, model, body, body.inputs, idempotency_key,
-                                     _request_hash(model, body))
-    if replayed:
-        response.headers["Idempotent-Replayed"] = "true"
-    return BulkAccepted(ids=[r.id for r in records], model=model,
-                        version=records[0].version if records else "", count=len(records))
+    records, replayed = await _admit(state, key, model, body, body.inputs, idempotency_key)
+    accepted = {"ids": [r.id for r in records], "model": model, "version": records[0].version if records else "",
+                "count": len(records)}
+    return JsonResponse(accepted, status_code=202, headers={"Idempotent-Replayed": "true"} if replayed else None)
 
 
 @router.get("/jobs/{job_id}", response_model=JobResource, response_model_exclude_unset=True)
 async def get_job(
     job_id: str, key: CurrentKey, state: StateDep,
     wait: Annotated[float, Query(ge=0, description="Long-poll up to this many seconds for a final state")] = 0,
-) -> dict[str, Any]:
-    record = await state.broker.get_for_tenant(job_id, key.tenant)
-    deadline = time.monotonic() + min(wait, state.settings.max_wait_s)
-    while not record.is_final and not state.draining.is_set():
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        event = state.hub.watch(job_id)
-        try:
-            record = await state.broker.get_for_tenant(job_id, key.tenant)
-            if record.is_final:
+) -> JsonResponse:
+    wait_s = min(wait, state.settings.max_wait_s)
+    if wait_s <= 0 or state.draining.is_set():
+        return JsonResponse((await state.broker.view_for_tenant(job_id, key.tenant)).body())
+    deadline = time.monotonic() + wait_s
+    # Watched before the read, so a final state written after it still wakes the wait; `running`
+    # does not: each wake-up costs a read, and only a final state ends the long-poll.
+    event = state.hub.watch(job_id, final_only=True)
+    try:
+        job = await state.broker.view_for_tenant(job_id, key.tenant)
+        while not job.is_final and not state.draining.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 break
-            try:
-                await asyncio.wait_for(event.wait(), timeout=remaining)
-            except TimeoutError:
-                pass
-        finally:
-            state.hub.unwatch(job_id, event)
-        record = await state.broker.get_for_tenant(job_id, key.tenant)
-    return record.resource()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await event.wait()
+            event.clear()
+            job = await state.broker.view_for_tenant(job_id, key.tenant)
+    finally:
+        state.hub.unwatch(job_id, event)
+    return JsonResponse(job.body())
 
 
 @router.get("/jobs/{job_id}/events", response_class=StreamingResponse,

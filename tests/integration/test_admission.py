@@ -19,8 +19,11 @@ from sluice import connections, heartbeats, keys
 from sluice.broker import Broker
 from sluice.errors import TooManyRequests
 from sluice.heartbeats import Heartbeat, WorkerState
+from sluice.jobs import JobRecord, JobStatus, new_job_id
+from sluice.quota import TenantLimits
 from sluice.routing import VersionInfo
 from sluice.settings import Settings
+from sluice.streams import StreamEntry
 from tests.support import ApiServer, claim_one, http_client, serving, unique, wait_until
 
 
@@ -113,6 +116,56 @@ def test_jobs_refused_after_shedding_admitted_them_give_their_place_back(redis_u
             await client.aclose()
 
     assert asyncio.run(admitted_twice()) == (10, 10)
+
+def test_a_burst_that_finds_the_load_stale_shares_one_read(redis_url: str) -> None:
+    """Each submission that found the cached load stale used to read the backlog itself: a burst
+    made one read per request instead of one per `load_cache_s`."""
+    model = unique("admit")
+
+    async def burst() -> list[object]:
+        client = connections.connect(redis_url)
+        try:
+            await heartbeats.beat(client, model, "v1", "w1", _serving(items_per_s=10.0))
+            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60))
+            return list(await asyncio.gather(*[admission.load(model, "v1") for _ in range(20)]))
+        finally:
+            await client.aclose()
+
+    loads = asyncio.run(burst())
+    assert len({id(load) for load in loads}) == 1
+    assert loads[0].live_workers == 1  # type: ignore[attr-defined]
+
+
+def test_the_enqueue_script_writes_every_record_and_entry_as_their_codecs_say(rds: redis.Redis,
+                                                                               redis_url: str) -> None:
+    """The script is sent the fields a submission's jobs share once, and each job's own (id, input,
+    cost, shadow copy...): what it writes must still be each job's whole record and entry."""
+    model = unique("enqueue")
+    now = time.time()
+    tenant = unique("acme")
+    records = [JobRecord(id=new_job_id(), tenant=tenant, model=model, version="v1", lane="bulk",
+                         status=JobStatus.queued, input={"text": f"text {i}"}, cost=10 + i % 2, enqueued_at=now,
+                         callback_url="https://example.com/hook", deadline=now + 60, metadata={"batch": 7},
+                         shadow="v2" if i % 3 == 0 else None)
+               for i in range(7)]
+    limits = TenantLimits(tenant=tenant, rate_per_s=1000.0, burst=1000, max_queued=1000)
+
+    async def enqueue(batch: list[JobRecord]) -> None:
+        client = connections.connect(redis_url)
+        try:
+            assert await Broker(redis=client, result_ttl_s=60).enqueue(batch, limits=limits) is None
+        finally:
+            await client.aclose()
+
+    asyncio.run(enqueue(records[:1]))
+    asyncio.run(enqueue(records[1:]))
+
+    for record in records:
+        assert rds.hgetall(keys.job(record.id)) == record.to_redis()
+    entries = rds.xrange(keys.stream(model, "v1", "bulk"))
+    assert [fields for _, fields in entries] == [StreamEntry.of(record).to_fields() for record in records]
+    assert set(rds.zrange(keys.queued_jobs(tenant), 0, -1)) >= {record.id for record in records}
+
 
 # --- over HTTP: lanes, the tenant's quota and its rate tokens -------------------------------------
 

@@ -1,8 +1,11 @@
 """The API's events loop (api/events.py) keeps waking long-polls while a routing reload waits on a
-slow Postgres: a reload must never sit between a job's event and the caller waiting for it."""
+slow Postgres: a reload must never sit between a job's event and the caller waiting for it. A
+long-poll is woken by its job's final state only; an event stream by every change."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -12,10 +15,11 @@ import httpx
 import redis
 from sqlalchemy import text
 
+from api.events import EventHub
 from launch.seed import Seeded
-from sluice import events
+from sluice import connections, events
 from sluice.registry.store import Registry
-from tests.support import ApiServer, http_client, wait_until
+from tests.support import ApiServer, http_client, unique, wait_until
 
 WAIT_S = 8.0
 
@@ -73,3 +77,37 @@ def test_a_long_poll_returns_at_once_while_a_routing_reload_waits_on_postgres(
     # Once the lock is gone the reload that waited on it completes.
     routing = api.app.state.sluice.routing
     wait_until(lambda: (routing.loaded_at or 0) >= released_at, timeout_s=10, what="the routing reload")
+
+
+def test_a_long_poll_is_woken_by_its_jobs_final_state_and_an_event_stream_by_every_change(redis_url: str) -> None:
+    """Every wake-up costs the long-poll a read of the job; only a final state ends it."""
+    job_id = unique("job_")
+
+    async def scenario() -> None:
+        client = connections.connect(redis_url)
+        hub = EventHub(redis=client, on_control=lambda _: None)
+        listening = asyncio.create_task(hub.run())
+        try:
+            await asyncio.wait_for(hub.connected.wait(), timeout=10)
+            long_poll, stream = hub.watch(job_id, final_only=True), hub.watch(job_id)
+
+            async def publish_until(status: str, woken: asyncio.Event) -> None:
+                # Until it lands: the subscription may still be on its way to the server.
+                while not woken.is_set():
+                    await events.publish(client, events.JobChanged(id=job_id, status=status))
+                    await asyncio.sleep(0.05)
+
+            await asyncio.wait_for(publish_until("running", stream), timeout=10)
+            assert not long_poll.is_set()
+            stream.clear()
+            await asyncio.wait_for(publish_until("succeeded", long_poll), timeout=10)
+            assert stream.is_set()
+            hub.unwatch(job_id, long_poll)
+            hub.unwatch(job_id, stream)
+        finally:
+            listening.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listening
+            await client.aclose()
+
+    asyncio.run(scenario())

@@ -118,6 +118,18 @@ def test_valid_unicode_is_still_accepted(demo: httpx.Client, model: str) -> None
     demo.delete(f"/v1/jobs/{response.json()['id']}")
 
 
+def test_an_integer_past_64_bits_comes_back_exactly(demo: httpx.Client, model: str) -> None:
+    """The rules allow integers of up to 4300 digits; the answers' encoder (orjson) writes none past
+    64 bits on its own, and the job must read back as it was submitted."""
+    body = b'{"input": {"text": "a"}, "metadata": {"n": 1' + b"0" * 40 + b"}}"
+    response = demo.post(f"/v1/models/{model}/jobs", content=body, headers=JSON)
+    assert response.status_code == 202, response.text
+    assert response.json()["metadata"] == {"n": 10**40}
+    read = demo.get(f"/v1/jobs/{response.json()['id']}")
+    assert read.status_code == 200 and read.json()["metadata"] == {"n": 10**40}, read.text
+    demo.delete(f"/v1/jobs/{response.json()['id']}")
+
+
 ADMIN_BODIES = {
     "create-model": ("POST", "/v1/models", rb'{"name": "x", "kind": "synthetic", "\ud800": 1}'),
     "register-version": (

@@ -3,15 +3,17 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
 from sluice import events
 from sluice.heartbeats import LIVE_WITHIN_S, Heartbeat, WorkerState, live_since
 from sluice.idempotency import IdempotencyRecord
-from sluice.jobs import JobRecord, JobStatus
+from sluice.jobs import JobRecord, JobStatus, JobView
 from sluice.outbox import DELIVERY_FIELD, JOB_FIELD, QUEUE_WEBHOOK, OutboxEntry
 from sluice.samples import Sample
 from sluice.streams import DeadLetter, StreamEntry
@@ -98,3 +100,64 @@ def test_an_outbox_entry_round_trips_and_the_script_writes_the_same_fields() -> 
     assert OutboxEntry.from_fields(_as_redis(entry.to_fields())) == entry
     assert OutboxEntry.from_fields({b"delivery": b"dlv_1"}) is None
     assert f"'{DELIVERY_FIELD}', delivery, '{JOB_FIELD}', id" in QUEUE_WEBHOOK
+
+
+def _submitted(**changes: Any) -> JobRecord:
+    base: dict[str, Any] = dict(id="job_v", tenant="acme", model="m", version="v1", lane="online",
+                                status=JobStatus.queued, input={"text": "caf\u00e9"}, enqueued_at=1_700_000_000.25)
+    return JobRecord(**{**base, **changes})
+
+
+@pytest.mark.parametrize("record", [
+    _submitted(),
+    _submitted(input={"text": "\u65e5\u672c \U0001f600"}, metadata={"k": "\u00fc", "f": 0.1, "n": None, "b": False}),
+    _submitted(input={"tokens": 512}, lane="bulk", callback_url="https://example.com/h", deadline=1_700_000_060.5,
+               shadow="v2", cost=512),
+    # A request body may carry integers of up to 4300 digits.
+    _submitted(metadata={"n": 10**40}),
+], ids=["plain", "unicode", "every-field", "big-integer"])
+def test_a_job_record_round_trips_as_submitted(record: JobRecord) -> None:
+    assert JobRecord.from_redis(_as_redis(record.to_redis())) == record
+
+
+def _finished(record: JobRecord, *, status: str, output: str = "", error: str = "") -> dict[bytes, bytes]:
+    """The hash as Redis hands it back once a worker's finish script wrote the outcome."""
+    fields = {**record.to_redis(), "status": status, "started_at": "1700000000.5", "finished_at": "1700000001.0",
+              "model_ms": "12.5", "batch_size": "3", "close_reason": "age", "attempts": "1"}
+    if output:
+        fields["output"] = output
+    if error:
+        fields["error"] = error
+    return _as_redis(fields)
+
+
+VIEWED = {
+    "queued": _as_redis(_submitted().to_redis()),
+    "metadata": _as_redis(_submitted(metadata={"a": 1, "b": "\u00fc", "c": True, "d": 1.5, "e": None}).to_redis()),
+    # Request bodies may carry integers of up to 4300 digits; orjson alone writes none past 64 bits.
+    "big-integer": _as_redis(_submitted(metadata={"n": 10**40}).to_redis()),
+    "embedding": _finished(_submitted(), status="succeeded",
+                           output=json.dumps({"embedding": [0.1, -2.5e-05, 1.0, 0.30000001192092896], "dim": 4},
+                                             separators=(",", ":"))),
+    "empty-output": _finished(_submitted(), status="succeeded", output="{}"),
+    "label-named-NaN": _finished(_submitted(), status="succeeded", output='{"label":"NaN","scores":{"NaN":1.0}}'),
+    "failed": _finished(_submitted(metadata={"k": "v"}), status="failed",
+                        error='{"code":"inference_error","message":"boom"}'),
+}
+
+
+@pytest.mark.parametrize("raw", VIEWED.values(), ids=VIEWED.keys())
+def test_a_job_view_answers_the_resource_of_the_stored_record(raw: dict[bytes, bytes]) -> None:
+    record = JobRecord.from_redis(raw)
+    view = JobView.from_redis(raw)
+    # Compared as printed: the same keys in the same order, and an int stays an int.
+    assert json.dumps(json.loads(view.body())) == json.dumps(record.resource())
+    assert (view.id, view.tenant, view.status, view.is_final) == (record.id, record.tenant, record.status,
+                                                                  record.is_final)
+
+
+def test_a_job_view_answers_a_non_finite_output_number_as_null() -> None:
+    """Python's encoder writes NaN and Infinity as bare words, which are not JSON: copied as they
+    are, they would make the whole answer unreadable."""
+    raw = _finished(_submitted(), status="succeeded", output='{"embedding":[NaN,1.0,-Infinity],"dim":3}')
+    assert json.loads(JobView.from_redis(raw).body())["output"] == {"embedding": [None, 1.0, None], "dim": 3}
