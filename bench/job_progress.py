@@ -5,34 +5,32 @@ The writes are the kernel's own (`StreamConsumer.claim` and `.finish`, the scrip
 so the records, samples and events are what a real worker leaves. `finish_jobs` makes queued jobs
 `succeeded` at once, with no event (nobody waits on them). `Progress` plays a worker behind
 long-polls that are already waiting: a set time after each request went out, it claims the job
-(`running`) and later finishes it, publishing both events as the worker does.
+(`running`) and later finishes it, each script publishing its event as for a worker.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
-from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 
-from sluice import events
-from sluice.jobs import JobStatus
 from sluice.samples import Sample
-from sluice.streams import Delivered, StreamConsumer, StreamEntry
+from sluice.streams import Delivered, Finished, StreamConsumer, StreamEntry
 
 EMBEDDING_DIM = 384
 
 
 def embedding_output(seed: int) -> str:
-    """An output as a MiniLM worker stores it: a unit vector of float32 values, as JSON."""
+    """An output as a MiniLM worker stores it: a unit vector of float32 values, as JSON (orjson, as
+    workers/results.py writes it)."""
     import numpy as np
 
     vector = np.random.default_rng(seed).standard_normal(EMBEDDING_DIM).astype(np.float32)
     vector /= np.linalg.norm(vector)
-    return json.dumps({"embedding": vector.tolist(), "dim": EMBEDDING_DIM}, separators=(",", ":"))
+    return orjson.dumps({"embedding": vector.tolist(), "dim": EMBEDDING_DIM}).decode()
 
 
 def _consumer(client: aioredis.Redis, model: str, version: str) -> StreamConsumer:
@@ -47,31 +45,40 @@ def _consumer(client: aioredis.Redis, model: str, version: str) -> StreamConsume
     )
 
 
-async def _finish(consumer: StreamConsumer, pipe: Any, job_id: str, *, output: str, announce: bool) -> None:
-    now = time.time()
-    sample = Sample(
+def _sample() -> Sample:
+    return Sample(
         status="succeeded",
-        finished_at=now,
+        finished_at=time.time(),
         queue_wait_ms=1.0,
         model_ms=5.0,
         total_ms=6.0,
         batch_size=32,
         close_reason="size",
     )
-    await consumer.finish(
-        pipe,
-        job_id,
-        status="succeeded",
-        output=output,
-        error="",
-        started=now - 0.005,
-        finished=now,
-        model_ms=5.0,
-        batch_size=32,
-        close_reason="size",
-        sample=sample,
-        event=events.JobChanged(id=job_id, status=JobStatus.succeeded) if announce else None,
+
+
+async def _finish(consumer: StreamConsumer, job_ids: Sequence[str], outputs: Sequence[str], *, announce: bool) -> None:
+    """One batch's outcomes in one call of the finish script, as a worker stores them. The entry
+    ids are placeholders: nobody reads the bench's streams, so nothing is left to acknowledge."""
+    now = time.time()
+    jobs = [
+        Finished(
+            job_id=job_id,
+            lane="online",
+            entry_id="0-1",
+            status="succeeded",
+            output=output,
+            error="",
+            sample=_sample(),
+            announce=announce,
+        )
+        for job_id, output in zip(job_ids, outputs, strict=True)
+    ]
+    won = await consumer.finish(
+        jobs, faults=[], started=now - 0.005, finished=now, model_ms=5.0, batch_size=len(jobs), close_reason="size"
     )
+    if not all(won):
+        raise RuntimeError("the finish script refused some of the bench's jobs")
 
 
 async def _finish_all(redis_url: str, model: str, version: str, job_ids: Sequence[str]) -> None:
@@ -80,11 +87,8 @@ async def _finish_all(redis_url: str, model: str, version: str, job_ids: Sequenc
     try:
         for start in range(0, len(job_ids), 500):
             chunk = job_ids[start : start + 500]
-            pipe = client.pipeline(transaction=False)
-            for index, job_id in enumerate(chunk):
-                await _finish(consumer, pipe, job_id, output=embedding_output(start + index), announce=False)
-            if await pipe.execute() != [1] * len(chunk):
-                raise RuntimeError("the finish script refused some of the bench's jobs")
+            outputs = [embedding_output(start + index) for index in range(len(chunk))]
+            await _finish(consumer, chunk, outputs, announce=False)
     finally:
         await client.aclose()
 
@@ -117,15 +121,12 @@ class Progress:
     async def _advance(self, job_id: str) -> None:
         await asyncio.sleep(self.running_after_s)
         entry = StreamEntry(job_id=job_id, tenant=self.tenant, cost=1, enqueued_at=time.time())
+        # The claim script announces `running` itself, as for a worker.
         claims = await self.consumer.claim([Delivered("online", "0-1", entry)], now=time.time())
         if claims[0].verdict != "run":
             raise RuntimeError(f"the claim script answered {claims[0].verdict} for a queued job")
-        await events.publish(self.client, events.JobChanged(id=job_id, status=JobStatus.running))
         await asyncio.sleep(self.final_after_s - self.running_after_s)
-        pipe = self.client.pipeline(transaction=False)
-        await _finish(self.consumer, pipe, job_id, output=self.output, announce=True)
-        if await pipe.execute() != [1]:
-            raise RuntimeError("the finish script refused a job it had claimed")
+        await _finish(self.consumer, [job_id], [self.output], announce=True)
 
     async def close(self) -> None:
         """Wait for every job scheduled to be finished, then let go of Redis."""
