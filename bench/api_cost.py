@@ -51,30 +51,25 @@ import multiprocessing
 import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from bench import pyspy, rawhttp
 from bench.common import (
-    REPO,
     CpuWindow,
     command_line,
     cpu_seconds,
     fmt,
-    free_port,
     machine_info,
     sigterm_as_interrupt,
     skewed_texts,
+    sluice_api,
     table,
     write_json,
 )
@@ -113,48 +108,13 @@ class Stack:
     redis_url: str
 
 
-@contextmanager
-def api_process(*, redis_url: str, database_url: str, home: Path) -> Iterator[tuple[int, int]]:
+def api_process(*, redis_url: str, database_url: str, home: Path) -> AbstractContextManager[tuple[int, int]]:
     """`sluice api` on a free port: answers (pid, port) once /readyz says 200."""
-    port = free_port()
-    env = dict(
-        os.environ,
-        SLUICE_REDIS_URL=redis_url,
-        SLUICE_DATABASE_URL=database_url,
-        SLUICE_HOME=str(home),
+    return sluice_api(log=home / "api.log", env={
+        "SLUICE_REDIS_URL": redis_url, "SLUICE_DATABASE_URL": database_url, "SLUICE_HOME": str(home),
         # No worker runs: the breaker must not take the version out of service mid-run.
-        SLUICE_BREAKER_NO_WORKER_GRACE_S="1e9",
-        PYTHONUNBUFFERED="1",
-    )
-    log = home / "api.log"
-    with log.open("ab") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "launch.cli", "api", "--port", str(port)],
-            env=env,
-            cwd=REPO,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the API did not start; see {log}")
-            time.sleep(0.2)
-        yield proc.pid, port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        "SLUICE_BREAKER_NO_WORKER_GRACE_S": "1e9",
+    })
 
 
 def bench_tenant(database_url: str, home: Path) -> str:

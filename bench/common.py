@@ -385,6 +385,38 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
+def sluice_api(*, env: dict[str, str], log: Path, timeout_s: float = 60.0) -> Iterator[tuple[int, int]]:
+    """`sluice api` on a free port with `env` over the environment: answers (pid, port) once
+    /readyz says 200, and stops it (SIGTERM, then SIGKILL after 40 s) on the way out."""
+    import httpx
+
+    port = free_port()
+    with log.open("ab") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "api", "--port", str(port)],
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, cwd=REPO,
+                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the API did not start; see {log}")
+            time.sleep(0.2)
+        yield proc.pid, port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """Let SIGTERM unwind like Ctrl-C, so `finally` blocks clean up."""
 

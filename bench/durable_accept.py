@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,7 +27,6 @@ import httpx
 
 from bench.common import (
     PERCENTILE_METHOD,
-    REPO,
     command_line,
     fmt,
     free_port,
@@ -37,6 +35,7 @@ from bench.common import (
     percentiles,
     poisson_timetable,
     sigterm_as_interrupt,
+    sluice_api,
     table,
     write_json,
 )
@@ -105,41 +104,12 @@ def database() -> Iterator[str]:
 
 @contextmanager
 def api(*, redis_url: str, database_url: str, home: Path, durable: bool) -> Iterator[str]:
-    port = free_port()
-    env = dict(
-        os.environ,
-        SLUICE_REDIS_URL=redis_url,
-        SLUICE_DATABASE_URL=database_url,
-        SLUICE_HOME=str(home),
-        SLUICE_DURABLE_ACCEPT="true" if durable else "false",
-        PYTHONUNBUFFERED="1",
-    )
-    log = home / f"api-{'durable' if durable else 'default'}.log"
-    with log.open("ab") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "launch.cli", "api", "--port", str(port)],
-            env=env,
-            cwd=REPO,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the {'durable' if durable else 'default'} API did not start; see {log}")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=40)
+    mode = "durable" if durable else "default"
+    with sluice_api(log=home / f"api-{mode}.log", env={
+        "SLUICE_REDIS_URL": redis_url, "SLUICE_DATABASE_URL": database_url, "SLUICE_HOME": str(home),
+        "SLUICE_DURABLE_ACCEPT": "true" if durable else "false",
+    }) as (_, port):
+        yield f"http://127.0.0.1:{port}"
 
 
 async def phase(url: str, key: str, offsets: list[float]) -> tuple[list[float], int]:
