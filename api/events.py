@@ -45,27 +45,26 @@ class EventHub:
         self.on_control = on_control
         self._waiters: dict[str, set[asyncio.Event]] = defaultdict(set)
         # Woken only by a final state: a long-poll has nothing to answer on `running`.
-        self._final_waiters: dict[str, set[asyncio.Event]] = defaultdict(set)
         self._final_watches: dict[str, set[FinalWatch]] = defaultdict(set)
         self.connected = asyncio.Event()
 
-    def watch(self, job_id: str, *, final_only: bool = False) -> asyncio.Event:
-        """Register before reading the job, so an event between the read and the wait is not lost.
-        With `final_only`, only the job reaching a final state wakes it (or `wake_all`)."""
+    def watch(self, job_id: str) -> asyncio.Event:
+        """Wake on every change of the job (an event stream). Register before reading the job, so
+        an event between the read and the wait is not lost."""
         event = asyncio.Event()
-        (self._final_waiters if final_only else self._waiters)[job_id].add(event)
+        self._waiters[job_id].add(event)
         return event
 
     def unwatch(self, job_id: str, event: asyncio.Event) -> None:
-        for by_job in (self._waiters, self._final_waiters):
-            waiters = by_job.get(job_id)
-            if waiters is not None and event in waiters:
-                waiters.discard(event)
-                if not waiters:
-                    del by_job[job_id]
+        waiters = self._waiters.get(job_id)
+        if waiters is not None:
+            waiters.discard(event)
+            if not waiters:
+                del self._waiters[job_id]
 
     def watch_final(self, job_ids: Iterable[str]) -> FinalWatch:
-        """One watch for many jobs; like `watch`, register before reading them."""
+        """One watch for one or many jobs, woken only when one of them is final (a long-poll);
+        like `watch`, register before reading them."""
         watch = FinalWatch()
         for job_id in job_ids:
             self._final_watches[job_id].add(watch)
@@ -81,10 +80,9 @@ class EventHub:
 
     def wake_all(self) -> None:
         """Wake every long-poll and SSE stream, e.g. so they end when the process drains."""
-        for by_job in (self._waiters, self._final_waiters):
-            for waiters in by_job.values():
-                for event in waiters:
-                    event.set()
+        for waiters in self._waiters.values():
+            for event in waiters:
+                event.set()
         for watches in self._final_watches.values():
             for watch in watches:
                 watch.event.set()
@@ -94,8 +92,6 @@ class EventHub:
             for waiter in self._waiters.get(event.id, ()):
                 waiter.set()
             if event.status in FINAL_STATES:
-                for waiter in self._final_waiters.get(event.id, ()):
-                    waiter.set()
                 for watch in self._final_watches.get(event.id, ()):
                     watch.finished.add(event.id)
                     watch.event.set()

@@ -201,7 +201,7 @@ async def get_job(
     deadline = time.monotonic() + wait_s
     # Watched before the read, so a final state written after it still wakes the wait; `running`
     # does not: each wake-up costs a read, and only a final state ends the long-poll.
-    event = state.hub.watch(job_id, final_only=True)
+    watch = state.hub.watch_final((job_id,))
     try:
         job = await state.broker.view_for_tenant(job_id, key.tenant)
         while not job.is_final and not state.draining.is_set():
@@ -210,11 +210,11 @@ async def get_job(
                 break
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(remaining):
-                    await event.wait()
-            event.clear()
+                    await watch.event.wait()
+            watch.take()
             job = await state.broker.view_for_tenant(job_id, key.tenant)
     finally:
-        state.hub.unwatch(job_id, event)
+        state.hub.unwatch_final((job_id,), watch)
     return JsonResponse(job.body())
 
 

@@ -89,7 +89,7 @@ def test_a_long_poll_is_woken_by_its_jobs_final_state_and_an_event_stream_by_eve
         listening = asyncio.create_task(hub.run())
         try:
             await asyncio.wait_for(hub.connected.wait(), timeout=10)
-            long_poll, stream = hub.watch(job_id, final_only=True), hub.watch(job_id)
+            long_poll, stream = hub.watch_final((job_id,)), hub.watch(job_id)
 
             async def publish_until(status: str, woken: asyncio.Event) -> None:
                 # Until it lands: the subscription may still be on its way to the server.
@@ -98,11 +98,12 @@ def test_a_long_poll_is_woken_by_its_jobs_final_state_and_an_event_stream_by_eve
                     await asyncio.sleep(0.05)
 
             await asyncio.wait_for(publish_until("running", stream), timeout=10)
-            assert not long_poll.is_set()
+            assert not long_poll.event.is_set()
             stream.clear()
-            await asyncio.wait_for(publish_until("succeeded", long_poll), timeout=10)
+            await asyncio.wait_for(publish_until("succeeded", long_poll.event), timeout=10)
+            assert long_poll.take() == {job_id}
             assert stream.is_set()
-            hub.unwatch(job_id, long_poll)
+            hub.unwatch_final((job_id,), long_poll)
             hub.unwatch(job_id, stream)
         finally:
             listening.cancel()
