@@ -33,7 +33,6 @@ import contextlib
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -54,6 +53,7 @@ from bench.common import (
     machine_info,
     private_redis,
     sigterm_as_interrupt,
+    stop_processes,
     wait_quiet,
     write_json,
 )
@@ -220,13 +220,7 @@ def both_systems(pg_url: str) -> Iterator[Stack]:
             _wait_celery(stack)
             yield stack
         finally:
-            if stack.celery.poll() is None:
-                stack.celery.send_signal(signal.SIGTERM)
-                try:
-                    stack.celery.wait(timeout=40)
-                except subprocess.TimeoutExpired:
-                    stack.celery.kill()
-                    stack.celery.wait()
+            stop_processes([stack.celery])
 
 
 # --- one phase: a client process, the CPU of every group over its window ---------------------------

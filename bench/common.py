@@ -384,10 +384,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop_processes(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 40.0) -> None:
+    """SIGTERM each (so it drains), then SIGKILL whatever is left when the shared grace runs out."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+
+
 @contextlib.contextmanager
 def sluice_api(*, env: dict[str, str], log: Path, timeout_s: float = 60.0) -> Iterator[tuple[int, int]]:
     """`sluice api` on a free port with `env` over the environment: answers (pid, port) once
-    /readyz says 200, and stops it (SIGTERM, then SIGKILL after 40 s) on the way out."""
+    /readyz says 200, and stops it (`stop_processes`) on the way out."""
     import httpx
 
     port = free_port()
@@ -408,12 +424,7 @@ def sluice_api(*, env: dict[str, str], log: Path, timeout_s: float = 60.0) -> It
             time.sleep(0.2)
         yield proc.pid, port
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc])
 
 
 @contextlib.contextmanager
@@ -629,23 +640,8 @@ class BenchPlatform:
                     out[f"worker {name} #{i}"] = proc.pid
         return out
 
-    @staticmethod
-    def _stop(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 40.0) -> None:
-        for proc in procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                proc.wait()
-
     def stop_workers(self, model: str, version: str) -> None:
-        self._stop(self.workers.pop(f"{model}/{version}", []))
+        stop_processes(self.workers.pop(f"{model}/{version}", []))
 
     def close(self) -> None:
         # Every step runs even if an earlier one fails, and a second Ctrl-C cannot skip them.
@@ -653,10 +649,10 @@ class BenchPlatform:
         try:
             for name in list(self.workers):
                 with contextlib.suppress(Exception):
-                    self._stop(self.workers.pop(name))
+                    stop_processes(self.workers.pop(name))
             if self.api is not None:
                 with contextlib.suppress(Exception):
-                    self._stop([self.api])
+                    stop_processes([self.api])
                 self.api = None
             if self.redis_url:
                 with contextlib.suppress(Exception):

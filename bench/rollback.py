@@ -51,6 +51,7 @@ from bench.common import (
     free_port,
     private_redis,
     sigterm_as_interrupt,
+    stop_processes,
     table,
     write_json,
 )
@@ -87,7 +88,7 @@ class TwoApis(BenchPlatform):
     def close(self) -> None:
         if self.api_b is not None:
             with contextlib.suppress(Exception):
-                self._stop([self.api_b])
+                stop_processes([self.api_b])
             self.api_b = None
         super().close()
 

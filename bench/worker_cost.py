@@ -49,6 +49,7 @@ from bench.common import (
     poisson_timetable,
     sigterm_as_interrupt,
     skewed_texts,
+    stop_processes,
     table,
     write_json,
 )
@@ -214,13 +215,7 @@ class WorkerProcess:
         return self._wait_snapshot(timeout_s=30)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_processes([self.proc])
 
 
 def records_for(texts: Sequence[str]) -> list[Any]:
