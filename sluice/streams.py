@@ -31,6 +31,19 @@ from sluice.redact import scrub
 
 DEAD_LETTER_MAXLEN = 100_000
 
+# Lua for the claim and finish scripts, whose KEYS[3] and KEYS[4] are the online and bulk streams:
+# acknowledge and delete, in `group`, the entry ids listed per lane (1 online, 2 bulk).
+ACK_AND_DROP_LUA = """
+local function ack_and_drop(ids_by_lane, group)
+  for lane = 1, 2 do
+    if #ids_by_lane[lane] > 0 then
+      redis.call('XACK', KEYS[lane + 2], group, unpack(ids_by_lane[lane]))
+      redis.call('XDEL', KEYS[lane + 2], unpack(ids_by_lane[lane]))
+    end
+  end
+end
+"""
+
 # KEYS: the webhook outbox, the version's dead-letter stream, its online and bulk streams, then per
 # entry its job hash and its tenant's queued set. ARGV: now, worker, max_deliveries, the events
 # channel, the group, the dead letters' cap, then per entry its lane (1 online, 2 bulk), entry id
@@ -39,7 +52,7 @@ DEAD_LETTER_MAXLEN = 100_000
 # one past its deadline becomes `expired`, one delivered max_deliveries times becomes `failed`
 # and is dead-lettered ({'dead', last error}), both announced. Every entry whose job will not run
 # is acknowledged and deleted in the same step, so claiming a read is one round trip.
-CLAIM_SCRIPT = QUEUE_WEBHOOK + events.JOB_CHANGED_LUA + """
+CLAIM_SCRIPT = QUEUE_WEBHOOK + events.JOB_CHANGED_LUA + ACK_AND_DROP_LUA + """
 local now, worker, max_deliveries, channel = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local function claim(job, queued)
   local s = redis.call('HGET', job, 'status')
@@ -84,12 +97,7 @@ for e = 1, (#KEYS - 4) / 2 do
   end
   replies[e] = reply
 end
-for lane = 1, 2 do
-  if #settled[lane] > 0 then
-    redis.call('XACK', KEYS[lane + 2], ARGV[5], unpack(settled[lane]))
-    redis.call('XDEL', KEYS[lane + 2], unpack(settled[lane]))
-  end
-end
+ack_and_drop(settled, ARGV[5])
 return replies
 """
 
@@ -105,7 +113,7 @@ return replies
 # job processed twice has one of each. Then every job's entry is acknowledged and deleted: never
 # before its outcome is stored. A faulted job gets no outcome and keeps its entry; its message is
 # noted for its dead letter. Answers, per job, 1 where this write won, else 0.
-FINISH_SCRIPT = QUEUE_WEBHOOK + events.JOB_CHANGED_LUA + """
+FINISH_SCRIPT = QUEUE_WEBHOOK + events.JOB_CHANGED_LUA + ACK_AND_DROP_LUA + """
 local ttl, channel = tonumber(ARGV[1]), ARGV[2]
 local k, a = 5, 11
 local won, acks = {}, {{}, {}}
@@ -138,12 +146,7 @@ for j = 1, tonumber(ARGV[10]) do
   if copied then k = k + 3 else k = k + 1 end
   table.insert(acks[lane], entry)
 end
-for lane = 1, 2 do
-  if #acks[lane] > 0 then
-    redis.call('XACK', KEYS[lane + 2], ARGV[3], unpack(acks[lane]))
-    redis.call('XDEL', KEYS[lane + 2], unpack(acks[lane]))
-  end
-end
+ack_and_drop(acks, ARGV[3])
 for f = k, #KEYS do
   if redis.call('EXISTS', KEYS[f]) == 1 then redis.call('HSET', KEYS[f], 'last_error', ARGV[a]) end
   a = a + 1
