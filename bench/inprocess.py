@@ -6,9 +6,12 @@ Plans, all on the same texts in the same process (torch threads as given, defaul
 * (a') ``buckets``: workers.batcher.MicroBatcher's length buckets (the platform's policy, all
   texts present at once, cost = the API's token estimate), size closes then age closes;
 * (b) ``arrival``: chunks of ``--batch-size`` in arrival order;
-* (c) ``single``: one text at a time (batch size 1).
+* (c) ``single``: one text at a time (batch size 1);
+* (d) ``chunked``: the arrival-order chunks of (b), which the encoder itself sorts and runs as
+  passes of at most ``max_batch_tokens`` padded tokens (its default; the worker's way).
 
-Reports texts/s, padding (padded tokens / real tokens) and the ratios a/b, a/c, a'/b.
+Plans (a) to (c) run every batch as one padded pass, so they measure the batch plan alone.
+Reports texts/s, padding (padded tokens / real tokens) and the ratios a/b, a/c, a'/b, d/c.
 Run: ``python -m bench.inprocess [--texts 640] [--threads 1]``.
 """
 
@@ -39,12 +42,15 @@ from bench.common import (
     write_json,
 )
 
-PLANS = ("sorted", "buckets", "arrival", "single")
+PLANS = ("sorted", "buckets", "arrival", "single", "chunked")
+# Larger than any batch: the encoder runs the plan's batch as one pass.
+ONE_PASS = 1 << 30
 PLAN_LABELS = {
     "sorted": "(a) length-sorted",
     "buckets": "(a') MicroBatcher buckets",
     "arrival": "(b) arrival order",
     "single": "(c) one at a time",
+    "chunked": "(d) arrival order, encoder passes",
 }
 
 
@@ -83,7 +89,7 @@ def plan_batches(plan: str, texts: Sequence[str], lengths: Sequence[int], batch_
         from sluice.kinds import token_estimate
 
         return bucketed_batches([token_estimate(t) for t in texts], batch_size)
-    if plan == "arrival":
+    if plan in ("arrival", "chunked"):
         return arrival_batches(len(texts), batch_size)
     if plan == "single":
         return arrival_batches(len(texts), 1)
@@ -92,6 +98,9 @@ def plan_batches(plan: str, texts: Sequence[str], lengths: Sequence[int], batch_
 
 def time_plan(encoder: Any, texts: Sequence[str], plan: str, batch_size: int) -> dict[str, Any]:
     """Plan (the length look-up included in the timing) and run; answer texts/s and padding."""
+    from workers.models.minilm import DEFAULT_MAX_BATCH_TOKENS
+
+    encoder.max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS if plan == "chunked" else ONE_PASS
     window = CpuWindow()
     cpu0 = time.process_time()
     started = time.perf_counter()
@@ -106,9 +115,13 @@ def time_plan(encoder: Any, texts: Sequence[str], plan: str, batch_size: int) ->
     own_cpu = time.process_time() - cpu0
     window.stop()
     real_lengths = lengths or encoder.token_lengths(texts)  # outside the timing when not needed
+    passes = batches
+    if plan == "chunked":
+        passes = [[batch[i] for i in chunk] for batch in batches
+                  for chunk in encoder.passes([real_lengths[j] for j in batch])]
     return {
         "plan": plan, "texts": len(texts), "batches": len(batches), "seconds": elapsed,
-        "texts_per_s": len(texts) / elapsed, "padding_ratio": padding_ratio(real_lengths, batches),
+        "texts_per_s": len(texts) / elapsed, "padding_ratio": padding_ratio(real_lengths, passes),
         "mean_batch_ms": 1000 * statistics.fmean(batch_s),
         "own_cpu_s": own_cpu, "cpu_ms_per_text": 1000 * own_cpu / len(texts), "system_busy_s": window.busy,
         "foreign_cores": window.foreign_cores(own_cpu),
@@ -247,7 +260,7 @@ def summarise(results: dict[str, dict[str, Any]]) -> dict[str, float]:
         return float(results[a]["texts_per_s"] / results[b]["texts_per_s"])
 
     pairs = {"a/b": ("sorted", "arrival"), "a/c": ("sorted", "single"), "a'/b": ("buckets", "arrival"),
-             "a/a'": ("sorted", "buckets")}
+             "a/a'": ("sorted", "buckets"), "d/c": ("chunked", "single"), "d/a": ("chunked", "sorted")}
     out = {name: ratio(a, b) for name, (a, b) in pairs.items()}
     out.update({f"{name} (CPU-normalised)": ratio(a, b, cpu=True) for name, (a, b) in pairs.items()})
     return out

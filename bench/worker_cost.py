@@ -67,6 +67,7 @@ class TimedHandler:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.kind = inner.kind
+        self.length_buckets = inner.length_buckets
         self.cpu_s = 0.0
         self.calls = 0
         self.items = 0

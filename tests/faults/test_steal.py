@@ -37,6 +37,7 @@ class CountingHandler:
     """Sleeps BATCH_S per batch, echoes, and counts every run of every input (by its text)."""
 
     kind = ModelKind.synthetic
+    length_buckets = True
 
     def __init__(self) -> None:
         self.runs: Counter[str] = Counter()

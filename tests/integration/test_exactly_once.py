@@ -120,6 +120,7 @@ class FaultyHandler:
     InferenceError (the input is not at fault), quoting the input as careless messages do."""
 
     kind = ModelKind.synthetic
+    length_buckets = True
 
     def warmup(self) -> None:
         """Nothing to warm."""

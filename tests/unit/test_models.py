@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import subprocess
 import sys
 import time
@@ -29,7 +31,7 @@ from workers.models.handlers import (
     load_handler,
 )
 from workers.models.head import write_degraded_head
-from workers.models.minilm import MiniLMEncoder
+from workers.models.minilm import DEFAULT_MAX_BATCH_TOKENS, MiniLMEncoder, plan_passes
 from workers.models.train_intent import load_examples, split_examples
 
 pytestmark = pytest.mark.model
@@ -112,12 +114,56 @@ def test_unit_norm_and_truncation(encoder: MiniLMEncoder) -> None:
     assert encoder.encode([]).shape == (0, 384)
 
 
-def test_padding_does_not_change_vectors(encoder: MiniLMEncoder) -> None:
-    batch = encoder.encode(TEXTS)
-    for i in (0, 2, 9, 12):
+@pytest.mark.parametrize("max_batch_tokens", [1 << 30, DEFAULT_MAX_BATCH_TOKENS, 1])
+def test_padding_and_passes_do_not_change_vectors(encoder: MiniLMEncoder, max_batch_tokens: int) -> None:
+    # 1 << 30: the whole batch in one padded pass; 1: every text alone, in input order or not.
+    encoder.max_batch_tokens = max_batch_tokens
+    try:
+        batch = encoder.encode(TEXTS)
+    finally:
+        encoder.max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
+    for i in range(len(TEXTS)):
         alone = encoder.encode([TEXTS[i]])[0]
         assert torch.nn.functional.cosine_similarity(batch[i], alone, dim=0) >= 0.99999
         assert torch.allclose(batch[i], alone, atol=1e-5)
+
+
+def _pass_cost(lengths: list[int], passes: list[list[int]], overhead: int) -> int:
+    return sum(overhead + len(p) * max(lengths[i] for i in p) for p in passes)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_plan_passes_is_the_cheapest_split(seed: int) -> None:
+    rng = random.Random(seed)
+    lengths = [rng.choice([rng.randint(3, 40), rng.randint(100, 256)]) for _ in range(rng.randint(1, 9))]
+    cap, overhead = rng.choice([64, 512, 4096]), rng.choice([0, 24, 200])
+    passes = plan_passes(lengths, max_batch_tokens=cap, overhead_tokens=overhead)
+    assert sorted(i for p in passes for i in p) == list(range(len(lengths)))
+    assert all(len(p) == 1 or len(p) * max(lengths[i] for i in p) <= cap for p in passes)
+    # Brute force: every way to cut the length-sorted order into runs that respect the cap.
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    cheapest = None
+    for cuts in itertools.product([False, True], repeat=len(order) - 1):
+        runs, run = [], [order[0]]
+        for index, cut in zip(order[1:], cuts, strict=True):
+            if cut:
+                runs.append(run)
+                run = []
+            run.append(index)
+        runs.append(run)
+        if all(len(r) == 1 or len(r) * max(lengths[i] for i in r) <= cap for r in runs):
+            cost = _pass_cost(lengths, runs, overhead)
+            cheapest = cost if cheapest is None else min(cheapest, cost)
+    assert _pass_cost(lengths, passes, overhead) == cheapest
+
+
+def test_plan_passes_keeps_long_texts_away_from_short_ones() -> None:
+    lengths = [20, 18, 200, 22, 19, 21, 17, 23, 190]
+    passes = plan_passes(lengths, max_batch_tokens=2048, overhead_tokens=24)
+    assert passes == [[6, 1, 4, 0, 5, 3, 7], [8, 2]]
+    assert plan_passes([], max_batch_tokens=2048, overhead_tokens=24) == []
+    # A text longer than the cap still runs, alone.
+    assert plan_passes([5000, 3], max_batch_tokens=2048, overhead_tokens=24) == [[1], [0]]
 
 
 def test_encoder_is_dynamically_quantizable(encoder: MiniLMEncoder, model_dir: Path) -> None:

@@ -60,6 +60,10 @@ class ModelHandler(Protocol):
     """What the worker needs from a model, whatever its kind."""
 
     kind: ModelKind
+    # True when the model pads a batch to its longest input and runs it as one pass: the worker
+    # then groups inputs by length first. False when ``run`` splits any batch into passes of
+    # similar length itself, so the worker hands it everything ready at once.
+    length_buckets: bool
 
     def warmup(self) -> None:
         """Run a few dummy batches of different lengths before taking traffic."""

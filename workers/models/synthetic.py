@@ -25,6 +25,7 @@ class SyntheticHandler:
     """
 
     kind = ModelKind.synthetic
+    length_buckets = True
 
     def __init__(self, *, fixed_s: float = 0.002, per_item_s: float = 0.0005, per_token_s: float = 0.00002) -> None:
         for name, value in (

@@ -56,6 +56,7 @@ class EmbeddingHandler:
     """``{"text": str}`` -> ``{"embedding": [float, ...], "dim": 384}`` (unit length)."""
 
     kind = ModelKind.embedding
+    length_buckets = False  # MiniLMEncoder.encode picks its own passes
 
     def __init__(self, *, encoder: MiniLMEncoder, precision: PrecisionChoice | None = None) -> None:
         self.encoder = encoder
@@ -77,6 +78,7 @@ class ClassifierHandler:
     """``{"text": str}`` -> ``{"label": str, "scores": {label: probability}}``."""
 
     kind = ModelKind.classifier
+    length_buckets = False  # MiniLMEncoder.encode picks its own passes
 
     def __init__(self, *, encoder: MiniLMEncoder, head: IntentHead, labels: Sequence[str],
                  precision: PrecisionChoice | None = None) -> None:

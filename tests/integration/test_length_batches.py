@@ -1,0 +1,64 @@
+"""How a worker batches mixed lengths depends on its handler: one that pads a batch to its longest
+input gets length groups, one that splits batches into passes itself (MiniLM) gets everything
+ready at once, so a queue of mixed lengths runs as full batches instead of fragments."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from sluice.connections import connect
+from sluice.kinds import ModelKind
+from tests.support import drive, queue_in_redis, unique
+from workers.consumer import Worker
+
+
+class BatchRecorder:
+    kind = ModelKind.synthetic
+
+    def __init__(self, *, length_buckets: bool) -> None:
+        self.length_buckets = length_buckets
+        self.batches: list[list[str]] = []
+
+    def warmup(self) -> None:
+        """Nothing to warm."""
+
+    def run(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        self.batches.append([item["text"] for item in inputs])
+        return [{"n": len(item["text"])} for item in inputs]
+
+
+@pytest.fixture
+async def aredis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = connect(redis_url, max_connections=8)
+    yield client
+    await client.aclose()
+
+
+@pytest.mark.parametrize("length_buckets", [True, False])
+async def test_a_handler_that_splits_by_length_is_handed_mixed_lengths_in_one_batch(
+    aredis: aioredis.Redis, length_buckets: bool,
+) -> None:
+    model = unique("lengths")
+    # Twelve lengths from 2 to 200 words: twelve different length buckets.
+    texts = [" ".join(["word"] * n) for n in (2, 200, 5, 120, 9, 60, 14, 33, 21, 90, 3, 150)]
+    ids = await queue_in_redis(aredis, model, [{"text": text} for text in texts])
+    handler = BatchRecorder(length_buckets=length_buckets)
+    worker = Worker(redis=aredis, model=model, version="v1", handler=handler, max_batch_size=32,
+                    max_wait_ms=5, shutdown_grace_s=5)
+
+    records = await drive([worker], aredis, ids, timeout_s=20)
+
+    assert {record["status"] for record in records.values()} == {"succeeded"}
+    assert sorted(text for batch in handler.batches for text in batch) == sorted(texts)
+    if length_buckets:
+        # Never a 2-word text padded to a 200-word one.
+        for batch in handler.batches:
+            words = [len(text.split()) for text in batch]
+            assert max(words) <= 2 * min(words) + 2, words
+        assert len(handler.batches) > 4
+    else:
+        assert [len(batch) for batch in handler.batches] == [len(texts)]
