@@ -3,8 +3,10 @@
 Every request submits ONE job and waits for ITS result, as a user's request handler would:
 
 * Sluice: the project's `AsyncClient` on one asyncio loop (one shared connection pool):
-  `await client.submit(model, input)`, then `await client.wait(job_id, timeout_s=...)`. A 429
-  is honoured like a polite client: wait `RETRY_AFTER_S`, submit again (counted).
+  `await client.run(model, input, timeout_s=...)`, which submits and waits in one request
+  (`POST …/jobs?wait=`) and long-polls only if the job outlives that wait. A 429 is honoured
+  like a polite client: wait `RETRY_AFTER_S`, submit again (counted). The time of acceptance is
+  the job's own `enqueued_at` (the same host's clock).
 * Celery: `embed.delay(text)` then `AsyncResult.get()` (the Redis result backend's pub/sub), each
   request in a thread of a pool, driven from the same asyncio loop and the same timetables.
 
@@ -27,6 +29,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from typing import Any
 
 from bench.common import Sent, open_loop, poisson_timetable, skewed_texts
@@ -66,15 +69,14 @@ def _sluice_sender(client: AsyncClient, spec: dict[str, Any], texts: Sequence[st
         refused = 0
         while True:
             try:
-                job = await client.submit(spec["model"], {"text": texts[i]})
+                final = await client.run(spec["model"], {"text": texts[i]}, timeout_s=spec["timeout_s"])
                 break
             except ClientError as exc:
                 if exc.status != 429:
                     raise
                 refused += 1
                 await asyncio.sleep(RETRY_AFTER_S)
-        accepted_at = time.time()
-        final = await client.wait(job["id"], timeout_s=spec["timeout_s"])
+        accepted_at = datetime.fromisoformat(final["timings"]["enqueued_at"]).timestamp()
         ok = final["status"] == "succeeded" and final["output"]["dim"] == len(final["output"]["embedding"])
         return {
             "accepted_at": accepted_at,

@@ -118,6 +118,19 @@ class SluiceClient:
         return dict(self._call("POST", f"/v1/models/{model}/jobs", json={"input": input, **options},
                                headers=headers))
 
+    def run(self, model: str, input: dict[str, Any], *, timeout_s: float = 60.0, idempotency_key: str | None = None,
+            **options: Any) -> dict[str, Any]:
+        """Submit one job and answer it final (one request when it finishes within the server's
+        wait), or as it is once `timeout_s` has passed."""
+        deadline = time.monotonic() + timeout_s
+        wait_s = min(POLL_S, timeout_s)
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        job = dict(self._call("POST", f"/v1/models/{model}/jobs", json={"input": input, **options},
+                              headers=headers, params=_job_params(wait_s), timeout=self._timeout_s + wait_s))
+        if job["status"] in FINAL:
+            return job
+        return self.wait(job["id"], timeout_s=max(0.0, deadline - time.monotonic()))
+
     def submit_bulk(self, model: str, inputs: list[dict[str, Any]], **options: Any) -> list[str]:
         body = self._call("POST", f"/v1/models/{model}/jobs:bulk", json={"inputs": inputs, **options})
         return list(body["ids"])
@@ -193,6 +206,22 @@ class AsyncClient:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return dict(await self._call("POST", f"/v1/models/{model}/jobs", json={"input": input, **options},
                                      headers=headers))
+
+    async def run(self, model: str, input: dict[str, Any], *, timeout_s: float = 60.0,
+                  idempotency_key: str | None = None, **options: Any) -> dict[str, Any]:
+        """Submit one job and answer it final: one request when it finishes within the server's
+        wait, then long-polls; WaitTimeout if it is not final within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        wait_s = min(POLL_S, timeout_s)
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        job = dict(await self._call("POST", f"/v1/models/{model}/jobs", json={"input": input, **options},
+                                    headers=headers, params=_job_params(wait_s), wait_s=wait_s))
+        if job["status"] in FINAL:
+            return job
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise WaitTimeout([job["id"]], timeout_s)
+        return await self.wait(job["id"], timeout_s=remaining)
 
     async def submit_bulk(self, model: str, inputs: list[dict[str, Any]], **options: Any) -> list[str]:
         body = await self._call("POST", f"/v1/models/{model}/jobs:bulk", json={"inputs": inputs, **options})

@@ -20,7 +20,7 @@ from api.resources import BulkAccepted, ErrorResource, JobResource
 from api.responses import JsonResponse
 from sluice.errors import Conflict, InvalidInput, JobExpired, PayloadTooLarge, ServiceUnavailable, TooManyRequests
 from sluice.idempotency import IdempotencyClaim
-from sluice.jobs import JobRecord, JobStatus, new_job_id
+from sluice.jobs import JobRecord, JobStatus, JobView, new_job_id
 from sluice.keys import Lane
 from sluice.kinds import ModelKind, validate_input
 from sluice.metrics import JOBS_REJECTED, JOBS_SUBMITTED
@@ -163,18 +163,32 @@ async def _queue(
     return records
 
 
+_SUBMIT_WAIT = (
+    "Submit and wait: hold the answer up to this many seconds (capped by the server) for the job "
+    "to be final; 200 with the final job if it is, else 202 with the job as it is then"
+)
+
+
 @router.post("/models/{model}/jobs", status_code=202, response_model=JobResource,
-             responses={202: {"description": "The queued job"}, **_SUBMIT_ERRORS})
+             responses={200: {"description": "With `wait`: the job, final within the wait"},
+                        202: {"description": "The queued job"}, **_SUBMIT_ERRORS})
 async def submit_job(
     model: str, body: SubmitJob, key: CurrentKey, state: StateDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+    wait: Annotated[float, Query(ge=0, description=_SUBMIT_WAIT)] = 0,
 ) -> JsonResponse:
     records, replayed = await _admit(state, key, model, body, [body.input], idempotency_key)
     record = records[0]
     headers = {"Location": f"/v1/jobs/{record.id}"}
     if replayed:
         headers["Idempotent-Replayed"] = "true"
-    return JsonResponse(record.resource(), status_code=202, headers=headers)
+    wait_s = min(wait, state.settings.max_wait_s)
+    if wait_s <= 0 or state.draining.is_set():
+        return JsonResponse(record.resource(), status_code=202, headers=headers)
+    # One request per job for a client that wants its result: the accept is already durable, so
+    # a client that gives up on this answer polls the Location like any other.
+    job = await _wait_final(state, record.id, key.tenant, wait_s)
+    return JsonResponse(job.body(), status_code=200 if job.is_final else 202, headers=headers)
 
 
 @router.post("/models/{model}/jobs:bulk", status_code=202, response_model=BulkAccepted, responses=_SUBMIT_ERRORS)
@@ -198,12 +212,17 @@ async def get_job(
     wait_s = min(wait, state.settings.max_wait_s)
     if wait_s <= 0 or state.draining.is_set():
         return JsonResponse((await state.broker.view_for_tenant(job_id, key.tenant)).body())
+    return JsonResponse((await _wait_final(state, job_id, key.tenant, wait_s)).body())
+
+
+async def _wait_final(state: AppState, job_id: str, tenant: str, wait_s: float) -> JobView:
+    """The job once it is final, or as it is after ``wait_s`` or when the replica starts draining."""
     deadline = time.monotonic() + wait_s
     # Watched before the read, so a final state written after it still wakes the wait; `running`
     # does not: each wake-up costs a read, and only a final state ends the long-poll.
     watch = state.hub.watch_final((job_id,))
     try:
-        job = await state.broker.view_for_tenant(job_id, key.tenant)
+        job = await state.broker.view_for_tenant(job_id, tenant)
         while not job.is_final and not state.draining.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -212,10 +231,10 @@ async def get_job(
                 async with asyncio.timeout(remaining):
                     await watch.event.wait()
             watch.take()
-            job = await state.broker.view_for_tenant(job_id, key.tenant)
+            job = await state.broker.view_for_tenant(job_id, tenant)
     finally:
         state.hub.unwatch_final((job_id,), watch)
-    return JsonResponse(job.body())
+    return job
 
 
 @router.get("/jobs/{job_id}/events", response_class=StreamingResponse,

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
@@ -230,3 +231,75 @@ def test_the_sync_client_waits_on_many_jobs_with_the_same_logic(
         assert [job["id"] for job in sluice.wait_many(ids, timeout_s=30)] == ids
         with pytest.raises(WaitTimeout):
             sluice.wait_many([*ids, sluice.submit(model, {"text": "never runs"})["id"]], timeout_s=0.3)
+
+
+# --- submit and wait in one request -----------------------------------------------------------------
+
+
+def _answered(route: str, method: str, status: int) -> float:
+    labels = {"route": route, "method": method, "status": str(status)}
+    return REGISTRY.get_sample_value("sluice_api_requests_total", labels) or 0.0
+
+
+async def test_run_submits_and_gets_the_result_in_one_request(
+    client: Callable[..., AsyncClient], register_synthetic: Callable[..., str], aredis: aioredis.Redis
+) -> None:
+    model = register_synthetic("aclient-oneshot")
+    submit = "/v1/models/{model}/jobs"
+    async with running(aredis, model), client() as sluice:
+        before = _answered(submit, "POST", 200), _answered("/v1/jobs/{job_id}", "GET", 200)
+        jobs = await asyncio.gather(*(sluice.run(model, {"text": f"run {i}"}, timeout_s=30) for i in range(8)))
+        after = _answered(submit, "POST", 200), _answered("/v1/jobs/{job_id}", "GET", 200)
+    assert [job["status"] for job in jobs] == ["succeeded"] * 8
+    assert [job["output"]["echo"]["text"] for job in jobs] == [f"run {i}" for i in range(8)]
+    # Each job: one POST answered 200 with its result, and no read.
+    assert (after[0] - before[0], after[1] - before[1]) == (8, 0)
+
+
+async def test_run_raises_a_timeout_when_the_job_is_not_final_in_time(
+    client: Callable[..., AsyncClient], register_synthetic: Callable[..., str]
+) -> None:
+    model = register_synthetic("aclient-oneshot-idle")  # no worker
+    async with client() as sluice:
+        started = time.monotonic()
+        with pytest.raises(WaitTimeout) as timeout:
+            await sluice.run(model, {"text": "never runs"}, timeout_s=0.5)
+        assert 0.4 < time.monotonic() - started < 5
+        [job_id] = timeout.value.pending
+        assert (await sluice.job(job_id))["status"] == "queued"
+
+
+def test_submit_with_wait_answers_202_with_the_queued_job_when_it_is_not_final(
+    api: ApiServer, seeded: Seeded, register_synthetic: Callable[..., str]
+) -> None:
+    model = register_synthetic("rest-oneshot-idle")  # no worker
+    headers = {"Authorization": f"Bearer {seeded.demo_key}", "Idempotency-Key": "oneshot-1"}
+    with httpx.Client(base_url=api.url, headers=headers, timeout=30) as http:
+        started = time.monotonic()
+        response = http.post(f"/v1/models/{model}/jobs", params={"wait": 0.3}, json={"input": {"text": "x"}})
+        assert time.monotonic() - started >= 0.25
+        assert response.status_code == 202, response.text
+        job = response.json()
+        assert job["status"] == "queued" and response.headers["Location"] == f"/v1/jobs/{job['id']}"
+        http.delete(f"/v1/jobs/{job['id']}").raise_for_status()
+        # A replay of the same request answers the job, final now, with 200 and at once.
+        replay = http.post(f"/v1/models/{model}/jobs", params={"wait": 5}, json={"input": {"text": "x"}})
+        assert replay.status_code == 200, replay.text
+        assert replay.json()["id"] == job["id"] and replay.json()["status"] == "cancelled"
+        assert replay.headers["Idempotent-Replayed"] == "true"
+        bad = http.post(f"/v1/models/{model}/jobs", params={"wait": -1}, json={"input": {"text": "y"}},
+                        headers={"Idempotency-Key": "oneshot-2"})
+        assert bad.status_code == 422, bad.text
+
+
+def test_the_sync_client_runs_a_job(
+    api: ApiServer, seeded: Seeded, register_synthetic: Callable[..., str]
+) -> None:
+    model = register_synthetic("client-oneshot")  # no worker: the job is cancelled while waited on
+    with SluiceClient(base_url=api.url, api_key=seeded.demo_key) as sluice:
+        queued = sluice.run(model, {"text": "waits"}, timeout_s=0.3)
+        assert queued["status"] == "queued"
+        later = threading.Timer(0.3, sluice.cancel, args=[queued["id"]])
+        later.start()
+        assert sluice.wait(queued["id"], timeout_s=30)["status"] == "cancelled"
+        later.join()
