@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
 
-from sluice.errors import BrokerError
+from sluice.errors import BrokerError, InferenceError
 from sluice.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
 from sluice.jobs import JobStatus
 from sluice.keys import Lane
@@ -166,7 +166,7 @@ class Worker:
         try:
             await reader
             # Reading has stopped: everything held is flushed and finished within the grace period.
-            self._ready.extend(self.batcher.drain(self.clock()))
+            self._ready.extend(part for batch in self.batcher.drain(self.clock()) for part in self._passes(batch))
             self._reading_done = True
             self._wake_runner.set()
             await asyncio.wait_for(runner, timeout=self.shutdown_grace_s)
@@ -266,7 +266,7 @@ class Worker:
 
     async def _run_loop(self) -> None:
         while True:
-            batch = self._ready.popleft() if self._ready else self.batcher.take(self.clock())
+            batch = self._ready.popleft() if self._ready else self._take()
             if batch is None:
                 if self._reading_done and len(self.batcher) == 0:
                     return
@@ -284,6 +284,30 @@ class Worker:
             task = asyncio.create_task(self._complete(batch, outcomes, started, model_s))
             self._writes.add(task)
             task.add_done_callback(self._writes.discard)
+
+    def _take(self) -> Batch[Delivery] | None:
+        """The next batch to run: the batcher's most urgent, or its first forward pass when the
+        handler splits batches itself (the other passes run next, before anything else)."""
+        batch = self.batcher.take(self.clock())
+        if batch is None:
+            return None
+        first, *rest = self._passes(batch)
+        self._ready.extendleft(reversed(rest))
+        return first
+
+    def _passes(self, batch: Batch[Delivery]) -> list[Batch[Delivery]]:
+        """A batch as the forward passes its handler plans, each stored as soon as it is done (a
+        short job does not wait for the long ones that shared its batch), the pass holding the
+        oldest job first: the tail is made of the jobs that have waited longest."""
+        if self.handler.length_buckets or len(batch.items) == 1:
+            return [batch]
+        try:
+            plan = self.handler.passes([item.payload.input for item in batch.items])
+        except InferenceError:
+            return [batch]  # a malformed input: run_isolating fails it alone
+        parts = [Batch(items=tuple(batch.items[i] for i in sorted(part)), close_reason=batch.close_reason,
+                       bucket=batch.bucket, tenant=batch.tenant, closed_at=batch.closed_at) for part in plan]
+        return sorted(parts, key=lambda part: part.oldest_enqueued_at)
 
     async def _complete(self, batch: Batch[Delivery], outcomes: list[Outcome], started: float, model_s: float) -> None:
         """Store every outcome, then acknowledge: a job is never acked before its outcome exists.

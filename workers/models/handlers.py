@@ -61,9 +61,14 @@ class ModelHandler(Protocol):
 
     kind: ModelKind
     # True when the model pads a batch to its longest input and runs it as one pass: the worker
-    # then groups inputs by length first. False when ``run`` splits any batch into passes of
-    # similar length itself, so the worker hands it everything ready at once.
+    # then groups inputs by length first. False when the handler plans its own forward passes
+    # (``passes``): the worker then takes everything ready at once and runs it pass by pass.
     length_buckets: bool
+
+    def passes(self, inputs: Sequence[Mapping[str, Any]]) -> list[list[int]]:
+        """The indices of ``inputs`` grouped into the forward passes that run them cheapest, each
+        stored as soon as it is done; asked only when ``length_buckets`` is False."""
+        ...
 
     def warmup(self) -> None:
         """Run a few dummy batches of different lengths before taking traffic."""

@@ -56,7 +56,7 @@ class EmbeddingHandler:
     """``{"text": str}`` -> ``{"embedding": [float, ...], "dim": 384}`` (unit length)."""
 
     kind = ModelKind.embedding
-    length_buckets = False  # MiniLMEncoder.encode picks its own passes
+    length_buckets = False
 
     def __init__(self, *, encoder: MiniLMEncoder, precision: PrecisionChoice | None = None) -> None:
         self.encoder = encoder
@@ -65,6 +65,9 @@ class EmbeddingHandler:
     def warmup(self) -> None:
         for batch in _WARMUP_BATCHES:
             self.encoder.encode(batch)
+
+    def passes(self, inputs: Sequence[Mapping[str, Any]]) -> list[list[int]]:
+        return self.encoder.passes(self.encoder.token_lengths(texts_of(inputs)))
 
     def run(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         if not inputs:
@@ -78,7 +81,7 @@ class ClassifierHandler:
     """``{"text": str}`` -> ``{"label": str, "scores": {label: probability}}``."""
 
     kind = ModelKind.classifier
-    length_buckets = False  # MiniLMEncoder.encode picks its own passes
+    length_buckets = False
 
     def __init__(self, *, encoder: MiniLMEncoder, head: IntentHead, labels: Sequence[str],
                  precision: PrecisionChoice | None = None) -> None:
@@ -98,6 +101,9 @@ class ClassifierHandler:
     def warmup(self) -> None:
         for batch in _WARMUP_BATCHES:
             self.probabilities(list(batch))
+
+    def passes(self, inputs: Sequence[Mapping[str, Any]]) -> list[list[int]]:
+        return self.encoder.passes(self.encoder.token_lengths(texts_of(inputs)))
 
     def run(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         if not inputs:
