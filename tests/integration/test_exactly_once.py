@@ -219,6 +219,7 @@ class SlowRecorder:
     """Sleeps a second per batch and records the texts of every batch it starts."""
 
     kind = ModelKind.synthetic
+    length_buckets = True
 
     def __init__(self) -> None:
         self.batches: list[list[str]] = []
