@@ -263,5 +263,47 @@ def rollout_abort(model: str,
     console.print(f"rollout of {model} aborted; weights restored to {weights}")
 
 
+@app.command()
+def simulate(
+    trace: Annotated[str, typer.Option(help="steady, diurnal, spike (10x for 3 min) or periodic bursts")] = "spike",
+    policy: Annotated[str, typer.Option(help="lag (the scheduler's) or utilization (HPA-like)")] = "lag",
+    compare: Annotated[str | None, typer.Option(help="A second policy to run on the same arrivals")] = None,
+    rate: Annotated[float, typer.Option(min=0.1, help="Base arrival rate, jobs/s")] = 40.0,
+    cold_start_s: Annotated[float, typer.Option(min=0, help="Seconds before a new worker serves")] = 20.0,
+    max_replicas: Annotated[int, typer.Option(min=1)] = 16,
+    seed: Annotated[int, typer.Option()] = 0,
+    png: Annotated[str | None, typer.Option(help="Where to write the plot (default: simulate-TRACE.png)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line per policy")] = False,
+) -> None:
+    """Autoscaling in simulated time: the real batcher and the real scaling policy on an arrival
+    trace, with the synthetic cost model; p50/p95/p99, replica-minutes, scale changes, a PNG."""
+    import json
+    from pathlib import Path
+
+    from scheduler.capacity_sim import POLICIES, CostModel, SimConfig, plot, simulate, traces
+
+    shapes = traces(rate)
+    chosen = [policy, *([compare] if compare else [])]
+    if trace not in shapes:
+        raise typer.BadParameter(f"one of {', '.join(shapes)}", param_hint="--trace")
+    for name in chosen:
+        if name not in POLICIES:
+            raise typer.BadParameter(f"one of {', '.join(POLICIES)}", param_hint="--policy/--compare")
+    cost = CostModel(cold_start_s=cold_start_s)
+    config = SimConfig(max_replicas=max_replicas, seed=seed)
+    results = [simulate(shapes[trace], name, cost=cost, config=config) for name in chosen]  # type: ignore[arg-type]
+    path = plot(results, Path(png or f"simulate-{trace}.png"))
+    for result in results:
+        if as_json:
+            sys.stdout.write(json.dumps(result.line()) + "\n")
+        else:
+            line = result.line()
+            console.print(f"{line['policy']:<12} {trace}: p50 {line['p50_ms']} ms, p95 {line['p95_ms']} ms, "
+                          f"p99 {line['p99_ms']} ms; {line['replica_minutes']} replica-minutes, "
+                          f"{line['scale_changes']} scale changes, at most {line['max_replicas']} replicas")
+    if not as_json:
+        console.print(f"plot: {path}")
+
+
 if __name__ == "__main__":
     app()
