@@ -1,6 +1,6 @@
 """Batch sizes under a backlog: a deterministic replay of one worker's read/take/run loop.
 
-No model and no Redis: the real workers.batcher.MicroBatcher is driven the way
+No model and no Redis: the real sluice.batcher.MicroBatcher is driven the way
 workers/consumer.py drives it, on a backlog whose jobs were all enqueued before the worker
 started, so every job is already past `max_wait_ms` when it is read. The reader keeps the
 prefetch room full (bulk lane: at most one batch per read); a batch's room is freed when it
@@ -13,7 +13,7 @@ Policies compared:
 * ``eager``: the worker before issue 2's fix: `poll(now)` after every read, every closed batch
   queued for the model; power-of-two buckets (16 .. 256) with the batcher's top-up;
 * ``take``: the worker now: `take(now)` when the model is free, everything else stays held and
-  keeps growing; with power-of-two or fine buckets (`workers.batcher.DEFAULT_BUCKET_BOUNDS`),
+  keeps growing; with power-of-two or fine buckets (`sluice.batcher.DEFAULT_BUCKET_BOUNDS`),
   top-up on and off;
 * ``sorted`` (the in-process ideal): the whole backlog sorted by real token length, chunks of 32.
 
@@ -59,7 +59,7 @@ def model_ms(lengths: Sequence[int], batch: Sequence[int]) -> float:
 def replay(costs: Sequence[int], lengths: Sequence[int], *, policy: str, lane: str, top_up: bool,
            bounds: Sequence[int], batch_size: int = 32, prefetch_batches: int = 4,
            max_wait_ms: float = 10.0) -> dict[str, Any]:
-    from workers.batcher import Item, MicroBatcher
+    from sluice.batcher import Item, MicroBatcher
 
     batcher = MicroBatcher(max_batch_size=batch_size, max_wait_ms=max_wait_ms, isolate_tenants=False,
                            top_up=top_up, bucket_bounds=bounds)
@@ -154,8 +154,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="interleaved timing runs with --measure (median)")
     parser.add_argument("--output", default="batcher_backlog.json", help="file name under bench/results/")
     args = parser.parse_args(argv)
+    from sluice.batcher import DEFAULT_BUCKET_BOUNDS
     from sluice.kinds import token_estimate
-    from workers.batcher import DEFAULT_BUCKET_BOUNDS
 
     texts = skewed_texts(args.texts, seed=args.seed)
     lengths = token_lengths(texts)

@@ -149,10 +149,10 @@ def sorted_batches(lengths: Sequence[int], size: int) -> list[list[int]]:
 
 
 def bucketed_batches(costs: Sequence[int], size: int, *, max_wait_ms: float = 10.0) -> list[list[int]]:
-    """The platform's own policy: workers.batcher.MicroBatcher's default length buckets, top-up
+    """The platform's own policy: sluice.batcher.MicroBatcher's default length buckets, top-up
     off (as the worker builds it), every item present at once (arrival order = index order),
     batches taken one at a time as the worker's runner does."""
-    from workers.batcher import Item, MicroBatcher
+    from sluice.batcher import Item, MicroBatcher
 
     batcher = MicroBatcher(max_batch_size=size, max_wait_ms=max_wait_ms, isolate_tenants=False, top_up=False)
     for i, cost in enumerate(costs):

@@ -3,7 +3,7 @@
 Plans, all on the same texts in the same process (torch threads as given, default 1):
 
 * (a) ``sorted``: sort by real token length, then chunk into batches of ``--batch-size``;
-* (a') ``buckets``: workers.batcher.MicroBatcher's length buckets (the platform's policy, all
+* (a') ``buckets``: sluice.batcher.MicroBatcher's length buckets (the platform's policy, all
   texts present at once, cost = the API's token estimate), size closes then age closes;
 * (b) ``arrival``: chunks of ``--batch-size`` in arrival order;
 * (c) ``single``: one text at a time (batch size 1);

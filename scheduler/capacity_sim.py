@@ -1,7 +1,7 @@
 """Autoscaling in simulated time: an arrival trace through the real batcher and the real policy.
 
 A discrete-event simulation of one version's worker pool. Jobs arrive on a trace (`TRACES`),
-wait in the real `workers.batcher.MicroBatcher`, and run on replicas that each take the most
+wait in the real `sluice.batcher.MicroBatcher`, and run on replicas that each take the most
 urgent ready batch when free, at the `synthetic` handler's cost (fixed + per item + per padded
 token seconds). Every `tick_s` a scaling policy decides how many replicas there should be:
 
@@ -29,7 +29,7 @@ from typing import Any, Literal
 import numpy as np
 
 from scheduler.autoscale import LaneLoad, PoolSignals, RateTracker, ScalingPolicy, Stabilizer, need
-from workers.batcher import Item, MicroBatcher
+from sluice.batcher import Item, MicroBatcher
 
 PolicyName = Literal["lag", "utilization"]
 POLICIES: tuple[PolicyName, ...] = ("lag", "utilization")

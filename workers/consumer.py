@@ -33,12 +33,12 @@ from collections.abc import Callable, Sequence
 
 import redis.asyncio as aioredis
 
+from sluice.batcher import DEFAULT_BUCKET_BOUNDS, Batch, Item, MicroBatcher
 from sluice.errors import BrokerError, InferenceError
 from sluice.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
 from sluice.jobs import JobStatus
 from sluice.keys import Lane
 from sluice.streams import Delivered, StreamConsumer
-from workers.batcher import DEFAULT_BUCKET_BOUNDS, Batch, Item, MicroBatcher
 from workers.execution import Outcome, run_isolating
 from workers.metrics import BatchMetrics
 from workers.models.handlers import ModelHandler

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from sluice.batcher import Batch
 from sluice.jobs import CLOSE_REASONS, JobStatus
 from sluice.metrics import BATCH_CLOSED, BATCH_SIZE, JOBS_FINISHED, MODEL_TIME, PADDING_RATIO, QUEUE_WAIT
-from workers.batcher import Batch
 from workers.execution import Outcome
 
 

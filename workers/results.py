@@ -20,13 +20,13 @@ from typing import Any
 import orjson
 
 from sluice import keys
+from sluice.batcher import Batch, Item
 from sluice.connections import translate_redis_errors
 from sluice.jobs import OUTPUT_FIELD, SHADOW_TENANT, JobRecord, JobStatus, new_job_id
 from sluice.metrics import SHADOW_COPIES
 from sluice.quality import agreement, proxies
 from sluice.samples import Sample
 from sluice.streams import Finished, StreamConsumer
-from workers.batcher import Batch, Item
 from workers.execution import Outcome
 
 

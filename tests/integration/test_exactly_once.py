@@ -18,11 +18,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from sluice import events, keys
+from sluice.batcher import Batch, Item
 from sluice.connections import connect
 from sluice.kinds import ModelKind
 from sluice.streams import DeadLetter, StreamConsumer
 from tests.support import drive, queue_in_redis, unique
-from workers.batcher import Batch, Item
 from workers.consumer import Worker
 from workers.execution import Outcome
 from workers.results import Delivery, ResultWriter

@@ -16,9 +16,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from sluice import keys
+from sluice.batcher import Batch, Item
 from sluice.streams import CLAIM_SCRIPT, FINISH_SCRIPT, StreamConsumer
 from tests.support import queue_in_redis, unique
-from workers.batcher import Batch, Item
 from workers.execution import Outcome
 from workers.results import Delivery, ResultWriter
 

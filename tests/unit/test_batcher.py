@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from workers.batcher import DEFAULT_BUCKET_BOUNDS, Batch, Item, MicroBatcher
+from sluice.batcher import DEFAULT_BUCKET_BOUNDS, Batch, Item, MicroBatcher
 
 # Coarse bounds for the worked examples, whose bucket indices are easy to follow.
 POW2 = (16, 32, 64, 128, 256)
