@@ -19,6 +19,7 @@ from sqlalchemy import (
     Integer,
     String,
     Text,
+    UniqueConstraint,
     func,
     text,
 )
@@ -26,7 +27,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from sluice.kinds import ModelKind
-from sluice.versions import VersionState
+from sluice.versions import Tier, VersionState
 
 JsonDoc = JSON().with_variant(JSONB(), "postgresql")
 
@@ -68,13 +69,17 @@ class Model(Base):
 
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     kind: Mapped[str] = mapped_column(String(32))
+    tier: Mapped[str] = mapped_column(String(16), default=Tier.latency, server_default=Tier.latency.value)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 
     versions: Mapped[list[ModelVersion]] = relationship(
         back_populates="model_row", order_by="ModelVersion.created_at"
     )
 
-    __table_args__ = (CheckConstraint(_one_of("kind", ModelKind), name="model_kind"),)
+    __table_args__ = (
+        CheckConstraint(_one_of("kind", ModelKind), name="model_kind"),
+        CheckConstraint(_one_of("tier", Tier), name="model_tier"),
+    )
 
 
 class ModelVersion(Base):
@@ -166,6 +171,7 @@ class QualityAggregate(Base):
         ForeignKeyConstraint(
             ["model", "version"], ["model_versions.model", "model_versions.version"], ondelete="CASCADE"
         ),
+        UniqueConstraint("model", "version", "window_start", "window_s", name="quality_window"),
     )
 
 
