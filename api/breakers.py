@@ -22,7 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from api.caches import RoutingCache
-from sluice import heartbeats, samples
+from sluice import heartbeats, keys, samples
 from sluice.breaker import BreakerState, CircuitBreaker, Health
 from sluice.connections import translate_redis_errors
 from sluice.errors import BrokerError
@@ -98,16 +98,18 @@ class BreakerBoard:
             for model, version in versions:
                 heartbeats.queue_live_count(pipe, model, version, now=now)
                 samples.queue_recent(pipe, model, version, count=RECENT_OUTCOMES)
+                pipe.hget(keys.replicas(model, version), "desired")
             replies: list[Any] = await pipe.execute()
         alive = set(versions)
         for gone in [k for k in self._breakers if k not in alive]:
             del self._breakers[gone]
         for index, (model, version) in enumerate(versions):
-            live, entries = replies[2 * index], replies[2 * index + 1]
+            live, entries, desired = replies[3 * index: 3 * index + 3]
             outcomes = [(sample.finished_at, sample.succeeded) for sample in samples.parse(entries)]
             breaker = self._breakers.setdefault((model, version), self.make_breaker())
             before = breaker.state
-            after = breaker.observe(now, Health(live_workers=int(live), outcomes=outcomes))
+            after = breaker.observe(now, Health(live_workers=int(live), outcomes=outcomes,
+                                                scaled_to_zero=desired == b"0"))
             if after is not before:
                 log.warning("circuit breaker of %s/%s: %s -> %s (%s)", model, version, before.value,
                             after.value, breaker.reason or "recovered")

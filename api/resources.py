@@ -21,7 +21,7 @@ from pydantic.json_schema import SkipJsonSchema
 from sluice.jobs import CLOSE_REASONS, JobStatus
 from sluice.keys import Lane
 from sluice.kinds import ModelKind
-from sluice.versions import VersionState
+from sluice.versions import Tier, VersionState
 
 __all__ = [
     "AuditResource",
@@ -138,6 +138,15 @@ class VersionBatching(BaseModel):
     isolate_tenants: bool
 
 
+class Replicas(BaseModel):
+    """The scheduler's last scaling decision for the version (absent when no scheduler has made one
+    in the last minute)."""
+
+    desired: int
+    live: int
+    reason: str
+
+
 class VersionResource(BaseModel):
     version: str
     state: str = Field(json_schema_extra={"enum": [state.value for state in VersionState]})
@@ -147,11 +156,14 @@ class VersionResource(BaseModel):
     min_replicas: int
     max_replicas: int
     last_error: str | None = Field(description="Why the version's last load failed, if it did")
+    replicas: Replicas | None = None
 
 
 class ModelResource(BaseModel):
     name: str
     kind: str = Field(json_schema_extra={"enum": [kind.value for kind in ModelKind]})
+    tier: str = Field(json_schema_extra={"enum": [tier.value for tier in Tier]},
+                      description="Availability tier: `latency` models' need for workers is met before `batch` ones'")
     versions: list[VersionResource]
     routing: dict[str, float] = Field(description="Traffic weight per version; versions without one get none")
 

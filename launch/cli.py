@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated, Any
 
+import httpx
 import typer
 from rich.console import Console
 
@@ -83,20 +84,21 @@ def worker(model: Annotated[str, typer.Option()], version: Annotated[str, typer.
 def scheduler(actuator: Annotated[str, typer.Option(help="local: supervise worker processes here; "
                                                          "none: only export desired replicas")] = "local") -> None:
     """Keep every servable version's worker pool at its desired size."""
-    from scheduler.main import Scheduler, local_supervisor
+    from scheduler.main import Scheduler, autoscaler, local_supervisor
     from sluice.registry.store import Registry
 
     settings = Settings()
     configure_logging(name="scheduler")
     supervisor = (
-        local_supervisor(home=settings.home.resolve(), cores=settings.cpu_cores,
+        local_supervisor(home=settings.home.resolve(), cores=settings.cpu_cores, slots=settings.worker_slots,
                          stop_grace_s=settings.shutdown_grace_s)
         if actuator == "local" else None
     )
     # One connection for each of the scheduler's threads: the loop, the rollout controller and
     # the quality aggregator.
     registry = Registry(url=settings.require_database_url(), pool_size=3)
-    runner = Scheduler(registry=registry, redis_url=settings.require_redis_url(), supervisor=supervisor)
+    runner = Scheduler(registry=registry, redis_url=settings.require_redis_url(), supervisor=supervisor,
+                       autoscaler=autoscaler(settings), refresh_s=settings.scale_interval_s)
     install_two_stage(runner.request_stop, force=lambda: sys.exit(1))
     runner.run()
     registry.dispose()
@@ -261,6 +263,40 @@ def rollout_abort(model: str,
         weights = dict(row.initial_weights)
     _announce(Settings(), model)
     console.print(f"rollout of {model} aborted; weights restored to {weights}")
+
+
+@app.command()
+def models(
+    url: Annotated[str | None, typer.Option(help="The API (default: http://SLUICE_API_HOST:SLUICE_API_PORT)")] = None,
+    key: Annotated[str | None, typer.Option(
+        envvar="SLUICE_API_KEY", help="An API key (default: the admin, else the demo key in SLUICE_HOME)")] = None,
+) -> None:
+    """The models by availability tier, with each version's state and replicas (through the API)."""
+    from sluice.client import ClientError, SluiceClient
+    from sluice.versions import Tier
+
+    settings = Settings()
+    if key is None:
+        stored = [path for path in (settings.home / "admin.key", settings.home / "demo.key") if path.exists()]
+        if not stored:
+            raise typer.BadParameter(f"no key in {settings.home}: pass --key or set SLUICE_API_KEY", param_hint="--key")
+        key = stored[0].read_text().strip()
+    try:
+        with SluiceClient(base_url=url or f"http://{settings.api_host}:{settings.api_port}", api_key=key) as client:
+            listed = client.models()
+    except (ClientError, httpx.HTTPError) as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(1) from exc
+    for tier in Tier:
+        members = [model for model in listed if model["tier"] == tier]
+        console.print(f"[bold]{tier}[/] tier: {', '.join(m['name'] for m in members) or '(none)'}")
+        for model in members:
+            for version in model["versions"]:
+                replicas = version.get("replicas")
+                scaled = (f"{replicas['live']} live of {replicas['desired']} desired: {replicas['reason']}"
+                          if replicas else "no scaling decision in the last minute")
+                console.print(f"  {model['name']} {version['version']} ({version['state']}, "
+                              f"{model['routing'].get(version['version'], 0):g} % of traffic): {scaled}")
 
 
 @app.command()

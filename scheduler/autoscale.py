@@ -23,8 +23,9 @@ import math
 from collections import deque
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
+K = TypeVar("K", bound=Hashable)
 Tier = Literal["latency", "batch"]
 TIERS: tuple[Tier, ...] = ("latency", "batch")
 
@@ -140,7 +141,7 @@ def need(signals: PoolSignals, policy: ScalingPolicy) -> Need:
     wanted = math.ceil(round(online + bulk, 6))
     replicas = min(high, max(low, wanted))
     clamp = "" if replicas == wanted else f", clamped to [{low}, {high}]"
-    reason = (f"online {online_rate:.1f}/s forecast {horizon:.0f}s ahead, backlog {signals.online.backlog} "
+    reason = (f"online {online_rate:.1f}/s forecast {horizon:.1f}s ahead, backlog {signals.online.backlog} "
               f"({online_backlog:.0f} by then); bulk {bulk_rate:.1f}/s, backlog {signals.bulk.backlog} "
               f"({bulk_backlog:.0f}); {signals.ready} ready at {signals.service_rate:.1f}/s each: "
               f"{online + bulk:.2f} replicas{clamp}")
@@ -178,7 +179,7 @@ class Demand:
     desired: int  # everything it needs (stabilized, clamped)
 
 
-def allocate(demands: Mapping[Hashable, Demand], slots: int) -> dict[Hashable, int]:
+def allocate(demands: Mapping[K, Demand], slots: int) -> dict[K, int]:
     """Replicas per version within `slots`: tier by tier (latency first), each tier's floors, then
     its online need, then the rest; a round that cannot be met in full is shared in proportion to
     what each version asked for in it (largest remainder, ties to the earlier key)."""

@@ -1,8 +1,10 @@
-"""`sluice scheduler`: keeps every servable version's worker pool at its desired size.
+"""`sluice scheduler`: sizes every servable version's worker pool to its load.
 
-Reads the registry (on each routing event and periodically) and hands the desired counts to an
-actuator. With the `local` actuator it supervises worker processes on this machine; with `none`
-it only exports the desired counts as metrics (for KEDA/HPA or a compose deployment). The
+Every `scale_interval_s` (and on each routing event) it reads the registry and what Redis shows
+of each pool, asks the autoscaler (scheduler/scaling.py, deciding with scheduler/autoscale.py)
+for the replicas each version needs within the slot budget, and hands them to an actuator. With
+the `local` actuator it supervises worker processes on this machine; with `none` it only exports
+the decisions (metrics, and the `replicas` of `GET /v1/models/{m}`) for KEDA/HPA or compose. The
 rollout controller (scheduler/rollout.py) and the quality aggregator (scheduler/quality.py) run
 beside it, each on a thread of its own.
 """
@@ -13,33 +15,25 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import redis
 
+from scheduler.autoscale import ScalingPolicy
 from scheduler.quality import run_aggregator
 from scheduler.rollout import run_controller
+from scheduler.scaling import Autoscaler, publish, read_pools, scaled_versions
 from scheduler.supervisor import Supervisor, VersionKey
 from sluice import events
 from sluice.errors import SluiceError
-from sluice.metrics import DESIRED_REPLICAS, LIVE_REPLICAS
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.routing import RoutingSnapshot
-from sluice.versions import VersionState
+from sluice.settings import Settings
 
 log = logging.getLogger(__name__)
-
-
-def desired_replicas(snapshot: RoutingSnapshot) -> dict[VersionKey, int]:
-    """Every version that can be asked for (all but retired) keeps min_replicas warm."""
-    return {
-        (model.name, version.version): version.min_replicas
-        for model in snapshot.models.values()
-        for version in model.versions.values()
-        if version.state != VersionState.retired and version.min_replicas > 0
-    }
 
 
 def worker_command(python: str = sys.executable) -> Callable[[str, str, int], list[str]]:
@@ -52,13 +46,16 @@ def worker_command(python: str = sys.executable) -> Callable[[str, str, int], li
 
 class Scheduler:
     def __init__(self, *, registry: Registry, redis_url: str, supervisor: Supervisor | None,
-                 refresh_s: float = 2.0) -> None:
+                 autoscaler: Autoscaler, refresh_s: float = 2.0) -> None:
         self.registry = registry
         self.redis_url = redis_url
         self.supervisor = supervisor
+        self.autoscaler = autoscaler
         self.refresh_s = refresh_s
         self.stopping = threading.Event()
         self._wake = threading.Event()
+        self._redis = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
+        self._snapshot: RoutingSnapshot | None = None
 
     def request_stop(self) -> None:
         self.stopping.set()
@@ -67,19 +64,33 @@ class Scheduler:
     def tick(self) -> None:
         try:
             with self.registry.session() as session:
-                snapshot = queries.routing_snapshot(session)
+                self._snapshot = queries.routing_snapshot(session)
         except SluiceError as exc:
-            log.warning("registry unreachable, keeping the current pools: %s", exc)
+            if self._snapshot is None:
+                log.warning("registry unreachable, keeping the current pools: %s", exc)
+                if self.supervisor:
+                    self.supervisor.reconcile()
+                return
+            log.warning("registry unreachable, scaling on the last routing snapshot: %s", exc)
+        versions = scaled_versions(self._snapshot)
+        try:
+            readings = read_pools(self._redis, versions, now=time.time())
+        except (redis.RedisError, OSError) as exc:
+            log.warning("Redis unreachable, keeping the current pools: %s", exc)
             if self.supervisor:
                 self.supervisor.reconcile()
             return
-        desired = desired_replicas(snapshot)
-        for (model, version), count in desired.items():
-            DESIRED_REPLICAS.labels(model, version).set(count)
+
+        def live(key: VersionKey) -> int:
+            return self.supervisor.live(key) if self.supervisor else len(readings[key].beats)
+
+        decisions = self.autoscaler.decide(versions, readings, live=live, now=time.time())
         if self.supervisor:
-            self.supervisor.set_desired(desired)
-            for key in desired:
-                LIVE_REPLICAS.labels(*key).set(self.supervisor.live(key))
+            self.supervisor.set_desired({key: decision.replicas for key, decision in decisions.items()})
+        try:
+            publish(self._redis, decisions, readings, live=live)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("could not publish the scaling decisions: %s", exc)
 
     def _listen(self) -> None:
         """Wake the loop on routing events so a new version gets workers at once."""
@@ -116,9 +127,18 @@ class Scheduler:
                 self.supervisor.stop_all()
             controller.join(timeout=10)
             aggregator.join(timeout=10)
+            self._redis.close()
 
 
-def local_supervisor(*, home: Path, cores: int | None, env: dict[str, str] | None = None,
+def local_supervisor(*, home: Path, cores: int | None, slots: int | None, env: dict[str, str] | None = None,
                      stop_grace_s: float = 30.0) -> Supervisor:
-    return Supervisor(command=worker_command(), log_dir=home / "logs", cores=cores or os.cpu_count() or 1,
+    cores = cores or os.cpu_count() or 1
+    return Supervisor(command=worker_command(), log_dir=home / "logs", cores=cores, slots=slots or cores,
                       env=env, stop_grace_s=stop_grace_s)
+
+
+def autoscaler(settings: Settings) -> Autoscaler:
+    policy = ScalingPolicy(headroom=settings.scale_headroom, drain_target_s=settings.scale_drain_target_s,
+                           stabilization_s=settings.scale_down_stabilization_s,
+                           max_step_down=settings.scale_max_step_down)
+    return Autoscaler(policy=policy, slots=settings.worker_slots or settings.cpu_cores or os.cpu_count() or 1)

@@ -3,7 +3,12 @@
 It is told how many replicas each (model, version) should have and makes it so. A worker that
 dies is restarted with capped exponential backoff; one that refused its artifact (it exits with
 `EXIT_ARTIFACT_REFUSED`) waits much longer, since restarting it cannot help until an operator
-fixes the version.
+fixes the version. Scaling down drains the youngest worker (its first SIGTERM: it stops reading,
+finishes and acknowledges what it holds) without waiting for it: a draining worker is reaped by
+a later `reconcile`, or killed once it has overrun the grace period.
+
+Every worker gets `cores // slots` torch threads, so with at most `slots` workers (the
+autoscaler's budget) the threads never oversubscribe the cores, whatever the pools' sizes.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class _Replica:
 @dataclass
 class _Pool:
     replicas: list[_Replica] = field(default_factory=list)
+    draining: list[tuple[_Replica, float]] = field(default_factory=list)  # (replica, kill after)
     desired: int = 0
     failures: int = 0
     next_start_at: float = 0.0
@@ -48,6 +54,7 @@ class Supervisor:
         command: CommandFactory,
         log_dir: Path,
         cores: int,
+        slots: int | None = None,
         env: Mapping[str, str] | None = None,
         stop_grace_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
@@ -55,6 +62,7 @@ class Supervisor:
         self.command = command
         self.log_dir = log_dir
         self.cores = max(1, cores)
+        self.slots = max(1, slots or self.cores)
         self.env = dict(env if env is not None else os.environ)
         self.stop_grace_s = stop_grace_s
         self.clock = clock
@@ -62,9 +70,8 @@ class Supervisor:
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def threads_per_worker(self) -> int:
-        """Split the cores so the workers' torch threads never oversubscribe them."""
-        total = sum(pool.desired for pool in self.pools.values())
-        return max(1, self.cores // max(1, total))
+        """One slot's share of the cores: never oversubscribed by at most `slots` workers."""
+        return max(1, self.cores // self.slots)
 
     def live(self, key: VersionKey) -> int:
         pool = self.pools.get(key)
@@ -82,8 +89,13 @@ class Supervisor:
         now = self.clock()
         for key, pool in self.pools.items():
             self._reap(key, pool, now)
+            self._reap_draining(pool, now)
             while len(pool.replicas) > pool.desired:
-                self._stop(pool.replicas.pop())
+                replica = pool.replicas.pop()  # the youngest
+                if replica.process.poll() is None:
+                    replica.process.send_signal(signal.SIGTERM)
+                log.info("draining worker %s/%s pid %d", key[0], key[1], replica.process.pid)
+                pool.draining.append((replica, now + self.stop_grace_s))
             if len(pool.replicas) < pool.desired and now >= pool.next_start_at:
                 for _ in range(pool.desired - len(pool.replicas)):
                     pool.replicas.append(self._start(key))
@@ -103,6 +115,16 @@ class Supervisor:
             log.warning("worker %s/%s pid %d exited with %s; restarting in %.0fs (log: %s)",
                         key[0], key[1], replica.process.pid, code, delay, replica.log_path)
 
+    @staticmethod
+    def _reap_draining(pool: _Pool, now: float) -> None:
+        for replica, kill_after in list(pool.draining):
+            if replica.process.poll() is None:
+                if now < kill_after:
+                    continue
+                replica.process.kill()
+                replica.process.wait()
+            pool.draining.remove((replica, kill_after))
+
     def _start(self, key: VersionKey) -> _Replica:
         model, version = key
         threads = self.threads_per_worker()
@@ -117,18 +139,9 @@ class Supervisor:
         log.info("started worker %s/%s pid %d (%d threads)", model, version, process.pid, threads)
         return _Replica(process=process, started_at=self.clock(), log_path=log_path)
 
-    def _stop(self, replica: _Replica) -> None:
-        if replica.process.poll() is None:
-            replica.process.send_signal(signal.SIGTERM)
-        try:
-            replica.process.wait(timeout=self.stop_grace_s)
-        except subprocess.TimeoutExpired:
-            replica.process.kill()
-            replica.process.wait()
-
     def stop_all(self) -> None:
         """Drain every worker at once (SIGTERM to all, then wait), killing stragglers at the grace."""
-        replicas = [r for pool in self.pools.values() for r in pool.replicas]
+        replicas = [r for pool in self.pools.values() for r in [*pool.replicas, *(d for d, _ in pool.draining)]]
         for replica in replicas:
             if replica.process.poll() is None:
                 replica.process.send_signal(signal.SIGTERM)
@@ -141,4 +154,5 @@ class Supervisor:
                 replica.process.wait()
         for pool in self.pools.values():
             pool.replicas.clear()
+            pool.draining.clear()
             pool.desired = 0

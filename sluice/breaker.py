@@ -28,6 +28,9 @@ class BreakerState(StrEnum):
 class Health:
     live_workers: int
     outcomes: Sequence[tuple[float, bool]]  # (finished_at, succeeded), any order
+    # The scheduler gave the version no workers on purpose (a batch-tier model waiting for slots):
+    # its jobs queue until it has some, so no worker is not a fault to refuse submissions for.
+    scaled_to_zero: bool = False
 
 
 class CircuitBreaker:
@@ -58,7 +61,7 @@ class CircuitBreaker:
         self._next_probe = now
 
     def observe(self, now: float, health: Health) -> BreakerState:
-        if health.live_workers > 0:
+        if health.live_workers > 0 or health.scaled_to_zero:
             self._no_workers_since = None
         elif self._no_workers_since is None:
             self._no_workers_since = now

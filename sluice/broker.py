@@ -11,6 +11,7 @@ import hashlib
 import secrets
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -126,6 +127,22 @@ class Broker:
         if view is None or view.tenant != tenant:
             raise NotFound(f"job '{job_id}' does not exist")
         return view
+
+    async def scaling_decisions(self, model: str, versions: list[str]) -> dict[str, dict[str, Any]]:
+        """The scheduler's last decision per version (`scheduler/scaling.py` writes them), where
+        one was made in the last minute: `{"desired", "live", "reason"}`."""
+        with translate_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for version in versions:
+                pipe.hgetall(keys.replicas(model, version))
+            replies = await pipe.execute()
+        decisions = {}
+        for version, raw in zip(versions, replies, strict=True):
+            if raw:
+                data = {k.decode(): v.decode() for k, v in raw.items()}
+                decisions[version] = {"desired": int(data["desired"]), "live": int(data["live"]),
+                                      "reason": data["reason"]}
+        return decisions
 
     async def cancel(self, job_id: str, tenant: str) -> str | None:
         """Cancel a queued job; answer None when done, else the state that prevents it."""

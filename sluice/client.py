@@ -168,6 +168,9 @@ class SluiceClient:
     def model(self, name: str) -> dict[str, Any]:
         return dict(self._call("GET", f"/v1/models/{name}"))
 
+    def models(self) -> list[dict[str, Any]]:
+        return list(self._call("GET", "/v1/models")["models"])
+
     def set_routing(self, model: str, weights: dict[str, float], reason: str | None = None) -> dict[str, Any]:
         return dict(self._call("PUT", f"/v1/models/{model}/routing", json={"weights": weights, "reason": reason}))
 

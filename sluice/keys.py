@@ -48,6 +48,11 @@ def heartbeat(model: str, version: str, worker: str) -> str:
     return f"sluice:hb:{tag(model, version)}:{worker}"
 
 
+def replicas(model: str, version: str) -> str:
+    """The scheduler's last scaling decision for the version: desired, live, reason, at."""
+    return f"sluice:replicas:{tag(model, version)}"
+
+
 def heartbeat_pattern(model: str, version: str) -> str:
     return f"sluice:hb:{tag(model, version)}:*"
 

@@ -48,6 +48,7 @@ class ModelInfo:
     kind: str
     versions: dict[str, VersionInfo] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
+    tier: str = "latency"
 
 
 @dataclass(frozen=True, slots=True)

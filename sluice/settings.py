@@ -56,6 +56,15 @@ class Settings(BaseSettings):
     int8_calibration_rounds: int = Field(default=5, ge=1, le=50)
     cpu_cores: int | None = None
 
+    # Autoscaling (scheduler/autoscale.py). Worker slots shared by every version, one torch
+    # thread each on CPU; unset: the cores the local actuator may use (`cpu_cores` or all).
+    worker_slots: int | None = Field(default=None, ge=1)
+    scale_headroom: float = Field(default=0.2, ge=0)
+    scale_drain_target_s: float = Field(default=30.0, gt=0)
+    scale_down_stabilization_s: float = Field(default=300.0, ge=0)
+    scale_max_step_down: int = Field(default=1, ge=1)
+    scale_interval_s: float = Field(default=2.0, gt=0)
+
     # Circuit breaker per version (sluice.breaker): trip on this error rate over at least
     # `breaker_min_samples` jobs in the window, or on no live worker for the grace period.
     breaker_error_rate: float = Field(default=0.5, gt=0, le=1)

@@ -19,6 +19,14 @@ class VersionState(StrEnum):
     retired = "retired"
 
 
+class Tier(StrEnum):
+    """A model's availability tier: the scheduler's slot budget serves every `latency` model's
+    need before a `batch` model gets more than nothing (scheduler/autoscale.py)."""
+
+    latency = "latency"
+    batch = "batch"
+
+
 # Every state a worker runs a version in, and so the ones a version may be registered in.
 SERVING_STATES = frozenset(VersionState) - {VersionState.retired}
 # The states whose weight is a share of the callers' traffic.

@@ -14,14 +14,19 @@ from api.schemas import Kind, Name, ServingState, State
 from sluice.errors import NotFound
 from sluice.registry import queries
 from sluice.stats import summarise
-from sluice.versions import VersionState
+from sluice.versions import Tier, VersionState
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
+
+_TIER = ("The model's availability tier: the scheduler meets every `latency` model's need for workers "
+         "before a `batch` model gets more than nothing")
+
 
 class CreateModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: Name
     kind: Kind
+    tier: Tier = Field(default=Tier.latency, description=_TIER)
 
 
 class Batching(BaseModel):
@@ -48,6 +53,7 @@ class UpdateVersion(BaseModel):
     batching: Batching | None = None
     min_replicas: int | None = Field(default=None, ge=0, le=64)
     max_replicas: int | None = Field(default=None, ge=1, le=256)
+    tier: Tier | None = Field(default=None, description=_TIER + " (set for the whole model)")
     reason: str | None = Field(default=None, max_length=500)
 
 
@@ -75,7 +81,8 @@ async def list_models(_: CurrentKey, state: StateDep) -> dict[str, Any]:
 async def create_model(body: CreateModel, key: AdminKey, state: StateDep) -> dict[str, Any]:
     def write() -> dict[str, Any]:
         with state.registry.session() as session:
-            queries.create_model(session, name=body.name, kind=body.kind, actor=f"key:{key.key_id}")
+            queries.create_model(session, name=body.name, kind=body.kind, tier=body.tier,
+                                 actor=f"key:{key.key_id}")
         with state.registry.session() as session:
             return queries.model_resource(session, body.name)
 
@@ -90,7 +97,11 @@ async def get_model(model: str, _: CurrentKey, state: StateDep) -> dict[str, Any
         with state.registry.session() as session:
             return queries.model_resource(session, model)
 
-    return await to_thread.run_sync(read)
+    resource = await to_thread.run_sync(read)
+    decisions = await state.broker.scaling_decisions(model, [v["version"] for v in resource["versions"]])
+    for version in resource["versions"]:
+        version["replicas"] = decisions.get(version["version"])
+    return resource
 
 
 @router.post("/{model}/versions", status_code=201, response_model=VersionResource)
@@ -146,6 +157,8 @@ async def update_version(model: str, version: str, body: UpdateVersion, key: Adm
                 max_wait_ms=batching.max_wait_ms if batching else None,
                 isolate_tenants=batching.isolate_tenants if batching else None,
             )
+            if body.tier is not None:
+                queries.set_tier(session, model=model, tier=body.tier, actor=f"key:{key.key_id}", reason=body.reason)
             return {**queries.version_resource(row), "audit": queries.audit_resource(entry)}
 
     result = await to_thread.run_sync(write)

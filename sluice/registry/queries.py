@@ -27,7 +27,7 @@ from sluice.registry.tables import (
     Tenant,
 )
 from sluice.routing import ModelInfo, RoutingSnapshot, VersionInfo
-from sluice.versions import VersionState
+from sluice.versions import Tier, VersionState
 
 KEY_PREFIX = "sk"
 
@@ -165,15 +165,33 @@ def tenant_secret(session: Session, tenant_id: str) -> str | None:
 # --- models and versions ------------------------------------------------------------------------
 
 
-def create_model(session: Session, *, name: str, kind: str, actor: str) -> Model:
+def create_model(session: Session, *, name: str, kind: str, actor: str, tier: str = Tier.latency) -> Model:
     if session.get(Model, name) is not None:
         raise Conflict(f"model '{name}' already exists")
-    model = Model(name=name, kind=kind)
+    if tier not in tuple(Tier):
+        raise BadRequest(f"tier must be one of {', '.join(Tier)}")
+    model = Model(name=name, kind=kind, tier=tier)
     session.add(model)
     session.flush()
     _audit(session, actor=actor, action="model.create", model=name, before=None,
-           after={"kind": kind}, reason=None)
+           after={"kind": kind, "tier": tier}, reason=None)
     return model
+
+
+def set_tier(session: Session, *, model: str, tier: str, actor: str, reason: str | None) -> AuditEntry | None:
+    """Move a model to another availability tier; None when it is in that tier already."""
+    row = session.get(Model, model)
+    if row is None:
+        raise NotFound(f"model '{model}' does not exist")
+    if tier not in tuple(Tier):
+        raise BadRequest(f"tier must be one of {', '.join(Tier)}")
+    if row.tier == tier:
+        return None
+    before = row.tier
+    row.tier = tier
+    session.flush()
+    return _audit(session, actor=actor, action="model.tier", model=model, before={"tier": before},
+                  after={"tier": tier}, reason=reason)
 
 
 def register_version(
@@ -305,6 +323,7 @@ def model_resource(session: Session, name: str) -> dict[str, Any]:
     return {
         "name": model.name,
         "kind": model.kind,
+        "tier": model.tier,
         "versions": [version_resource(v) for v in model.versions],
         "routing": routing_weights(session, name),
     }
@@ -325,7 +344,8 @@ def _version_info(row: ModelVersion) -> VersionInfo:
 
 def routing_snapshot(session: Session) -> RoutingSnapshot:
     """Everything routing needs, in one read, for the API's cache and the scheduler."""
-    kinds = {m.name: m.kind for m in session.scalars(select(Model))}
+    rows = {m.name: m for m in session.scalars(select(Model))}
+    kinds = {name: m.kind for name, m in rows.items()}
     versions: dict[str, dict[str, VersionInfo]] = {name: {} for name in kinds}
     for row in session.scalars(select(ModelVersion)):
         versions[row.model][row.version] = _version_info(row)
@@ -335,7 +355,8 @@ def routing_snapshot(session: Session) -> RoutingSnapshot:
     pins = {(p.tenant_id, p.model): p.version for p in session.scalars(select(Pin))}
     return RoutingSnapshot(
         models={
-            name: ModelInfo(name=name, kind=kind, versions=versions[name], weights=weights[name])
+            name: ModelInfo(name=name, kind=kind, versions=versions[name], weights=weights[name],
+                            tier=rows[name].tier)
             for name, kind in kinds.items()
         },
         pins=pins,

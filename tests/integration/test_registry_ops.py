@@ -64,3 +64,59 @@ def test_stats_are_exact_per_version(
     unknown = demo.get(f"/v1/models/{model}/versions/v2/stats")
     assert unknown.status_code == 404
     assert unknown.json()["error"]["code"] == "not_found"
+
+
+def test_the_model_resource_shows_the_scheduler_s_decision_per_version(
+    demo: httpx.Client, register_synthetic: Callable[..., str], rds: Any
+) -> None:
+    from sluice import keys
+
+    model = register_synthetic("scaled", versions=("v1", "v2"))
+    reason = "online 12.0/s forecast 8.0s ahead, backlog 40 (40 by then); 2 ready at 9.5/s each: 1.71 replicas"
+    rds.hset(keys.replicas(model, "v1"), mapping={"desired": 2, "live": 1, "reason": reason, "at": "0"})
+    rds.expire(keys.replicas(model, "v1"), 60)
+    response = demo.get(f"/v1/models/{model}")
+    assert response.status_code == 200, response.text
+    versions = {v["version"]: v for v in response.json()["versions"]}
+    assert versions["v1"]["replicas"] == {"desired": 2, "live": 1, "reason": reason}
+    # No scheduler decided for v2 (or none in the last minute): nothing made up.
+    assert versions["v2"]["replicas"] is None
+
+
+def test_a_model_has_an_availability_tier_set_at_creation_or_by_a_version_patch(
+    admin: httpx.Client, demo: httpx.Client, seeded: Any, api: Any, registry: Any
+) -> None:
+    from sqlalchemy import select
+    from typer.testing import CliRunner
+
+    from launch.cli import app
+    from sluice.registry.tables import AuditEntry
+    from tests.support import unique
+
+    name = unique("tiered")
+    created = admin.post("/v1/models", json={"name": name, "kind": "synthetic", "tier": "batch"})
+    assert created.status_code == 201, created.text
+    assert created.json()["tier"] == "batch"
+    assert admin.post("/v1/models", json={"name": unique("t"), "kind": "synthetic", "tier": "gold"}).status_code == 422
+    plain = admin.post("/v1/models", json={"name": unique("plain"), "kind": "synthetic"})
+    assert plain.json()["tier"] == "latency"
+
+    registered = admin.post(f"/v1/models/{name}/versions", json={
+        "version": "v1", "artifact": "synthetic:?fixed_s=0.001", "sha256": "0" * 64, "state": "stable"})
+    assert registered.status_code == 201, registered.text
+    patched = admin.patch(f"/v1/models/{name}/versions/v1",
+                          json={"tier": "latency", "min_replicas": 2, "max_replicas": 5, "reason": "now interactive"})
+    assert patched.status_code == 200, patched.text
+    assert (patched.json()["min_replicas"], patched.json()["max_replicas"]) == (2, 5)
+    shown = demo.get(f"/v1/models/{name}").json()
+    assert shown["tier"] == "latency"
+    with registry.session() as session:
+        audit = [(e.action, e.after) for e in session.scalars(select(AuditEntry).where(AuditEntry.model == name))]
+    assert ("model.tier", {"tier": "latency"}) in audit, audit
+    assert demo.patch(f"/v1/models/{name}/versions/v1", json={"tier": "batch"}).status_code == 403
+
+    listed = CliRunner().invoke(app, ["models", "--url", api.url, "--key", seeded.demo_key])
+    assert listed.exit_code == 0, listed.output
+    latency_line = next(line for line in listed.output.splitlines() if line.startswith("latency tier:"))
+    assert name in latency_line
+    assert f"{name} v1 (stable" in listed.output

@@ -468,11 +468,13 @@ def test_the_cli_starts_shows_and_aborts_a_rollout(registry: Registry, redis_url
 
 
 def test_the_scheduler_process_runs_the_controller(registry: Registry, redis_url: str) -> None:
-    from scheduler.main import Scheduler
+    from scheduler.main import Scheduler, autoscaler
+    from sluice.settings import Settings
 
     model = make_model(registry)
     rollout_id = start(registry, model, Clock())
-    scheduler = Scheduler(registry=registry, redis_url=redis_url, supervisor=None)
+    scheduler = Scheduler(registry=registry, redis_url=redis_url, supervisor=None,
+                          autoscaler=autoscaler(Settings(worker_slots=2)))
     thread = threading.Thread(target=scheduler.run, daemon=True)
     thread.start()
     try:

@@ -39,7 +39,7 @@ def test_the_rate_forecast_one_cold_start_ahead_sizes_the_pool() -> None:
     decided = need(signals(online=LaneLoad(arrival_rate=20.0, trend=1.0), live=5), POLICY)
     assert decided.online == pytest.approx(4.8)
     assert decided.replicas == 5
-    assert "online 40.0/s forecast 20s ahead" in decided.reason and "4.80 replicas" in decided.reason
+    assert "online 40.0/s forecast 20.0s ahead" in decided.reason and "4.80 replicas" in decided.reason
     # Without the trend the same rate needs 2.4: the forecast is what scales ahead of the spike.
     assert need(signals(online=LaneLoad(arrival_rate=20.0), live=5), POLICY).replicas == 3
 

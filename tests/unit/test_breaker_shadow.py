@@ -46,6 +46,15 @@ def test_no_live_workers_opens_after_the_grace_period() -> None:
     assert breaker.reason == "no live workers"
 
 
+def test_a_version_the_scheduler_scaled_to_zero_is_waiting_not_broken() -> None:
+    breaker = _breaker()
+    for now in (0.0, 5.0, 60.0):
+        assert breaker.observe(now, Health(live_workers=0, outcomes=[], scaled_to_zero=True)) is BreakerState.closed
+    # Once the scheduler wants workers again, their absence counts from then.
+    assert breaker.observe(61.0, Health(live_workers=0, outcomes=[])) is BreakerState.closed
+    assert breaker.observe(66.0, Health(live_workers=0, outcomes=[])) is BreakerState.open
+
+
 def test_a_worker_coming_back_resets_the_grace_period() -> None:
     breaker = _breaker()
     breaker.observe(0, Health(live_workers=0, outcomes=[]))

@@ -1,0 +1,184 @@
+"""The scheduler's autoscaling step: what Redis shows of each pool in, replicas per version out.
+
+`read_pools` reads, in two pipelined round trips for all versions, each lane's stream (its
+length: jobs queued or running, since finished entries are deleted; and `entries-added`, the
+monotonic arrival count) and the live workers' heartbeats. `Autoscaler.decide` turns those into
+`PoolSignals`, asks `scheduler.autoscale` for each version's need, stabilizes it, and shares the
+slot budget; `publish` leaves the decision where the API and dashboards read it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from scheduler.autoscale import (
+    Demand,
+    LaneLoad,
+    PoolSignals,
+    RateTracker,
+    ScalingPolicy,
+    Stabilizer,
+    Tier,
+    allocate,
+    need,
+)
+from sluice import keys
+from sluice.heartbeats import Heartbeat, WorkerState, live_since
+from sluice.metrics import DESIRED_REPLICAS, LIVE_REPLICAS, STREAM_LAG
+from sluice.routing import RoutingSnapshot, VersionInfo
+from sluice.versions import VersionState
+
+log = logging.getLogger(__name__)
+
+VersionKey = tuple[str, str]
+# The scheduler's decision outlives a few missed ticks, not a scheduler that is gone.
+DECISION_TTL_S = 60
+
+
+@dataclass(frozen=True, slots=True)
+class LaneReading:
+    queued: int  # entries in the stream: waiting or running
+    added: int  # entries ever added (XINFO STREAM entries-added)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolReading:
+    online: LaneReading
+    bulk: LaneReading
+    beats: tuple[Heartbeat, ...]
+
+    @property
+    def ready(self) -> list[Heartbeat]:
+        return [beat for beat in self.beats if beat.state == WorkerState.ready]
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleDecision:
+    replicas: int  # granted within the slot budget
+    desired: int  # what the version needs (stabilized, clamped), before the budget
+    reason: str
+
+
+def _field(info: Mapping[Any, Any], name: str) -> int:
+    value = info.get(name, info.get(name.encode(), 0))
+    return int(value or 0)
+
+
+def read_pools(client: redis.Redis, versions: Iterable[VersionKey], *, now: float) -> dict[VersionKey, PoolReading]:
+    versions = list(versions)
+    pipe = client.pipeline(transaction=False)
+    for model, version in versions:
+        for lane in keys.LANES:
+            pipe.xinfo_stream(keys.stream(model, version, lane))
+        pipe.zrangebyscore(keys.live_workers(model, version), live_since(now), "+inf")
+    replies = pipe.execute(raise_on_error=False)
+    lanes: dict[VersionKey, list[LaneReading]] = {}
+    names: dict[VersionKey, list[str]] = {}
+    for index, key in enumerate(versions):
+        online, bulk, workers = replies[3 * index: 3 * index + 3]
+        # A stream nobody has written to yet does not exist: an empty lane.
+        lanes[key] = [LaneReading(queued=_field(info, "length"), added=_field(info, "entries-added"))
+                      if isinstance(info, dict) else LaneReading(0, 0) for info in (online, bulk)]
+        names[key] = [] if isinstance(workers, Exception) else [name.decode() for name in workers]
+    pipe = client.pipeline(transaction=False)
+    for key in versions:
+        for name in names[key]:
+            pipe.hgetall(keys.heartbeat(*key, name))
+    beats = iter(pipe.execute() if any(names.values()) else [])
+    readings = {}
+    for key in versions:
+        found = [next(beats) for _ in names[key]]
+        readings[key] = PoolReading(online=lanes[key][0], bulk=lanes[key][1],
+                                    beats=tuple(Heartbeat.from_fields(raw) for raw in found if raw))
+    return readings
+
+
+@dataclass(frozen=True, slots=True)
+class ScaledVersion:
+    info: VersionInfo
+    tier: Tier
+
+
+def scaled_versions(snapshot: RoutingSnapshot) -> dict[VersionKey, ScaledVersion]:
+    """Every version that can be asked for (all but retired) and may have workers, with its model's tier."""
+    return {
+        (model.name, version.version): ScaledVersion(info=version, tier="batch" if model.tier == "batch" else "latency")
+        for model in snapshot.models.values()
+        for version in model.versions.values()
+        if version.state != VersionState.retired and version.max_replicas > 0
+    }
+
+
+class Autoscaler:
+    def __init__(self, *, policy: ScalingPolicy, slots: int) -> None:
+        self.policy = policy
+        self.slots = max(1, slots)
+        self._trackers: dict[tuple[VersionKey, str], RateTracker] = {}
+        self._stabilizers: dict[VersionKey, Stabilizer] = {}
+        self.desired: dict[VersionKey, int] = {}  # stabilized need, before the budget
+        self.granted: dict[VersionKey, int] = {}  # what the actuator was told
+
+    def decide(self, versions: Mapping[VersionKey, ScaledVersion], readings: Mapping[VersionKey, PoolReading], *,
+               live: Callable[[VersionKey], int], now: float) -> dict[VersionKey, ScaleDecision]:
+        needs, demands = {}, {}
+        for key, scaled in versions.items():
+            info, reading = scaled.info, readings[key]
+            loads = {}
+            for lane, lane_reading in (("online", reading.online), ("bulk", reading.bulk)):
+                tracker = self._trackers.setdefault((key, lane), RateTracker())
+                rate = tracker.observe(now, lane_reading.added)
+                loads[lane] = LaneLoad(backlog=lane_reading.queued, arrival_rate=rate.rate, trend=rate.trend)
+            ready = reading.ready
+            measured = [beat.items_per_s for beat in ready if beat.items_per_s > 0]
+            colds = [beat.cold_start_s for beat in reading.beats if beat.cold_start_s > 0]
+            signals = PoolSignals(
+                online=loads["online"], bulk=loads["bulk"],
+                service_rate=sum(measured) / len(measured) if measured else None,
+                cold_start_s=max(colds) if colds else None, live=live(key), ready=len(ready),
+                min_replicas=info.min_replicas, max_replicas=info.max_replicas)
+            needed = need(signals, self.policy)
+            stabilizer = self._stabilizers.setdefault(key, Stabilizer(policy=self.policy))
+            desired, held = stabilizer.apply(now, needed.replicas, self.desired.get(key, info.min_replicas))
+            needs[key] = (desired, needed.reason + held)
+            online = min(desired, max(info.min_replicas, math.ceil(round(needed.online, 6))))
+            demands[key] = Demand(tier=scaled.tier, floor=min(info.min_replicas, desired), online=online,
+                                  desired=desired)
+        granted = allocate(demands, self.slots)
+        for gone in set(self.desired).difference(versions):
+            del self.desired[gone]
+            self.granted.pop(gone, None)
+            self._stabilizers.pop(gone, None)
+        decisions = {}
+        for key, (desired, reason) in needs.items():
+            replicas = int(granted[key])
+            if replicas < desired:
+                reason += f"; {replicas} of {desired} within the {self.slots}-slot budget"
+            if self.granted.get(key) != replicas:
+                log.info("scale %s/%s to %d (was %s): %s", *key, replicas, self.granted.get(key, "unset"), reason)
+            self.desired[key], self.granted[key] = desired, replicas
+            decisions[key] = ScaleDecision(replicas=replicas, desired=desired, reason=reason)
+        return decisions
+
+
+def publish(client: redis.Redis, decisions: Mapping[VersionKey, ScaleDecision],
+            readings: Mapping[VersionKey, PoolReading], *, live: Callable[[VersionKey], int]) -> None:
+    """Metrics, and one hash per version that `GET /v1/models/{m}` shows as `replicas`."""
+    pipe = client.pipeline(transaction=False)
+    for key, decision in decisions.items():
+        running = live(key)
+        DESIRED_REPLICAS.labels(*key).set(decision.replicas)
+        LIVE_REPLICAS.labels(*key).set(running)
+        reading = readings[key]
+        for lane, lane_reading in (("online", reading.online), ("bulk", reading.bulk)):
+            STREAM_LAG.labels(*key, lane).set(lane_reading.queued)
+        pipe.hset(keys.replicas(*key), mapping={"desired": decision.replicas, "live": running,
+                                                "reason": decision.reason, "at": repr(time.time())})
+        pipe.expire(keys.replicas(*key), DECISION_TTL_S)
+    pipe.execute()

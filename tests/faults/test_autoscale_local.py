@@ -1,0 +1,146 @@
+"""The scheduler's local actuator on real processes (synthetic models: workers start in about a
+second). A burst to a version with min 1 and max 3 replicas starts more `sluice worker`
+processes, the backlog drains, and after the stabilization window the pool is back to one; with
+two tiers and too few slots for both bursts the latency tier keeps its need and the batch tier
+waits. No job is lost, and every change is in the scheduler's log with its reason."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import redis
+
+from sluice import keys
+from sluice.heartbeats import live_since
+from sluice.jobs import JobRecord, JobStatus, new_job_id
+from sluice.registry import queries
+from sluice.registry.store import Registry
+from sluice.streams import queue_jobs
+from tests.support import REPO, SYNTHETIC_SHA, fresh_database
+
+pytestmark = pytest.mark.slow
+
+MODEL, VERSION = "burst", "v1"
+# A batch of 8 takes 0.05 + 8 * 0.02 s: about 38 jobs/s per worker.
+COST = "fixed_s=0.05&per_item_s=0.02&per_token_s=0"
+JOBS = 600
+
+
+@contextmanager
+def private_registry(*models: tuple[str, str]) -> Iterator[str]:
+    """A registry of its own holding these (model, tier)s with one version each: the scheduler
+    scales every version its registry holds, and only these."""
+    with fresh_database("sluice_scale_") as url:
+        registry = Registry(url=url, pool_size=1)
+        try:
+            with registry.session() as session:
+                for model, tier in models:
+                    queries.create_model(session, name=model, kind="synthetic", tier=tier, actor="test")
+                    queries.register_version(session, model=model, version=VERSION, artifact=f"synthetic:?{COST}",
+                                             sha256=SYNTHETIC_SHA, actor="test", state="stable", max_batch_size=8,
+                                             max_wait_ms=5, min_replicas=1, max_replicas=3)
+        finally:
+            registry.dispose()
+        yield url
+
+
+@contextmanager
+def scheduler(database_url: str, redis_url: str, home: Path, *, slots: int) -> Iterator[Path]:
+    """`sluice scheduler --actuator local` with a short scale-down window; answers its log's path
+    (complete once the block has left: the scheduler has stopped, with its workers, and exited 0)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    env.update({
+        "SLUICE_REDIS_URL": redis_url, "SLUICE_DATABASE_URL": database_url, "SLUICE_HOME": str(home),
+        "SLUICE_WORKER_SLOTS": str(slots), "SLUICE_CPU_CORES": str(slots), "SLUICE_SCALE_INTERVAL_S": "0.5",
+        "SLUICE_SCALE_DOWN_STABILIZATION_S": "4", "SLUICE_SHUTDOWN_GRACE_S": "10",
+    })
+    log_path = home / "scheduler.log"
+    with log_path.open("wb") as sink:
+        process = subprocess.Popen([sys.executable, "-m", "launch.cli", "scheduler", "--actuator", "local"],
+                                   cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        yield log_path
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+    assert process.returncode == 0, log_path.read_text()[-3000:]
+
+
+def queue(client: redis.Redis, model: str, count: int) -> list[str]:
+    now = time.time()
+    records = [JobRecord(id=new_job_id(), tenant="demo", model=model, version=VERSION, lane="online",
+                         status=JobStatus.queued, input={"text": f"burst {i}"}, enqueued_at=now, cost=2)
+               for i in range(count)]
+    pipe = client.pipeline(transaction=False)
+    queue_jobs(pipe, records, result_ttl_s=600)
+    pipe.execute()
+    return [record.id for record in records]
+
+
+def succeeded(client: redis.Redis, ids: list[str]) -> bool:
+    pipe = client.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.hget(keys.job(job_id), "status")
+    return all(status == b"succeeded" for status in pipe.execute())
+
+
+def live_workers(client: redis.Redis, model: str = MODEL) -> int:
+    return int(client.zcount(keys.live_workers(model, VERSION), live_since(time.time()), "+inf"))
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def test_a_burst_scales_the_pool_up_and_the_window_brings_it_back(redis_url: str, tmp_path: Path) -> None:
+    client = redis.Redis.from_url(redis_url)
+    with private_registry((MODEL, "latency")) as database_url, \
+            scheduler(database_url, redis_url, tmp_path, slots=3) as log_path:
+        wait_for(lambda: live_workers(client) == 1, 60, "the scheduler never started the floor's one worker")
+        ids = queue(client, MODEL, JOBS)
+        wait_for(lambda: live_workers(client) == 3, 30, "the burst did not bring the pool to its max of 3")
+        wait_for(lambda: succeeded(client, ids), 60, "the backlog did not drain")
+        wait_for(lambda: live_workers(client) == 1, 40, "the pool did not return to one after the window")
+        decision = client.hgetall(keys.replicas(MODEL, VERSION))
+        assert decision[b"desired"] == b"1" and b"down from 2" in decision[b"reason"], decision
+    client.close()
+    log = log_path.read_text()
+    changes = [line for line in log.splitlines() if f"scale {MODEL}/{VERSION} to " in line]
+    assert any(" to 3 " in line and "backlog" in line for line in changes), log[-3000:]
+    assert any(" to 1 " in line and "down from 2" in line for line in changes), log[-3000:]
+    assert "draining worker" in log
+
+
+def test_with_too_few_slots_the_latency_tier_keeps_its_need_and_the_batch_tier_waits(
+    redis_url: str, tmp_path: Path
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    chat, nightly = "chat", "nightly"
+    with private_registry((chat, "latency"), (nightly, "batch")) as database_url, \
+            scheduler(database_url, redis_url, tmp_path, slots=3) as log_path:
+        wait_for(lambda: live_workers(client, chat) == 1 and live_workers(client, nightly) == 1, 60,
+                 "the scheduler never started each model's floor")
+        nightly_ids = queue(client, nightly, JOBS)
+        chat_ids = queue(client, chat, JOBS)
+        # Both want 3 workers, 3 slots in all: chat gets them, nightly's worker is drained.
+        wait_for(lambda: live_workers(client, chat) == 3 and live_workers(client, nightly) == 0, 30,
+                 "the latency tier did not get every slot")
+        assert client.xlen(keys.stream(nightly, VERSION, "online")) > 0  # nightly's jobs wait, queued
+        wait_for(lambda: succeeded(client, chat_ids), 60, "chat's backlog did not drain")
+        # Chat's pool shrinks after its window and nightly gets the slots it frees.
+        wait_for(lambda: live_workers(client, nightly) >= 1, 40, "the batch tier never got a slot back")
+        wait_for(lambda: succeeded(client, nightly_ids), 90, "nightly's backlog did not drain")
+    client.close()
+    log = log_path.read_text()
+    assert f"scale {nightly}/{VERSION} to 0" in log and "within the 3-slot budget" in log, log[-3000:]
