@@ -24,7 +24,7 @@ import redis
 from scheduler.autoscale import ScalingPolicy
 from scheduler.quality import run_aggregator
 from scheduler.rollout import run_controller
-from scheduler.scaling import Autoscaler, publish, read_pools, scaled_versions
+from scheduler.scaling import Autoscaler, publish, read_pools, scaled_versions, worker_config
 from scheduler.supervisor import Supervisor, VersionKey
 from sluice import events
 from sluice.errors import SluiceError
@@ -86,7 +86,10 @@ class Scheduler:
 
         decisions = self.autoscaler.decide(versions, readings, live=live, now=time.time())
         if self.supervisor:
-            self.supervisor.set_desired({key: decision.replicas for key, decision in decisions.items()})
+            self.supervisor.set_desired(
+                {key: decision.replicas for key, decision in decisions.items()},
+                configs={key: worker_config(scaled.info) for key, scaled in versions.items()},
+                ready_pids={beat.pid for reading in readings.values() for beat in reading.ready})
         try:
             publish(self._redis, decisions, readings, live=live)
         except (redis.RedisError, OSError) as exc:

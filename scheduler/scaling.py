@@ -116,6 +116,12 @@ def scaled_versions(snapshot: RoutingSnapshot) -> dict[VersionKey, ScaledVersion
     }
 
 
+def worker_config(info: VersionInfo) -> str:
+    """What a worker reads from the registry once, at start: a change means replacing it."""
+    return (f"{info.artifact}@{info.sha256} batch={info.max_batch_size} wait_ms={info.max_wait_ms:g} "
+            f"isolate_tenants={info.isolate_tenants}")
+
+
 class Autoscaler:
     def __init__(self, *, policy: ScalingPolicy, slots: int) -> None:
         self.policy = policy

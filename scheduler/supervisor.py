@@ -7,6 +7,12 @@ fixes the version. Scaling down drains the youngest worker (its first SIGTERM: i
 finishes and acknowledges what it holds) without waiting for it: a draining worker is reaped by
 a later `reconcile`, or killed once it has overrun the grace period.
 
+A version whose configuration changes (its `config`: batching, tenant isolation, artifact) is
+rolled: one new worker is started beside the pool, and once its heartbeat says `ready` (the caller
+passes the ready pids) the oldest stale worker is drained; then the next, until none is stale.
+The pool never has fewer ready workers than it had, and no job is lost (a drained worker finishes
+what it holds).
+
 Every worker gets `cores // slots` torch threads, so with at most `slots` workers (the
 autoscaler's budget) the threads never oversubscribe the cores, whatever the pools' sizes.
 """
@@ -18,7 +24,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,11 +37,17 @@ VersionKey = tuple[str, str]
 CommandFactory = Callable[[str, str, int], list[str]]
 
 
+# A replacement that has not reported ready by then is given up (and tried again): a worker that
+# cannot start is reaped and restarted by the usual backoff.
+REPLACE_WITHIN_S = 300.0
+
+
 @dataclass
 class _Replica:
     process: subprocess.Popen[bytes]
     started_at: float
     log_path: Path
+    config: str = ""
 
 
 @dataclass
@@ -43,6 +55,8 @@ class _Pool:
     replicas: list[_Replica] = field(default_factory=list)
     draining: list[tuple[_Replica, float]] = field(default_factory=list)  # (replica, kill after)
     desired: int = 0
+    config: str = ""  # what every replica should run; a replica started on another is stale
+    surge: _Replica | None = None  # the replacement started for a stale replica, not ready yet
     failures: int = 0
     next_start_at: float = 0.0
 
@@ -77,28 +91,59 @@ class Supervisor:
         pool = self.pools.get(key)
         return sum(1 for r in pool.replicas if r.process.poll() is None) if pool else 0
 
-    def set_desired(self, desired: Mapping[VersionKey, int]) -> None:
+    def set_desired(self, desired: Mapping[VersionKey, int], *, configs: Mapping[VersionKey, str] | None = None,
+                    ready_pids: Collection[int] = ()) -> None:
         for key, count in desired.items():
-            self.pools.setdefault(key, _Pool()).desired = count
+            pool = self.pools.setdefault(key, _Pool())
+            pool.desired = count
+            if configs is not None:
+                pool.config = configs.get(key, "")
         for key, pool in self.pools.items():
             if key not in desired:
                 pool.desired = 0
-        self.reconcile()
+        self.reconcile(ready_pids=ready_pids)
 
-    def reconcile(self) -> None:
+    def reconcile(self, *, ready_pids: Collection[int] = ()) -> None:
         now = self.clock()
         for key, pool in self.pools.items():
             self._reap(key, pool, now)
             self._reap_draining(pool, now)
-            while len(pool.replicas) > pool.desired:
-                replica = pool.replicas.pop()  # the youngest
-                if replica.process.poll() is None:
-                    replica.process.send_signal(signal.SIGTERM)
-                log.info("draining worker %s/%s pid %d", key[0], key[1], replica.process.pid)
-                pool.draining.append((replica, now + self.stop_grace_s))
+            self._roll(key, pool, now, ready_pids)
+            # The surge replica is extra while it replaces a stale one.
+            allowed = pool.desired + (1 if pool.surge is not None else 0)
+            while len(pool.replicas) > allowed:
+                # Stale ones first, then the youngest.
+                stale = [r for r in pool.replicas if r.config != pool.config and r is not pool.surge]
+                self._drain(key, pool, stale[0] if stale else pool.replicas[-1], now)
             if len(pool.replicas) < pool.desired and now >= pool.next_start_at:
                 for _ in range(pool.desired - len(pool.replicas)):
                     pool.replicas.append(self._start(key))
+
+    def _roll(self, key: VersionKey, pool: _Pool, now: float, ready_pids: Collection[int]) -> None:
+        """One step of replacing the replicas that run an old configuration."""
+        surge = pool.surge
+        if surge is not None:
+            if surge not in pool.replicas or now - surge.started_at > REPLACE_WITHIN_S:
+                pool.surge = None  # it died (reaped) or never got ready: start over
+            elif surge.process.pid in ready_pids:
+                pool.surge = None
+                stale = [r for r in pool.replicas if r.config != pool.config]
+                if stale:
+                    log.info("worker %s/%s pid %d replaced by pid %d (new configuration)", key[0], key[1],
+                             stale[0].process.pid, surge.process.pid)
+                    self._drain(key, pool, stale[0], now)
+            return
+        stale = [r for r in pool.replicas if r.config != pool.config]
+        if stale and pool.desired > 0 and now >= pool.next_start_at:
+            pool.surge = self._start(key)
+            pool.replicas.append(pool.surge)
+
+    def _drain(self, key: VersionKey, pool: _Pool, replica: _Replica, now: float) -> None:
+        pool.replicas.remove(replica)
+        if replica.process.poll() is None:
+            replica.process.send_signal(signal.SIGTERM)
+        log.info("draining worker %s/%s pid %d", key[0], key[1], replica.process.pid)
+        pool.draining.append((replica, now + self.stop_grace_s))
 
     def _reap(self, key: VersionKey, pool: _Pool, now: float) -> None:
         for replica in list(pool.replicas):
@@ -137,7 +182,7 @@ class Supervisor:
             process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env,
                                        start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM))
         log.info("started worker %s/%s pid %d (%d threads)", model, version, process.pid, threads)
-        return _Replica(process=process, started_at=self.clock(), log_path=log_path)
+        return _Replica(process=process, started_at=self.clock(), log_path=log_path, config=self.pools[key].config)
 
     def stop_all(self) -> None:
         """Drain every worker at once (SIGTERM to all, then wait), killing stragglers at the grace."""

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,7 +36,8 @@ JOBS = 600
 
 
 @contextmanager
-def private_registry(*models: tuple[str, str]) -> Iterator[str]:
+def private_registry(*models: tuple[str, str], cost: str = COST, max_replicas: int = 3,
+                     isolate_tenants: bool = True) -> Iterator[str]:
     """A registry of its own holding these (model, tier)s with one version each: the scheduler
     scales every version its registry holds, and only these."""
     with fresh_database("sluice_scale_") as url:
@@ -44,9 +46,10 @@ def private_registry(*models: tuple[str, str]) -> Iterator[str]:
             with registry.session() as session:
                 for model, tier in models:
                     queries.create_model(session, name=model, kind="synthetic", tier=tier, actor="test")
-                    queries.register_version(session, model=model, version=VERSION, artifact=f"synthetic:?{COST}",
+                    queries.register_version(session, model=model, version=VERSION, artifact=f"synthetic:?{cost}",
                                              sha256=SYNTHETIC_SHA, actor="test", state="stable", max_batch_size=8,
-                                             max_wait_ms=5, min_replicas=1, max_replicas=3)
+                                             max_wait_ms=5, min_replicas=1, max_replicas=max_replicas,
+                                             isolate_tenants=isolate_tenants)
         finally:
             registry.dispose()
         yield url
@@ -74,9 +77,9 @@ def scheduler(database_url: str, redis_url: str, home: Path, *, slots: int) -> I
     assert process.returncode == 0, log_path.read_text()[-3000:]
 
 
-def queue(client: redis.Redis, model: str, count: int) -> list[str]:
+def queue(client: redis.Redis, model: str, count: int, tenants: tuple[str, ...] = ("demo",)) -> list[str]:
     now = time.time()
-    records = [JobRecord(id=new_job_id(), tenant="demo", model=model, version=VERSION, lane="online",
+    records = [JobRecord(id=new_job_id(), tenant=tenants[i % len(tenants)], model=model, version=VERSION, lane="online",
                          status=JobStatus.queued, input={"text": f"burst {i}"}, enqueued_at=now, cost=2)
                for i in range(count)]
     pipe = client.pipeline(transaction=False)
@@ -144,3 +147,49 @@ def test_with_too_few_slots_the_latency_tier_keeps_its_need_and_the_batch_tier_w
     client.close()
     log = log_path.read_text()
     assert f"scale {nightly}/{VERSION} to 0" in log and "within the 3-slot budget" in log, log[-3000:]
+
+
+def test_a_patch_of_isolate_tenants_reaches_the_running_pool_by_a_rolling_replacement(
+    redis_url: str, tmp_path: Path
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    model = "mixed"
+    stop = threading.Event()
+    ids: list[str] = []
+
+    def traffic() -> None:
+        while not stop.is_set():
+            ids.extend(queue(client, model, 10, tenants=("tenant-a", "tenant-b")))
+            time.sleep(0.05)
+
+    with private_registry((model, "latency"), cost="fixed_s=0.03&per_item_s=0.001&per_token_s=0", max_replicas=1,
+                          isolate_tenants=False) as database_url, \
+            scheduler(database_url, redis_url, tmp_path, slots=3) as log_path:
+        wait_for(lambda: live_workers(client, model) == 1, 60, "the scheduler never started the worker")
+        sender = threading.Thread(target=traffic, daemon=True)
+        sender.start()
+        time.sleep(3)
+        registry = Registry(url=database_url, pool_size=1)
+        try:
+            with registry.session() as session:
+                queries.update_version(session, model=model, version=VERSION, actor="test", reason="test",
+                                       isolate_tenants=True)
+        finally:
+            registry.dispose()
+        patched_at = time.time()
+        time.sleep(12)
+        stop.set()
+        sender.join(timeout=10)
+        wait_for(lambda: succeeded(client, ids), 60, "jobs were lost or stuck across the replacement")
+    pipe = client.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.hmget(keys.job(job_id), "tenant", "finished_at")
+    batches: dict[bytes, set[bytes]] = {}
+    for tenant, finished_at in pipe.execute():
+        batches.setdefault(finished_at, set()).add(tenant)  # one batch, one finish time
+    client.close()
+    mixed = sorted(float(at) for at, tenants in batches.items() if len(tenants) > 1)
+    assert mixed and mixed[0] < patched_at, "no batch mixed tenants before the PATCH: the test proves nothing"
+    assert mixed[-1] < patched_at + 10, f"a batch mixed tenants {mixed[-1] - patched_at:.1f}s after the PATCH"
+    log = log_path.read_text()
+    assert f"worker {model}/{VERSION} pid" in log and "replaced by pid" in log, log[-3000:]
