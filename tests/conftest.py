@@ -205,13 +205,18 @@ class QueueState:
 
 @pytest.fixture(scope="session")
 def queue_state(rds: redis.Redis) -> Callable[[str, str], QueueState]:
-    """XLEN of a version's two streams and the number of job records in this Redis DB."""
+    """XLEN of a version's two streams and the number of job records of that version. Only its
+    own: jobs of other tests' models come and go (created, expired) while a test looks."""
 
     def snapshot(model: str, version: str) -> QueueState:
+        pipe = rds.pipeline(transaction=False)
+        for key in rds.scan_iter(match="sluice:job:*", count=1000):
+            pipe.hmget(key, "model", "version")
+        owned = sum(1 for fields in pipe.execute() if fields == [model, version])
         return QueueState(
             online=int(rds.xlen(keys.stream(model, version, "online"))),
             bulk=int(rds.xlen(keys.stream(model, version, "bulk"))),
-            jobs=sum(1 for _ in rds.scan_iter(match="sluice:job:*", count=1000)),
+            jobs=owned,
         )
 
     return snapshot
