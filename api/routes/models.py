@@ -8,7 +8,7 @@ from anyio import to_thread
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import AdminKey, CurrentKey, StateDep, announce_routing
+from api.deps import AdminKey, AppState, CurrentKey, StateDep, announce_routing
 from api.resources import ModelList, ModelResource, RoutingChange, StatsResource, VersionChange, VersionResource
 from api.schemas import Kind, Name, ServingState, State
 from sluice.errors import NotFound
@@ -74,7 +74,18 @@ async def list_models(_: CurrentKey, state: StateDep) -> dict[str, Any]:
         with state.registry.session() as session:
             return queries.list_models(session)
 
-    return {"models": await to_thread.run_sync(read)}
+    models = await to_thread.run_sync(read)
+    for resource in models:
+        await _with_replicas(state, resource)
+    return {"models": models}
+
+
+async def _with_replicas(state: AppState, resource: dict[str, Any]) -> dict[str, Any]:
+    """The model resource with the scheduler's last decision for each version."""
+    decisions = await state.broker.scaling_decisions(resource["name"], [v["version"] for v in resource["versions"]])
+    for version in resource["versions"]:
+        version["replicas"] = decisions.get(version["version"])
+    return resource
 
 
 @router.post("", status_code=201, response_model=ModelResource)
@@ -97,11 +108,7 @@ async def get_model(model: str, _: CurrentKey, state: StateDep) -> dict[str, Any
         with state.registry.session() as session:
             return queries.model_resource(session, model)
 
-    resource = await to_thread.run_sync(read)
-    decisions = await state.broker.scaling_decisions(model, [v["version"] for v in resource["versions"]])
-    for version in resource["versions"]:
-        version["replicas"] = decisions.get(version["version"])
-    return resource
+    return await _with_replicas(state, await to_thread.run_sync(read))
 
 
 @router.post("/{model}/versions", status_code=201, response_model=VersionResource)

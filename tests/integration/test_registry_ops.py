@@ -81,6 +81,8 @@ def test_the_model_resource_shows_the_scheduler_s_decision_per_version(
     assert versions["v1"]["replicas"] == {"desired": 2, "live": 1, "reason": reason}
     # No scheduler decided for v2 (or none in the last minute): nothing made up.
     assert versions["v2"]["replicas"] is None
+    listed = next(m for m in demo.get("/v1/models").json()["models"] if m["name"] == model)
+    assert [v["replicas"] for v in listed["versions"]] == [versions["v1"]["replicas"], None]
 
 
 def test_a_model_has_an_availability_tier_set_at_creation_or_by_a_version_patch(
