@@ -267,7 +267,8 @@ def rollout_abort(model: str,
 
 @app.command()
 def models(
-    url: Annotated[str | None, typer.Option(help="The API (default: http://SLUICE_API_HOST:SLUICE_API_PORT)")] = None,
+    url: Annotated[str | None, typer.Option(
+        envvar="SLUICE_URL", help="The API (default: http://SLUICE_API_HOST:SLUICE_API_PORT, the local one)")] = None,
     key: Annotated[str | None, typer.Option(
         envvar="SLUICE_API_KEY", help="An API key (default: the admin, else the demo key in SLUICE_HOME)")] = None,
 ) -> None:
