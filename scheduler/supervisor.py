@@ -11,7 +11,9 @@ A version whose configuration changes (its `config`: batching, tenant isolation,
 rolled: one new worker is started beside the pool, and once its heartbeat says `ready` (the caller
 passes the ready pids) the oldest stale worker is drained; then the next, until none is stale.
 The pool never has fewer ready workers than it had, and no job is lost (a drained worker finishes
-what it holds).
+what it holds). When every slot is taken there is no room for a worker beside the pool: then the
+oldest stale one drains first and its replacement starts in its place, one at a time, each only
+once the pool's other workers are ready.
 
 Every worker gets `cores // slots` torch threads, so with at most `slots` workers (the
 autoscaler's budget) the threads never oversubscribe the cores, whatever the pools' sizes.
@@ -134,9 +136,15 @@ class Supervisor:
                     self._drain(key, pool, stale[0], now)
             return
         stale = [r for r in pool.replicas if r.config != pool.config]
-        if stale and pool.desired > 0 and now >= pool.next_start_at:
+        if not stale or pool.desired == 0 or now < pool.next_start_at:
+            return
+        if sum(len(p.replicas) for p in self.pools.values()) < self.slots:
             pool.surge = self._start(key)
             pool.replicas.append(pool.surge)
+        elif all(r.process.pid in ready_pids for r in pool.replicas):
+            log.info("worker %s/%s pid %d replaced in place (no free slot beside the pool)", key[0], key[1],
+                     stale[0].process.pid)
+            self._drain(key, pool, stale[0], now)
 
     def _drain(self, key: VersionKey, pool: _Pool, replica: _Replica, now: float) -> None:
         pool.replicas.remove(replica)
