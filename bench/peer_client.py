@@ -129,7 +129,8 @@ async def run(spec: dict[str, Any]) -> tuple[list[Sent], float]:
     warm_texts = skewed_texts(WARMUP_JOBS, seed=spec["seed"] + 10_000)
     if spec["system"] == "sluice":
         async with AsyncClient(
-            base_url=spec["api_url"], api_key=spec["api_key"], timeout_s=spec["timeout_s"], max_connections=spec["pool"]
+            base_url=spec["api_url"], api_key=spec["api_key"], timeout_s=spec["timeout_s"],
+            max_connections=spec["pool"], retries=0,  # the sender waits out a 429 itself, to count it
         ) as client:
             return await _phase(spec, _sluice_sender(client, spec, texts), _sluice_sender(client, spec, warm_texts))
     with ThreadPoolExecutor(max_workers=spec["pool"], thread_name_prefix="celery-client") as pool:

@@ -1,13 +1,19 @@
 """Python clients for the REST API (httpx): `SluiceClient` (sync) and `AsyncClient`.
 
-Both answer plain dicts (the API's resources) and raise `ClientError` for every error answer,
-decoded by one function. A client waiting for a job holds one long-poll at a time and re-issues
-it until the job is final; waiting on many jobs (`wait_many`, `as_completed`) holds one
-long-poll for all of them (`GET /v1/jobs?ids=`), re-issued with the ids still pending.
+Both answer plain dicts (the API's resources) and raise a `ClientError` for every error answer,
+decoded by one function into its kind (`InvalidRequest`, `AuthError`, `NotFoundError`,
+`ConflictError`, `RateLimited`, `Unavailable`), with the API's code, message and details. A 429 or
+503 is retried `retries` times, after its `Retry-After` (or a doubling backoff), capped at
+`max_retry_wait_s`: such an answer queued nothing, so sending again cannot make a second job.
+A client waiting for a job holds one long-poll at a time and re-issues it until the job is
+final; waiting on many jobs (`wait_many`, `as_completed`) holds one long-poll for all of them
+(`GET /v1/jobs?ids=`), re-issued with the ids still pending. `verify` checks a webhook's
+`Sluice-Signature` for a receiver.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
@@ -16,6 +22,7 @@ import httpx
 
 from sluice.errors import SluiceError
 from sluice.jobs import MAX_WAIT_IDS
+from sluice.webhooks import retry_after_s, verify
 
 FINAL = {"succeeded", "failed", "expired", "cancelled"}
 
@@ -24,11 +31,47 @@ POLL_S = 20.0
 
 
 class ClientError(SluiceError):
-    def __init__(self, status: int, code: str, message: str) -> None:
+    """An error answer of the API: its HTTP status, code, message, any details it carried (such as
+    `retry_with`), and its `Retry-After` in seconds."""
+
+    def __init__(self, status: int, code: str, message: str, *, details: dict[str, Any] | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(f"{status} {code}: {message}")
         self.status = status
         self.code = code
         self.message = message
+        self.details = details or {}
+        self.retry_after_s = retry_after_s
+
+
+class InvalidRequest(ClientError):
+    """400, 413 or 422: the request itself is wrong; sending it again cannot help."""
+
+
+class AuthError(ClientError):
+    """401 or 403: no valid key, or the key may not do this."""
+
+
+class NotFoundError(ClientError):
+    """404: no such job, model or version (or another tenant's)."""
+
+
+class ConflictError(ClientError):
+    """409: the resource is in a state that forbids this (a retired version, a key in flight)."""
+
+
+class RateLimited(ClientError):
+    """429: rate limit, quota or load shedding; nothing was queued."""
+
+
+class Unavailable(ClientError):
+    """502, 503 or 504: a replica draining, no servable version, an open breaker; nothing queued."""
+
+
+_KINDS: dict[int, type[ClientError]] = {
+    400: InvalidRequest, 413: InvalidRequest, 422: InvalidRequest, 401: AuthError, 403: AuthError,
+    404: NotFoundError, 409: ConflictError, 429: RateLimited, 502: Unavailable, 503: Unavailable, 504: Unavailable,
+}
 
 
 class WaitTimeout(SluiceError, TimeoutError):
@@ -41,14 +84,25 @@ class WaitTimeout(SluiceError, TimeoutError):
 
 
 def _decode(response: httpx.Response) -> Any:
-    """The body of a successful answer; the API's error body as ClientError otherwise."""
+    """The body of a successful answer; the API's error body as its kind of ClientError otherwise."""
     if response.status_code >= 400:
+        kind = _KINDS.get(response.status_code, ClientError)
+        wait = retry_after_s(response.headers.get("Retry-After"))
         try:
-            error = response.json()["error"]
-            raise ClientError(response.status_code, error["code"], error["message"])
+            error = dict(response.json()["error"])
+            code, message = str(error.pop("code")), str(error.pop("message"))
         except (ValueError, KeyError, TypeError):
-            raise ClientError(response.status_code, "http_error", response.text[:200]) from None
+            raise kind(response.status_code, "http_error", response.text[:200], retry_after_s=wait) from None
+        raise kind(response.status_code, code, message, details=error, retry_after_s=wait)
     return response.json()
+
+
+def _retry_wait(error: ClientError, attempt: int, *, retries: int, cap_s: float) -> float | None:
+    """Seconds to wait before sending again after `attempt` failed tries, or None to give up."""
+    if not isinstance(error, RateLimited | Unavailable) or attempt >= retries:
+        return None
+    backoff = 0.5 * 2 ** attempt
+    return min(cap_s, error.retry_after_s if error.retry_after_s is not None else backoff)
 
 
 def _job_params(wait_s: float) -> dict[str, float] | None:
@@ -94,9 +148,11 @@ class _Waiting:
 
 
 class SluiceClient:
-    def __init__(self, *, base_url: str, api_key: str, timeout_s: float = 30.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(self, *, base_url: str, api_key: str, timeout_s: float = 30.0, retries: int = 3,
+                 max_retry_wait_s: float = 30.0, transport: httpx.BaseTransport | None = None) -> None:
         self._timeout_s = timeout_s
+        self._retries = retries
+        self._max_retry_wait_s = max_retry_wait_s
         self._http = httpx.Client(base_url=base_url, timeout=timeout_s, transport=transport,
                                   headers={"Authorization": f"Bearer {api_key}"})
 
@@ -110,7 +166,16 @@ class SluiceClient:
         self._http.close()
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        return _decode(self._http.request(method, path, **kwargs))
+        attempt = 0
+        while True:
+            try:
+                return _decode(self._http.request(method, path, **kwargs))
+            except ClientError as error:
+                wait = _retry_wait(error, attempt, retries=self._retries, cap_s=self._max_retry_wait_s)
+                if wait is None:
+                    raise
+            time.sleep(wait)
+            attempt += 1
 
     def submit(self, model: str, input: dict[str, Any], *, idempotency_key: str | None = None,
                **options: Any) -> dict[str, Any]:
@@ -183,9 +248,11 @@ class AsyncClient:
     last resource instead). A long-poll's own HTTP timeout is `timeout_s` plus its wait.
     """
 
-    def __init__(self, *, base_url: str, api_key: str, timeout_s: float = 30.0,
-                 max_connections: int = 100) -> None:
+    def __init__(self, *, base_url: str, api_key: str, timeout_s: float = 30.0, retries: int = 3,
+                 max_retry_wait_s: float = 30.0, max_connections: int = 100) -> None:
         self._timeout_s = timeout_s
+        self._retries = retries
+        self._max_retry_wait_s = max_retry_wait_s
         self._http = httpx.AsyncClient(
             base_url=base_url, timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"},
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
@@ -202,7 +269,16 @@ class AsyncClient:
 
     async def _call(self, method: str, path: str, *, wait_s: float = 0, **kwargs: Any) -> Any:
         timeout = self._timeout_s + wait_s
-        return _decode(await self._http.request(method, path, timeout=timeout, **kwargs))
+        attempt = 0
+        while True:
+            try:
+                return _decode(await self._http.request(method, path, timeout=timeout, **kwargs))
+            except ClientError as error:
+                wait = _retry_wait(error, attempt, retries=self._retries, cap_s=self._max_retry_wait_s)
+                if wait is None:
+                    raise
+            await asyncio.sleep(wait)
+            attempt += 1
 
     async def submit(self, model: str, input: dict[str, Any], *, idempotency_key: str | None = None,
                      **options: Any) -> dict[str, Any]:
@@ -267,4 +343,16 @@ class AsyncClient:
         return dict(await self._call("DELETE", f"/v1/jobs/{job_id}"))
 
 
-__all__ = ["AsyncClient", "ClientError", "SluiceClient", "WaitTimeout"]
+__all__ = [
+    "AsyncClient",
+    "AuthError",
+    "ClientError",
+    "ConflictError",
+    "InvalidRequest",
+    "NotFoundError",
+    "RateLimited",
+    "SluiceClient",
+    "Unavailable",
+    "WaitTimeout",
+    "verify",
+]

@@ -17,9 +17,18 @@ import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
 from launch.seed import Seeded
-from sluice.client import AsyncClient, ClientError, SluiceClient, WaitTimeout
+from sluice.client import (
+    AsyncClient,
+    AuthError,
+    ClientError,
+    InvalidRequest,
+    NotFoundError,
+    RateLimited,
+    SluiceClient,
+    WaitTimeout,
+)
 from sluice.connections import connect
-from tests.support import ApiServer
+from tests.support import ApiServer, unique
 from workers.consumer import Worker
 from workers.models.synthetic import SyntheticHandler
 
@@ -303,3 +312,54 @@ def test_the_sync_client_runs_a_job(
         later.start()
         assert sluice.wait(queued["id"], timeout_s=30)["status"] == "cancelled"
         later.join()
+
+
+# --- typed errors, retries, webhook verification ------------------------------------------------------
+
+
+def test_errors_come_as_their_kind_with_the_api_s_code(
+    api: ApiServer, seeded: Seeded, register_synthetic: Callable[..., str]
+) -> None:
+    model = register_synthetic("client-errors")
+    with SluiceClient(base_url=api.url, api_key=seeded.demo_key) as sluice:
+        with pytest.raises(NotFoundError) as missing:
+            sluice.submit("no-such-model", {"text": "x"})
+        with pytest.raises(InvalidRequest) as invalid:
+            sluice.submit(model, {"text": ""})
+    with SluiceClient(base_url=api.url, api_key="sk_wrong") as stranger, pytest.raises(AuthError) as denied:
+        stranger.model(model)
+    assert (missing.value.status, missing.value.code) == (404, "not_found")
+    assert (invalid.value.status, invalid.value.code) == (422, "invalid_input")
+    assert denied.value.status == 401
+    assert all(isinstance(e.value, ClientError) for e in (missing, invalid, denied))
+
+
+async def test_a_429_is_retried_after_its_retry_after_and_raised_when_retries_run_out(
+    api: ApiServer, admin: Any, register_synthetic: Callable[..., str]
+) -> None:
+    model = register_synthetic("client-retry")  # no worker: jobs stay queued
+    created = admin.post("/v1/tenants", json={"id": unique("slow"), "rate_limit_per_s": 0.5})  # a burst of 5
+    assert created.status_code == 201, created.text
+    key = created.json()["key"]["secret"]
+    async with AsyncClient(base_url=api.url, api_key=key, retries=0) as impatient:
+        for i in range(5):
+            await impatient.submit(model, {"text": f"within the burst {i}"})
+        with pytest.raises(RateLimited) as limited:
+            await impatient.submit(model, {"text": "over it"})
+    assert limited.value.status == 429 and limited.value.retry_after_s is not None
+    assert 1 <= limited.value.retry_after_s <= 5
+    started = time.monotonic()
+    async with AsyncClient(base_url=api.url, api_key=key, retries=3) as patient:
+        job = await patient.submit(model, {"text": "waits for its token"})
+    assert job["status"] == "queued" and time.monotonic() - started >= 1
+
+
+def test_verify_checks_a_webhook_signature_for_a_receiver() -> None:
+    from sluice.client import verify
+    from sluice.webhooks import signature
+
+    body = b'{"id":"job_x","status":"succeeded"}'
+    header = signature("whsec_test", body, timestamp=int(time.time()))
+    assert verify("whsec_test", header, body)
+    assert not verify("whsec_test", header, body.replace(b"succeeded", b"failed"))
+    assert not verify("whsec_other", header, body)
