@@ -27,7 +27,7 @@ from scheduler.rollout import run_controller
 from scheduler.scaling import Autoscaler, publish, read_pools, scaled_versions, worker_config
 from scheduler.supervisor import Supervisor, VersionKey
 from sluice import events
-from sluice.errors import SluiceError
+from sluice.errors import BrokerError, SluiceError
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.routing import RoutingSnapshot
@@ -75,7 +75,7 @@ class Scheduler:
         versions = scaled_versions(self._snapshot)
         try:
             readings = read_pools(self._redis, versions, now=time.time())
-        except (redis.RedisError, OSError) as exc:
+        except BrokerError as exc:
             log.warning("Redis unreachable, keeping the current pools: %s", exc)
             if self.supervisor:
                 self.supervisor.reconcile()
@@ -92,7 +92,7 @@ class Scheduler:
                 ready_pids={beat.pid for reading in readings.values() for beat in reading.ready})
         try:
             publish(self._redis, decisions, readings, live=live)
-        except (redis.RedisError, OSError) as exc:
+        except BrokerError as exc:
             log.warning("could not publish the scaling decisions: %s", exc)
 
     def _listen(self) -> None:

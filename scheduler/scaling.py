@@ -30,6 +30,7 @@ from scheduler.autoscale import (
     need,
 )
 from sluice import keys
+from sluice.connections import translate_redis_errors
 from sluice.heartbeats import Heartbeat, WorkerState, live_since
 from sluice.metrics import DESIRED_REPLICAS, LIVE_REPLICAS, STREAM_LAG
 from sluice.routing import RoutingSnapshot, VersionInfo
@@ -78,7 +79,8 @@ def read_pools(client: redis.Redis, versions: Iterable[VersionKey], *, now: floa
         for lane in keys.LANES:
             pipe.xinfo_stream(keys.stream(model, version, lane))
         pipe.zrangebyscore(keys.live_workers(model, version), live_since(now), "+inf")
-    replies = pipe.execute(raise_on_error=False)
+    with translate_redis_errors():
+        replies = pipe.execute(raise_on_error=False)
     lanes: dict[VersionKey, list[LaneReading]] = {}
     names: dict[VersionKey, list[str]] = {}
     for index, key in enumerate(versions):
@@ -91,7 +93,8 @@ def read_pools(client: redis.Redis, versions: Iterable[VersionKey], *, now: floa
     for key in versions:
         for name in names[key]:
             pipe.hgetall(keys.heartbeat(*key, name))
-    beats = iter(pipe.execute() if any(names.values()) else [])
+    with translate_redis_errors():
+        beats = iter(pipe.execute() if any(names.values()) else [])
     readings = {}
     for key in versions:
         found = [next(beats) for _ in names[key]]
@@ -187,4 +190,5 @@ def publish(client: redis.Redis, decisions: Mapping[VersionKey, ScaleDecision],
         pipe.hset(keys.replicas(*key), mapping={"desired": decision.replicas, "live": running,
                                                 "reason": decision.reason, "at": repr(time.time())})
         pipe.expire(keys.replicas(*key), DECISION_TTL_S)
-    pipe.execute()
+    with translate_redis_errors():
+        pipe.execute()
