@@ -172,6 +172,29 @@ class ModelList(BaseModel):
     models: list[ModelResource]
 
 
+class AuditLog(BaseModel):
+    """A model's audit log, newest first; page back with `before` = the last entry's id."""
+
+    entries: list[AuditResource]
+
+
+class QualityWindow(BaseModel):
+    """One version's quality aggregate over one closed window (written by the scheduler)."""
+
+    window_start: str = Field(json_schema_extra=_ISO)
+    window_s: int
+    count: int
+    errors: int
+    metrics: dict[str, Any] = Field(description="Quality proxies of the window: sizes, top probability, labels, "
+                                                "shadow agreement, as the kind has them")
+
+
+class QualityResource(BaseModel):
+    model: str
+    version: str
+    windows: list[QualityWindow]
+
+
 class AuditResource(BaseModel):
     """One row of the registry's audit log; `before` and `after` are whatever the action changed."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any
 
 from anyio import to_thread
@@ -9,10 +10,19 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import AdminKey, AppState, CurrentKey, StateDep, announce_routing
-from api.resources import ModelList, ModelResource, RoutingChange, StatsResource, VersionChange, VersionResource
+from api.resources import (
+    AuditLog,
+    ModelList,
+    ModelResource,
+    QualityResource,
+    RoutingChange,
+    StatsResource,
+    VersionChange,
+    VersionResource,
+)
 from api.schemas import Kind, Name, ServingState, State
 from sluice.errors import NotFound
-from sluice.registry import queries
+from sluice.registry import quality, queries
 from sluice.stats import summarise
 from sluice.versions import Tier, VersionState
 
@@ -196,3 +206,32 @@ async def version_stats(
         raise NotFound(f"model '{model}' has no version '{version}'")
     samples = await state.broker.samples(model, version, window_s=window_s)
     return {"model": model, "version": version, **summarise(samples, window_s=window_s)}
+
+
+@router.get("/{model}/audit", response_model=AuditLog)
+async def audit_log(
+    model: str, _: AdminKey, state: StateDep,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    before: Annotated[int | None, Query(ge=1, le=2**63 - 1, description="Entries older than this id")] = None,
+) -> dict[str, Any]:
+    """Who changed the model's versions, weights, pins and tier, when and why: newest first."""
+    def read() -> list[dict[str, Any]]:
+        with state.registry.session() as session:
+            return [queries.audit_resource(e) for e in queries.audit_entries(session, model, limit=limit,
+                                                                              before_id=before)]
+
+    return {"entries": await to_thread.run_sync(read)}
+
+
+@router.get("/{model}/versions/{version}/quality", response_model=QualityResource)
+async def version_quality(
+    model: str, version: str, _: CurrentKey, state: StateDep,
+    hours: Annotated[float, Query(gt=0, le=24 * 90, description="How far back")] = 24.0,
+) -> dict[str, Any]:
+    """The version's quality aggregates per closed window, oldest first."""
+    def read() -> list[dict[str, Any]]:
+        with state.registry.session() as session:
+            queries.get_version(session, model, version)
+            return quality.windows(session, model=model, version=version, since=time.time() - hours * 3600)
+
+    return {"model": model, "version": version, "windows": await to_thread.run_sync(read)}

@@ -82,6 +82,16 @@ def audit_resource(entry: AuditEntry) -> dict[str, Any]:
     }
 
 
+def audit_entries(session: Session, model: str, *, limit: int, before_id: int | None = None) -> list[AuditEntry]:
+    """The model's audit log, newest first; `before_id` pages back from an entry."""
+    if session.get(Model, model) is None:
+        raise NotFound(f"model '{model}' does not exist")
+    query = select(AuditEntry).where(AuditEntry.model == model)
+    if before_id is not None:
+        query = query.where(AuditEntry.id < before_id)
+    return list(session.scalars(query.order_by(AuditEntry.id.desc()).limit(limit)))
+
+
 # --- tenants and keys ---------------------------------------------------------------------------
 
 

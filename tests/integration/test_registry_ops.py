@@ -122,3 +122,47 @@ def test_a_model_has_an_availability_tier_set_at_creation_or_by_a_version_patch(
     latency_line = next(line for line in listed.output.splitlines() if line.startswith("latency tier:"))
     assert name in latency_line
     assert f"{name} v1 (stable" in listed.output
+
+
+def test_the_audit_log_of_a_model_is_a_rest_resource_newest_first(
+    admin: httpx.Client, demo: httpx.Client, register_synthetic: Callable[..., str]
+) -> None:
+    model = register_synthetic("audited", versions=("v1", "v2"))
+    assert admin.put(f"/v1/models/{model}/routing", json={"weights": {"v1": 90, "v2": 10},
+                                                           "reason": "canary by hand"}).status_code == 200
+    assert admin.patch(f"/v1/models/{model}/versions/v2", json={"state": "canary"}).status_code == 200
+    response = admin.get(f"/v1/models/{model}/audit")
+    assert response.status_code == 200, response.text
+    entries = response.json()["entries"]
+    assert [e["action"] for e in entries[:2]] == ["version.update", "routing.set"]
+    assert entries[1]["after"] == {"v1": 90.0, "v2": 10.0} and entries[1]["reason"] == "canary by hand"
+    assert [e["id"] for e in entries] == sorted((e["id"] for e in entries), reverse=True)
+    older = admin.get(f"/v1/models/{model}/audit", params={"before": entries[0]["id"], "limit": 1}).json()["entries"]
+    assert [e["id"] for e in older] == [entries[1]["id"]]
+    assert demo.get(f"/v1/models/{model}/audit").status_code == 403
+    assert admin.get("/v1/models/no-such-model/audit").status_code == 404
+    assert admin.get(f"/v1/models/{model}/audit", params={"before": 2**63}).status_code == 422
+
+
+def test_a_version_s_quality_windows_are_a_rest_resource(
+    demo: httpx.Client, register_synthetic: Callable[..., str], registry: Any
+) -> None:
+    import time
+
+    from sluice.registry import quality
+
+    model = register_synthetic("quality")
+    with registry.session() as session:
+        for minutes_ago in (30, 20):
+            quality.record_window(session, model=model, version="v1", window_start=time.time() - 60 * minutes_ago,
+                                  window_s=600, count=100, errors=2, metrics={"top_p_mean": 0.9})
+    response = demo.get(f"/v1/models/{model}/versions/v1/quality", params={"hours": 1})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert (body["model"], body["version"]) == (model, "v1")
+    assert [(w["count"], w["errors"], w["metrics"]) for w in body["windows"]] == [(100, 2, {"top_p_mean": 0.9})] * 2
+    assert body["windows"][0]["window_start"] < body["windows"][1]["window_start"]
+    recent = demo.get(f"/v1/models/{model}/versions/v1/quality", params={"hours": 0.4}).json()["windows"]  # 24 minutes
+    assert len(recent) == 1
+    assert demo.get(f"/v1/models/{model}/versions/v9/quality").status_code == 404
+    assert demo.get(f"/v1/models/{model}/versions/v1/quality", params={"hours": 0}).status_code == 422
