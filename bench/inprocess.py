@@ -305,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "bench": "inprocess", "command": command, "machine": info,
         "params": {**vars(args), "mix": SKEWED.describe()}, "results": results, "ratios": ratios,
     })
-    print(f"reproduce: {command}\nresults: {path.relative_to(path.parents[2])}"
+    print(f"reproduce: {command}\nresults: {path}"
           f"   (a/b = {fmt(ratios['a/b'])}x, a/c = {fmt(ratios['a/c'])}x)")
 
 

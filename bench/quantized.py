@@ -276,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"batches of {size}: {fmt(t['int8']['speed_vs_fp32'])}x wall ({spread(t['int8']['paired_vs_fp32'])}), "
         f"{fmt(t['int8']['speed_vs_fp32_cpu'])}x CPU ({spread(t['int8']['paired_vs_fp32_cpu'])})"
         for size, t in result["timing_by_batch_size"].items())
-    print(f"reproduce: {command}\nresults: {path.relative_to(path.parents[2])}   (int8 over fp32, median "
+    print(f"reproduce: {command}\nresults: {path}   (int8 over fp32, median "
           f"(per-repeat range): {ratios}; cosine mean {fmt(cos['mean'], 4)}, min {fmt(cos['min'], 4)} "
           f"on {args.agreement_texts} texts)")
 

@@ -128,20 +128,20 @@ class Broker:
             raise NotFound(f"job '{job_id}' does not exist")
         return view
 
-    async def scaling_decisions(self, model: str, versions: list[str]) -> dict[str, dict[str, Any]]:
-        """The scheduler's last decision per version (`scheduler/scaling.py` writes them), where
-        one was made in the last minute: `{"desired", "live", "reason"}`."""
+    async def scaling_decisions(self, versions: list[tuple[str, str]]) -> dict[tuple[str, str], dict[str, Any]]:
+        """The scheduler's last decision per (model, version) (`scheduler/scaling.py` writes them),
+        where one was made in the last minute: `{"desired", "live", "reason"}`. One round trip."""
         with translate_redis_errors():
             pipe = self.redis.pipeline(transaction=False)
-            for version in versions:
+            for model, version in versions:
                 pipe.hgetall(keys.replicas(model, version))
             replies = await pipe.execute()
         decisions = {}
-        for version, raw in zip(versions, replies, strict=True):
+        for key, raw in zip(versions, replies, strict=True):
             if raw:
                 data = {k.decode(): v.decode() for k, v in raw.items()}
-                decisions[version] = {"desired": int(data["desired"]), "live": int(data["live"]),
-                                      "reason": data["reason"]}
+                decisions[key] = {"desired": int(data["desired"]), "live": int(data["live"]),
+                                  "reason": data["reason"]}
         return decisions
 
     async def cancel(self, job_id: str, tenant: str) -> str | None:

@@ -84,18 +84,17 @@ async def list_models(_: CurrentKey, state: StateDep) -> dict[str, Any]:
         with state.registry.session() as session:
             return queries.list_models(session)
 
-    models = await to_thread.run_sync(read)
-    for resource in models:
-        await _with_replicas(state, resource)
-    return {"models": models}
+    return {"models": await _with_replicas(state, await to_thread.run_sync(read))}
 
 
-async def _with_replicas(state: AppState, resource: dict[str, Any]) -> dict[str, Any]:
-    """The model resource with the scheduler's last decision for each version."""
-    decisions = await state.broker.scaling_decisions(resource["name"], [v["version"] for v in resource["versions"]])
-    for version in resource["versions"]:
-        version["replicas"] = decisions.get(version["version"])
-    return resource
+async def _with_replicas(state: AppState, resources: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The model resources with the scheduler's last decision for each version, read in one round trip."""
+    keys = [(resource["name"], version["version"]) for resource in resources for version in resource["versions"]]
+    decisions = await state.broker.scaling_decisions(keys)
+    for resource in resources:
+        for version in resource["versions"]:
+            version["replicas"] = decisions.get((resource["name"], version["version"]))
+    return resources
 
 
 @router.post("", status_code=201, response_model=ModelResource)
@@ -118,7 +117,8 @@ async def get_model(model: str, _: CurrentKey, state: StateDep) -> dict[str, Any
         with state.registry.session() as session:
             return queries.model_resource(session, model)
 
-    return await _with_replicas(state, await to_thread.run_sync(read))
+    [resource] = await _with_replicas(state, [await to_thread.run_sync(read)])
+    return resource
 
 
 @router.post("/{model}/versions", status_code=201, response_model=VersionResource)
