@@ -87,6 +87,22 @@ class Settings(BaseSettings):
     webhook_sweep_s: float = Field(default=30.0, gt=0)
     webhook_concurrency: int = Field(default=8, ge=1, le=256)
 
+    # Batch scoring (workers/batches.py). `input_uri`s must be `file://` paths under `batch_root`
+    # (unset: refused); uploads, inline inputs and outputs live under `batch_dir` (default
+    # HOME/batches), which the API and the Celery workers share. A batch keeps at most
+    # `batch_max_in_flight` jobs on its version's bulk lane; at most `batch_max_running` batches
+    # are fed at once; a feeder that stops renewing its lease for `batch_lease_s` is replaced on
+    # the next sweep, which beat sends every `batch_sweep_s` with the due schedules' dispatch.
+    batch_root: Path | None = None
+    batch_dir: Path | None = None
+    batch_max_in_flight: int = Field(default=256, ge=1, le=100_000)
+    batch_max_running: int = Field(default=4, ge=1, le=256)
+    batch_lease_s: float = Field(default=30.0, ge=2)
+    batch_sweep_s: float = Field(default=2.0, gt=0)
+    batch_checkpoint_s: float = Field(default=1.0, gt=0)
+    max_batch_inputs: int = Field(default=100_000, ge=1)
+    max_batch_upload_bytes: int = Field(default=4 * 1024**3, ge=1024)
+
     @field_validator("webhook_allowed_networks", mode="before")
     @classmethod
     def _split_networks(cls, value: object) -> object:
@@ -107,6 +123,10 @@ class Settings(BaseSettings):
         if value is not None and len(value.get_secret_value()) < 16:
             raise ValueError("SLUICE_BOOTSTRAP_ADMIN_KEY must be at least 16 characters")
         return value
+
+    @property
+    def batch_storage(self) -> Path:
+        return (self.batch_dir or self.home / "batches").resolve()
 
     def require_redis_url(self) -> str:
         if not self.redis_url:

@@ -96,6 +96,8 @@ class ModelVersion(Base):
     min_replicas: Mapped[int] = mapped_column(Integer, default=1)
     max_replicas: Mapped[int] = mapped_column(Integer, default=4)
     latency_budget_ms: Mapped[float] = mapped_column(Float, default=2000.0)
+    # Seconds a result is answered again from the response cache; 0: no cache.
+    cache_ttl_s: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     last_error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     updated_at: Mapped[datetime] = mapped_column(
@@ -109,6 +111,7 @@ class ModelVersion(Base):
         CheckConstraint("max_batch_size >= 1", name="batch_size_positive"),
         CheckConstraint("max_wait_ms >= 0", name="wait_non_negative"),
         CheckConstraint("min_replicas >= 0 AND max_replicas >= min_replicas", name="replica_range"),
+        CheckConstraint("cache_ttl_s >= 0", name="cache_ttl_non_negative"),
     )
 
 
@@ -227,3 +230,72 @@ class RolloutDecision(Base):
     audit_id: Mapped[int | None] = mapped_column(ForeignKey("audit_log.id", ondelete="SET NULL"))
 
     __table_args__ = (CheckConstraint(_one_of("action", ROLLOUT_ACTIONS), name="rollout_action"),)
+
+
+BATCH_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+
+
+class Schedule(Base):
+    """A cron schedule of batch runs; `next_slot` is the earliest slot not yet dispatched."""
+
+    __tablename__ = "schedules"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    model: Mapped[str] = mapped_column(ForeignKey("models.name", ondelete="CASCADE"))
+    version: Mapped[str | None] = mapped_column(String(64))
+    cron: Mapped[str] = mapped_column(String(128))
+    timezone: Mapped[str] = mapped_column(String(64))
+    input_uri: Mapped[str] = mapped_column(Text)
+    input_format: Mapped[str | None] = mapped_column(String(16))
+    text_field: Mapped[str] = mapped_column(String(128))
+    output_uri: Mapped[str | None] = mapped_column(Text)
+    output_format: Mapped[str] = mapped_column(String(16))
+    callback_url: Mapped[str | None] = mapped_column(Text)
+    actor: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    next_slot: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+
+
+class Batch(Base):
+    """One batch-scoring run: its input file, its progress, and the feeder's lease and checkpoint.
+
+    `rows_written` rows of output are on disk in `bytes_written` bytes: a feeder that takes over
+    truncates the output there and goes on from that row, so no row is lost or written twice.
+    """
+
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    model: Mapped[str] = mapped_column(String(64))
+    version: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), default="queued", server_default="queued", index=True)
+    total: Mapped[int | None] = mapped_column(BigInteger)
+    done: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    failed: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    input_path: Mapped[str] = mapped_column(Text)
+    input_format: Mapped[str] = mapped_column(String(16))
+    text_field: Mapped[str] = mapped_column(String(128))
+    output_format: Mapped[str] = mapped_column(String(16))
+    output_path: Mapped[str | None] = mapped_column(Text)
+    callback_url: Mapped[str | None] = mapped_column(Text)
+    callback_sent: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
+    metadata_: Mapped[Any] = mapped_column("metadata", JsonDoc, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text)
+    schedule_id: Mapped[str | None] = mapped_column(ForeignKey("schedules.id", ondelete="SET NULL"))
+    slot: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    rows_written: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    bytes_written: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    lease_owner: Mapped[str | None] = mapped_column(String(64))
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    dispatched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        CheckConstraint(_one_of("status", BATCH_STATES), name="batch_status"),
+        UniqueConstraint("schedule_id", "slot", name="one_run_per_slot"),
+        Index("ix_batches_tenant_created", "tenant_id", "created_at"),
+    )
