@@ -12,10 +12,10 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated, Any
 
-import httpx
 import typer
 from rich.console import Console
 
+from launch.api_client import KeyOption, UrlOption, api_client, api_errors
 from sluice.errors import InvalidPolicy, SluiceError
 from sluice.redact import configure_logging
 from sluice.settings import Settings
@@ -266,28 +266,12 @@ def rollout_abort(model: str,
 
 
 @app.command()
-def models(
-    url: Annotated[str | None, typer.Option(
-        envvar="SLUICE_URL", help="The API (default: http://SLUICE_API_HOST:SLUICE_API_PORT, the local one)")] = None,
-    key: Annotated[str | None, typer.Option(
-        envvar="SLUICE_API_KEY", help="An API key (default: the admin, else the demo key in SLUICE_HOME)")] = None,
-) -> None:
+def models(url: UrlOption = None, key: KeyOption = None) -> None:
     """The models by availability tier, with each version's state and replicas (through the API)."""
-    from sluice.client import ClientError, SluiceClient
     from sluice.versions import Tier
 
-    settings = Settings()
-    if key is None:
-        stored = [path for path in (settings.home / "admin.key", settings.home / "demo.key") if path.exists()]
-        if not stored:
-            raise typer.BadParameter(f"no key in {settings.home}: pass --key or set SLUICE_API_KEY", param_hint="--key")
-        key = stored[0].read_text().strip()
-    try:
-        with SluiceClient(base_url=url or f"http://{settings.api_host}:{settings.api_port}", api_key=key) as client:
-            listed = client.models()
-    except (ClientError, httpx.HTTPError) as exc:
-        console.print(f"[red]{exc}[/]")
-        raise typer.Exit(1) from exc
+    with api_errors(console), api_client(url, key) as client:
+        listed = client.models()
     for tier in Tier:
         members = [model for model in listed if model["tier"] == tier]
         console.print(f"[bold]{tier}[/] tier: {', '.join(m['name'] for m in members) or '(none)'}")
