@@ -34,13 +34,21 @@ class BodyLimitMiddleware:
     reading them (bounded) before the app sees them. Raising from `receive` instead would be
     swallowed by FastAPI's body parser and come out as a 400."""
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, max_bytes: int, upload_paths: frozenset[str] = frozenset(),
+                 max_upload_bytes: int = 0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        # File uploads (multipart/form-data to these paths) are streamed by their route, which
+        # counts them against `max_upload_bytes`; only a declared length is checked here.
+        self.upload_paths = upload_paths
+        self.max_upload_bytes = max_upload_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if scope.get("path") in self.upload_paths and _is_multipart(scope):
+            await self._upload(scope, receive, send)
             return
         declared: int | None = None
         for name, value in scope.get("headers", ()):
@@ -75,6 +83,22 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replaying(b"".join(chunks), receive), send)
+
+
+    async def _upload(self, scope: Scope, receive: Receive, send: Send) -> None:
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_upload_bytes:
+                await _send_error(send, 413, "payload_too_large",
+                                  f"the upload is {int(value)} bytes; the limit is {self.max_upload_bytes}")
+                return
+        await self.app(scope, receive, send)
+
+
+def _is_multipart(scope: Scope) -> bool:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-type":
+            return bytes(value).split(b";", 1)[0].strip().lower() == b"multipart/form-data"
+    return False
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:

@@ -108,6 +108,7 @@ def make_settings(*, redis_url: str, database_url: str, home: Path, **overrides:
         # Most suite models have no worker for minutes on end by design (rejection tests, queued
         # jobs); the breaker's no-worker trip is tested with its own API (test_shadow_breaker).
         "breaker_no_worker_grace_s": 3600.0,
+        "batch_root": home / "batch-root",
     }
     values.update(overrides)
     return Settings(**values)

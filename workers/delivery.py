@@ -30,7 +30,9 @@ from sluice.errors import SluiceError
 from sluice.jobs import JobRecord
 from sluice.redact import scrub
 from sluice.registry import queries
+from sluice.registry.batches import batch_resource
 from sluice.registry.store import Registry
+from sluice.registry.tables import Batch
 from sluice.settings import Settings
 from sluice.webhooks import (
     DELIVERY_HEADER,
@@ -219,20 +221,14 @@ class Deliverer:
         return self._record(delivery_id, token, number, "failed", status=status)
 
     def _send(self, delivery_id: str, job_id: str) -> tuple[int, float | None]:
-        with translate_redis_errors():
-            raw = self.redis.hgetall(keys.job(job_id))
-        if not raw:
-            raise _Undeliverable("the job record no longer exists (past result_ttl_s)")
-        record = JobRecord.from_redis(raw)
-        if not record.callback_url:
-            raise _Undeliverable("the job has no callback_url")
-        secret = self._secret(record.tenant)
+        tenant, callback_url, resource = self._subject(job_id)
+        secret = self._secret(tenant)
         if secret is None:
-            raise _Undeliverable("the job's tenant no longer exists")
-        target = parse_callback(record.callback_url)
+            raise _Undeliverable("the tenant no longer exists")
+        target = parse_callback(callback_url)
         address = pin_address(target, self.resolver(target.host, target.port), self.allowed)
-        url = httpx.URL(record.callback_url)
-        body = json.dumps(record.resource(), separators=(",", ":")).encode()
+        url = httpx.URL(callback_url)
+        body = json.dumps(resource, separators=(",", ":")).encode()
         headers = {
             "Host": url.netloc.decode("ascii"),
             "Content-Type": "application/json",
@@ -247,6 +243,24 @@ class Deliverer:
                               extensions=extensions) as response:
             # The answer's body is never read: a receiver cannot make us hold a large one.
             return response.status_code, retry_after_s(response.headers.get("Retry-After"), now=self.clock())
+
+    def _subject(self, subject_id: str) -> tuple[str, str, dict[str, object]]:
+        """The tenant, callback URL and resource of what the delivery reports: a job, or a batch
+        (its callback fires once, when it is final)."""
+        if subject_id.startswith("bat_"):
+            with self.registry.session() as session:
+                batch = session.get(Batch, subject_id)
+                if batch is None or not batch.callback_url:
+                    raise _Undeliverable("the batch no longer exists or has no callback_url")
+                return batch.tenant_id, batch.callback_url, batch_resource(batch)
+        with translate_redis_errors():
+            raw = self.redis.hgetall(keys.job(subject_id))
+        if not raw:
+            raise _Undeliverable("the job record no longer exists (past result_ttl_s)")
+        record = JobRecord.from_redis(raw)
+        if not record.callback_url:
+            raise _Undeliverable("the job has no callback_url")
+        return record.tenant, record.callback_url, record.resource()
 
     def _secret(self, tenant: str) -> str | None:
         """The tenant's signing secret, from the registry, cached for secret_cache_s per process."""

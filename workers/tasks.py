@@ -1,4 +1,5 @@
-"""The Celery app: webhook delivery (workers/delivery.py) run as tasks, watched by Flower.
+"""The Celery app: webhook delivery (workers/delivery.py) and batch scoring (workers/batches.py,
+workers/schedules.py) run as tasks, watched by Flower.
 
     celery -A workers.tasks worker -B -P threads     # delivery, the outbox relay, beat's sweep
     celery -A workers.tasks flower --port=5555
@@ -22,22 +23,30 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
+import redis as redis_sync
 from celery import Celery, Task, bootsteps, signals
 from kombu.exceptions import KombuError
 
 from sluice.connections import connect
 from sluice.errors import BrokerError, BrokerUnavailable
 from sluice.redact import RedactingFilter
+from sluice.registry.batches import to_dispatch
+from sluice.registry.store import Registry
 from sluice.settings import Settings
+from workers.batches import BatchFeeder
 from workers.delivery import Deliverer
 from workers.outbox import OutboxRelay
+from workers.schedules import dispatch_due
 
 log = logging.getLogger(__name__)
 
 DELIVER_TASK = "sluice.deliver_webhook"
 SWEEP_TASK = "sluice.sweep_webhooks"
+RUN_BATCH_TASK = "sluice.run_batch"
+SWEEP_BATCHES_TASK = "sluice.sweep_batches"
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -63,18 +72,25 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_send_sent_event": True,
         # One interval entry needs no schedule file: beat keeps it in memory.
         "beat_scheduler": "celery.beat:Scheduler",
-        "beat_schedule": {"sluice-sweep-webhooks": {"task": SWEEP_TASK, "schedule": settings.webhook_sweep_s}},
+        "beat_schedule": {
+            "sluice-sweep-webhooks": {"task": SWEEP_TASK, "schedule": settings.webhook_sweep_s},
+            # Due schedule slots, batches that need a feeder, batch callbacks; expires so that a
+            # backlog of sweeps left while no worker ran is not worked through one by one.
+            "sluice-sweep-batches": {"task": SWEEP_BATCHES_TASK, "schedule": settings.batch_sweep_s,
+                                     "options": {"expires": max(1.0, settings.batch_sweep_s)}},
+        },
         "timezone": "UTC",
         "enable_utc": True,
     }
 
 
 class _Runtime:
-    """The settings and the per-process Deliverer, both built on first use."""
+    """The settings, the per-process Deliverer and BatchFeeder, built on first use."""
 
     def __init__(self, settings: Settings | None) -> None:
         self._settings = settings
         self._deliverer: Deliverer | None = None
+        self._feeder: BatchFeeder | None = None
         self._lock = threading.Lock()
 
     @property
@@ -91,11 +107,34 @@ class _Runtime:
                 self._deliverer = Deliverer.from_settings(settings)
             return self._deliverer
 
+    def feeder(self) -> BatchFeeder:
+        settings = self.settings
+        with self._lock:
+            if self._feeder is None:
+                self._feeder = BatchFeeder(
+                    redis=redis_sync.Redis.from_url(settings.require_redis_url(), socket_timeout=10.0,
+                                                    socket_connect_timeout=2.0, health_check_interval=15),
+                    registry=Registry(url=settings.require_database_url(), pool_size=4),
+                    storage=settings.batch_storage, batch_root=settings.batch_root,
+                    max_in_flight=settings.batch_max_in_flight, max_running=settings.batch_max_running,
+                    lease_s=settings.batch_lease_s, checkpoint_s=settings.batch_checkpoint_s,
+                    result_ttl_s=settings.result_ttl_s, max_text_chars=settings.max_text_chars,
+                )
+            return self._feeder
+
+    def stop_feeding(self) -> None:
+        with self._lock:
+            if self._feeder is not None:
+                self._feeder.request_stop()
+
     def close(self) -> None:
         with self._lock:
             if self._deliverer is not None:
                 self._deliverer.close()
                 self._deliverer = None
+            if self._feeder is not None:
+                self._feeder.close()
+                self._feeder = None
 
 
 def _relay_step(runtime: _Runtime, publish: Callable[[str, str], None]) -> type[bootsteps.StartStopStep]:
@@ -169,7 +208,33 @@ def create_app(*, settings: Settings | None = None) -> Celery:
             log.warning("re-sent %d overdue webhook deliveries", len(overdue))
         return len(overdue)
 
+    @app.task(name=RUN_BATCH_TASK, ignore_result=True)
+    def run_batch(batch_id: str) -> str:
+        """Feed one batch to its end (or until this worker stops: the next sweep re-sends it)."""
+        return runtime.feeder().run(batch_id)
+
+    @app.task(name=SWEEP_BATCHES_TASK, ignore_result=True)
+    def sweep_batches() -> dict[str, int]:
+        """Create the batches of due schedule slots, send every batch that needs a feeder, and
+        queue the callbacks of finished batches."""
+        feeder = runtime.feeder()
+        scheduled = dispatch_due(feeder.registry, batch_root=feeder.batch_root, now=datetime.now(UTC))
+        with feeder.registry.session() as session:
+            waiting = to_dispatch(session, now=datetime.now(UTC), lease_s=feeder.lease_s)
+        for batch_id in waiting:
+            try:
+                run_batch.apply_async((batch_id,))
+            except (KombuError, OSError) as exc:
+                raise BrokerUnavailable(f"could not queue batch {batch_id}: {exc}") from exc
+        return {"scheduled": len(scheduled), "sent": len(waiting), "callbacks": feeder.send_callbacks()}
+
     app.steps["worker"].add(_relay_step(runtime, publish))
+
+    @signals.worker_shutting_down.connect(weak=False)
+    def _stop_feeding(**_: Any) -> None:
+        # Celery's warm shutdown waits for running tasks: a feeder stops at its next checkpoint
+        # and hands its batch back rather than holding the worker for the rest of the batch.
+        runtime.stop_feeding()
 
     @signals.worker_shutdown.connect(weak=False)
     def _close(**_: Any) -> None:

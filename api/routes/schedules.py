@@ -1,0 +1,108 @@
+"""Cron schedules of batch runs (admin). Each due slot becomes one batch (workers/schedules.py),
+listed under `GET /v1/batches?schedule_id=`."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from anyio import to_thread
+from fastapi import APIRouter
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
+
+from api.deps import AdminKey, StateDep
+from api.middleware import StrictJsonRoute
+from api.resources import ErrorResource, ScheduleList, ScheduleResource
+from api.responses import JsonResponse
+from sluice import batch_files
+from sluice.batch_files import Format
+from sluice.errors import InvalidInput
+from sluice.registry import batches as queries
+from sluice.webhooks import CallbackRefused, allowed_networks, check_callback_url
+
+router = APIRouter(prefix="/v1", tags=["schedules"], route_class=StrictJsonRoute)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    403: {"model": ErrorResource, "description": "Not an admin key"},
+    404: {"model": ErrorResource, "description": "Unknown model, tenant or schedule"},
+    422: {"model": ErrorResource, "description": "Invalid cron expression, time zone or URI template"},
+}
+
+
+class CreateSchedule(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=64)
+    version: str | None = Field(default=None, min_length=1, max_length=64,
+                                description="Default: each run is routed like the tenant's jobs")
+    cron: str = Field(min_length=1, max_length=128, description="Five fields (minute to weekday), or six with "
+                                                                "seconds last, as croniter reads them")
+    timezone: str = Field(default="UTC", min_length=1, max_length=64, description="An IANA zone, e.g. Europe/Paris")
+    input_uri: str = Field(min_length=1, max_length=4096, description="A file:// template under SLUICE_BATCH_ROOT, "
+                                                                      "e.g. file:///data/in/{date}.parquet")
+    format: Format | None = None
+    text_field: str = Field(default="text", min_length=1, max_length=128)
+    output_uri: str | None = Field(default=None, max_length=4096, description="Where each run's output is also "
+                                                                               "written (a template, like input_uri)")
+    output_format: Format = "jsonl"
+    callback_url: AnyHttpUrl | None = None
+    tenant: str | None = Field(default=None, min_length=1, max_length=64,
+                               description="Whose batches the runs are (default: the admin key's tenant)")
+
+
+@router.post("/schedules", status_code=201, response_model=ScheduleResource, responses=_ERRORS)
+async def create_schedule(body: CreateSchedule, key: AdminKey, state: StateDep) -> JsonResponse:
+    now = datetime.now(UTC)
+    root = state.settings.batch_root
+    # Checked now with this moment's date, so a template error is a 422 and not a failed run at night.
+    batch_files.local_path(batch_files.render_template(body.input_uri, now), root=root, must_exist=False)
+    if body.output_uri is not None:
+        batch_files.local_path(batch_files.render_template(body.output_uri, now), root=root, must_exist=False)
+    if body.callback_url is not None:
+        try:
+            check_callback_url(str(body.callback_url),
+                               allowed=allowed_networks(state.settings.webhook_allowed_networks))
+        except CallbackRefused as exc:
+            raise InvalidInput(str(exc)) from None
+    spec = queries.NewSchedule(
+        tenant=body.tenant or key.tenant, model=body.model, version=body.version, cron=body.cron,
+        timezone=body.timezone, input_uri=body.input_uri, input_format=body.format, text_field=body.text_field,
+        output_uri=body.output_uri, output_format=body.output_format,
+        callback_url=str(body.callback_url) if body.callback_url else None,
+    )
+
+    def write() -> dict[str, Any]:
+        with state.registry.session() as session:
+            return queries.schedule_resource(queries.create_schedule(session, spec, actor=f"key:{key.key_id}",
+                                                                     now=now))
+
+    resource = await to_thread.run_sync(write)
+    return JsonResponse(resource, status_code=201, headers={"Location": f"/v1/schedules/{resource['id']}"})
+
+
+@router.get("/schedules", response_model=ScheduleList)
+async def list_schedules(key: AdminKey, state: StateDep) -> dict[str, Any]:
+    def read() -> dict[str, Any]:
+        with state.registry.session() as session:
+            return {"schedules": [queries.schedule_resource(row) for row in queries.list_schedules(session)]}
+
+    return await to_thread.run_sync(read)
+
+
+@router.get("/schedules/{schedule_id}", response_model=ScheduleResource, responses=_ERRORS)
+async def get_schedule(schedule_id: str, key: AdminKey, state: StateDep) -> dict[str, Any]:
+    def read() -> dict[str, Any]:
+        with state.registry.session() as session:
+            return queries.schedule_resource(queries.get_schedule(session, schedule_id))
+
+    return await to_thread.run_sync(read)
+
+
+@router.delete("/schedules/{schedule_id}", response_model=ScheduleResource, responses=_ERRORS)
+async def delete_schedule(schedule_id: str, key: AdminKey, state: StateDep) -> dict[str, Any]:
+    """No more runs; runs already made stay (and keep running). Answers the schedule as it was."""
+    def write() -> dict[str, Any]:
+        with state.registry.session() as session:
+            return queries.schedule_resource(queries.delete_schedule(session, schedule_id))
+
+    return await to_thread.run_sync(write)
