@@ -66,7 +66,8 @@ def upgrade() -> None:
         sa.Column("callback_sent", sa.Boolean(), nullable=False, server_default=sa.false()),
         sa.Column("metadata", _JSON, nullable=True),
         sa.Column("error", sa.Text(), nullable=True),
-        sa.Column("schedule_id", sa.String(32), sa.ForeignKey("schedules.id", ondelete="SET NULL"), nullable=True),
+        # No foreign key: a deleted schedule's runs stay listed under its id.
+        sa.Column("schedule_id", sa.String(32), nullable=True),
         sa.Column("slot", _WHEN, nullable=True),
         sa.Column("rows_written", sa.BigInteger(), nullable=False, server_default="0"),
         sa.Column("bytes_written", sa.BigInteger(), nullable=False, server_default="0"),
