@@ -286,7 +286,8 @@ class Batch(Base):
     callback_sent: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
     metadata_: Mapped[Any] = mapped_column("metadata", JsonDoc, nullable=True)
     error: Mapped[str | None] = mapped_column(Text)
-    schedule_id: Mapped[str | None] = mapped_column(ForeignKey("schedules.id", ondelete="SET NULL"))
+    # No foreign key: a deleted schedule's runs stay listed under its id.
+    schedule_id: Mapped[str | None] = mapped_column(String(32))
     slot: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     rows_written: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     bytes_written: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
