@@ -53,6 +53,9 @@ class Platform:
     def __init__(self, *, settings: Settings) -> None:
         self.settings = settings
         self.home = settings.home.resolve()
+        # Where batch `input_uri`s and schedules may read and write: SLUICE_BATCH_ROOT, else a
+        # folder of the home, so that a schedule works out of the box.
+        self.batch_root = (settings.batch_root or self.home / "batch-root").resolve()
         self.stores: EmbeddedStores | None = None
         self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
         self._stop_within: dict[str, float] = {}
@@ -100,11 +103,13 @@ class Platform:
             database_url=self.settings.database_url,
             stop_grace_s=self.settings.shutdown_grace_s + STOP_SLACK_S,
         )
+        self.batch_root.mkdir(parents=True, exist_ok=True)
         env = dict(
             os.environ,
             SLUICE_REDIS_URL=self.stores.redis_url,
             SLUICE_DATABASE_URL=self.stores.database_url,
             SLUICE_HOME=str(self.home),
+            SLUICE_BATCH_ROOT=str(self.batch_root),
         )
         upgrade(self.stores.database_url)
         registry = Registry(url=self.stores.database_url, pool_size=1)
