@@ -21,6 +21,7 @@ from pydantic.json_schema import SkipJsonSchema
 from sluice.jobs import CLOSE_REASONS, JobStatus
 from sluice.keys import Lane
 from sluice.kinds import ModelKind
+from sluice.registry.tables import ROLLOUT_ACTIONS, ROLLOUT_STATES
 from sluice.versions import Tier, VersionState
 
 __all__ = [
@@ -33,6 +34,8 @@ __all__ = [
     "JobSet",
     "ModelList",
     "ModelResource",
+    "RolloutDecisionResource",
+    "RolloutResource",
     "RoutingChange",
     "StatsResource",
     "Timings",
@@ -219,6 +222,42 @@ class VersionChange(VersionResource):
     """The version after a change, and the audit row that records it."""
 
     audit: AuditResource
+
+
+# --- rollouts ------------------------------------------------------------------------------------
+
+
+class RolloutDecisionResource(BaseModel):
+    """One decision of a rollout: its start, each look of the controller, a promotion, a rollback
+    or an abort, with the evidence it was taken on."""
+
+    id: int
+    at: str = Field(json_schema_extra=_ISO)
+    step_index: int = Field(description="The step the rollout was at when this was decided; -1: the shadow phase")
+    action: str = Field(json_schema_extra={"enum": list(ROLLOUT_ACTIONS)})
+    reason: str
+    audit_id: int | None = Field(description="The audit row of the routing change it made, if it made one")
+    evidence: dict[str, Any] = Field(description="What the decision saw: the policy at the start; soak, samples, "
+                                                 "live workers and every test's statistic, p-value, effect and "
+                                                 "margin at a look; the restored weights at an abort")
+
+
+class RolloutResource(BaseModel):
+    """A canary rollout of a model and its latest decisions, oldest first."""
+
+    id: int
+    model: str
+    canary: str
+    stable: str
+    state: str = Field(json_schema_extra={"enum": list(ROLLOUT_STATES)})
+    step_index: int = Field(description="Index into `policy.steps`; -1: the shadow phase, before any canary weight")
+    weight: float = Field(description="The canary's percentage of traffic at this step")
+    policy: dict[str, Any] = Field(description="Steps, soak, sample bars, alpha and margins, as started")
+    started_at: str = Field(json_schema_extra=_ISO)
+    step_started_at: str = Field(json_schema_extra=_ISO)
+    finished_at: str | None = Field(json_schema_extra=_ISO)
+    reason: str | None = Field(description="Why it finished, once it has")
+    decisions: list[RolloutDecisionResource]
 
 
 # --- stats ---------------------------------------------------------------------------------------

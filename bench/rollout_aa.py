@@ -33,8 +33,9 @@ import numpy as np
 from scipy import stats as sps
 
 from bench.common import command_line, machine_info, table, write_json
-from scheduler.guardrails import SHADOW_STEP, Policy
+from scheduler.guardrails import SHADOW_STEP
 from scheduler.simulate import SimulationResult, VersionProfile, simulate
+from sluice.rollout_policy import Policy
 
 LABELS = {"billing": 0.4, "tech": 0.3, "account": 0.2, "other": 0.1}
 CLASSIFIER = VersionProfile(error_rate=0.01, labels=LABELS)

@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
-import getpass
 import logging
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.console import Console
 
 from launch.api_client import KeyOption, UrlOption, api_client, api_errors
-from sluice.errors import InvalidPolicy, SluiceError
+from sluice.errors import InvalidPolicy
 from sluice.redact import configure_logging
 from sluice.settings import Settings
 from sluice.shutdown import install_two_stage
-
-if TYPE_CHECKING:
-    from sqlalchemy.orm import Session
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Sluice: asynchronous inference.")
 console = Console(soft_wrap=True)
@@ -144,52 +136,10 @@ def up(exit_after_demo: Annotated[bool, typer.Option(help="Stop after the demo (
     console.print("stopped")
 
 
-# --- rollouts: straight to the registry; the scheduler's controller does the stepping --------------
+# --- rollouts: through the API; the scheduler's controller does the stepping -----------------------
 
 rollout_app = typer.Typer(no_args_is_help=True, help="Canary rollouts: start one, watch it, abort it.")
 app.add_typer(rollout_app, name="rollout")
-
-
-def _operator() -> str:
-    try:
-        return f"cli:{getpass.getuser()}"
-    except (KeyError, OSError):  # no passwd entry, as in some containers
-        return "cli"
-
-
-def _announce(settings: Settings, model: str) -> None:
-    """Best effort: API replicas also pick the change up on their periodic routing refresh."""
-    if not settings.redis_url:
-        return
-    from sluice.connections import connect
-    from sluice.events import announce_routing
-
-    async def send(url: str) -> None:
-        client = connect(url, max_connections=1)
-        try:
-            await announce_routing(client, model)
-        finally:
-            await client.aclose()
-
-    try:
-        asyncio.run(send(settings.redis_url))
-    except SluiceError as exc:
-        console.print(f"[yellow]routing change not announced ({exc}); replicas reload it on their refresh[/]")
-
-
-@contextmanager
-def _rollout_session() -> Iterator[Session]:
-    from sluice.registry.store import Registry
-
-    registry = Registry(url=Settings().require_database_url(), pool_size=1)
-    try:
-        with registry.session() as session:
-            yield session
-    except SluiceError as exc:
-        console.print(f"[red]{exc}[/]")
-        raise typer.Exit(1) from exc
-    finally:
-        registry.dispose()
 
 
 @rollout_app.command("start")
@@ -200,45 +150,39 @@ def rollout_start(
     steps: Annotated[str | None, typer.Option(help="Canary percentages, e.g. 1,5,25,100")] = None,
     soak_s: Annotated[float | None, typer.Option("--soak-s", min=0, help="Least seconds per step")] = None,
     min_samples: Annotated[int | None, typer.Option(min=1, help="Least samples per version and step")] = None,
+    reason: Annotated[str | None, typer.Option(help="Why, for the audit log")] = None,
+    url: UrlOption = None, key: KeyOption = None,
 ) -> None:
     """Start a canary rollout (in the shadow phase first when the canary is in state `shadow`)."""
-    from scheduler.guardrails import Policy
-    from sluice.registry import rollouts
+    from sluice.rollout_policy import Policy
 
-    overrides: dict[str, Any] = {}
+    percentages = None
     if steps is not None:
         try:
-            overrides["steps"] = tuple(float(part) for part in steps.split(","))
+            percentages = [float(part) for part in steps.split(",")]
         except ValueError as exc:
             raise typer.BadParameter("steps must be comma-separated numbers", param_hint="--steps") from exc
-    if soak_s is not None:
-        overrides["soak_s"] = soak_s
-    if min_samples is not None:
-        overrides["min_samples"] = min_samples
-        overrides["min_test_samples"] = min(Policy().min_test_samples, min_samples)
+    # The API checks the policy too; checking it here first makes a bad one a usage error.
     try:
-        policy = Policy(**overrides)
+        Policy.chosen(steps=percentages, soak_s=soak_s, min_samples=min_samples)
     except InvalidPolicy as exc:
         raise typer.BadParameter(str(exc)) from exc
-    with _rollout_session() as session:
-        row = rollouts.start_rollout(session, model=model, canary=canary, stable=stable, policy=policy.to_dict(),
-                                     actor=_operator(), now=datetime.now(UTC))
-        rollout_id, stable_version, step = row.id, row.stable, row.step_index
-    _announce(Settings(), model)
-    phase = "the shadow phase" if step < 0 else f"{policy.steps[0]:g} %"
-    console.print(f"rollout {rollout_id} of {model}: '{canary}' against '{stable_version}', starting at {phase}")
+    with api_errors(console), api_client(url, key) as client:
+        rollout = client.start_rollout(model, canary, stable=stable, steps=percentages, soak_s=soak_s,
+                                       min_samples=min_samples, reason=reason)
+    phase = "the shadow phase" if rollout["step_index"] < 0 else f"{rollout['weight']:g} %"
+    console.print(f"rollout {rollout['id']} of {model}: '{canary}' against '{rollout['stable']}', "
+                  f"starting at {phase}")
 
 
 @rollout_app.command("status")
 def rollout_status(model: str,
-                   decisions: Annotated[int, typer.Option(min=0, help="How many recent decisions")] = 10,
-                   as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False) -> None:
+                   decisions: Annotated[int, typer.Option(min=0, max=1000, help="How many recent decisions")] = 10,
+                   as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
+                   url: UrlOption = None, key: KeyOption = None) -> None:
     """The model's latest rollout and its recent decisions."""
-    from sluice.registry import rollouts
-
-    with _rollout_session() as session:
-        row = rollouts.latest_rollout(session, model)
-        resource = rollouts.rollout_resource(row, rollouts.decisions(session, row.id, limit=decisions))
+    with api_errors(console), api_client(url, key) as client:
+        resource = client.rollout(model, decisions=decisions)
     if as_json:
         console.print_json(data=resource)
         return
@@ -254,14 +198,12 @@ def rollout_status(model: str,
 
 @rollout_app.command("abort")
 def rollout_abort(model: str,
-                  reason: Annotated[str | None, typer.Option(help="Why, for the audit log")] = None) -> None:
+                  reason: Annotated[str | None, typer.Option(help="Why, for the audit log")] = None,
+                  url: UrlOption = None, key: KeyOption = None) -> None:
     """Stop the running rollout and restore the weights from before it started."""
-    from sluice.registry import rollouts
-
-    with _rollout_session() as session:
-        row = rollouts.abort_rollout(session, model=model, actor=_operator(), now=datetime.now(UTC), reason=reason)
-        weights = dict(row.initial_weights)
-    _announce(Settings(), model)
+    with api_errors(console), api_client(url, key) as client:
+        rollout = client.abort_rollout(model, reason=reason)
+    weights = rollout["decisions"][-1]["evidence"]["restored_weights"]
     console.print(f"rollout of {model} aborted; weights restored to {weights}")
 
 
@@ -282,6 +224,34 @@ def models(url: UrlOption = None, key: KeyOption = None) -> None:
                           if replicas else "no scaling decision in the last minute")
                 console.print(f"  {model['name']} {version['version']} ({version['state']}, "
                               f"{model['routing'].get(version['version'], 0):g} % of traffic): {scaled}")
+
+
+@app.command()
+def stats(model: str, version: str,
+          window_s: Annotated[float | None, typer.Option("--window-s", help="Over the last this many seconds "
+                                                                        "(default: the API's, 300)")] = None,
+          as_json: Annotated[bool, typer.Option("--json", help="Print the stats resource as JSON")] = False,
+          url: UrlOption = None, key: KeyOption = None) -> None:
+    """One version's exact latency percentiles, error rate, throughput and batches (through the API)."""
+    with api_errors(console), api_client(url, key) as client:
+        body = client.stats(model, version, window_s=window_s)
+    if as_json:
+        console.print_json(data=body)
+        return
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    console.print(f"{model} {version} over {body['window_s']:g} s: {body['count']} jobs, {body['errors']} errors "
+                  f"(error rate {body['error_rate']:.2%}), {body['throughput_per_s']:.2f} jobs/s")
+    console.print(f"  {'ms':<12} {'p50':>9} {'p95':>9} {'p99':>9}")
+    for name, label in (("queue_wait_ms", "queue wait"), ("model_ms", "model"), ("total_ms", "total")):
+        cut = body[name]
+        console.print(f"  {label:<12} {ms(cut['p50']):>9} {ms(cut['p95']):>9} {ms(cut['p99']):>9}")
+    reasons = ", ".join(f"{reason} {count}" for reason, count in body["close_reasons"].items())
+    console.print(f"  batch size mean {body['batch_size']['mean']:.2f}; closed on {reasons}")
+    if body["count"] < body["p99_min_samples"]:
+        console.print(f"  (p99 needs at least {body['p99_min_samples']} jobs in the window)")
 
 
 @app.command()

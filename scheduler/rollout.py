@@ -26,13 +26,14 @@ from datetime import UTC, datetime
 
 import redis.asyncio as aioredis
 
-from scheduler.guardrails import Decision, Evidence, Policy, Position, decide
+from scheduler.guardrails import Decision, Evidence, Position, decide
 from sluice import heartbeats
 from sluice.connections import connect
 from sluice.errors import BrokerError, InvalidPolicy, SluiceError
 from sluice.events import announce_routing
 from sluice.registry import rollouts
 from sluice.registry.store import Registry
+from sluice.rollout_policy import Policy
 from sluice.samples import Sample, read_samples
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,9 @@ from typing import Literal
 
 import numpy as np
 
-from scheduler.guardrails import Decision, Evidence, Policy, Position, decide
+from scheduler.guardrails import Decision, Evidence, Position, decide
 from sluice.registry.rollouts import SHADOW_STEP
+from sluice.rollout_policy import Policy
 
 STREAM_CAP = 20_000  # the workers' samples stream keeps about this many (workers/consumer.py)
 

@@ -14,12 +14,14 @@ final; waiting on many jobs (`wait_many`, `as_completed`) holds one long-poll fo
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import httpx
 
+from sluice.client_admin import AdminCalls, AsyncAdminCalls
 from sluice.errors import SluiceError
 from sluice.jobs import MAX_WAIT_IDS
 from sluice.webhooks import retry_after_s, verify
@@ -109,6 +111,23 @@ def _job_params(wait_s: float) -> dict[str, float] | None:
     return {"wait": wait_s} if wait_s else None
 
 
+class _EventStream:
+    """Server-sent events read line by line: `feed` answers an event's parsed data once the blank
+    line that ends it arrives. The API sends one `data:` line per event (the job resource), but
+    the format allows several, joined by newlines."""
+
+    def __init__(self) -> None:
+        self.data: list[str] = []
+
+    def feed(self, line: str) -> dict[str, Any] | None:
+        if line.startswith("data:"):
+            self.data.append(line[5:].removeprefix(" "))
+        elif not line and self.data:
+            data, self.data = "\n".join(self.data), []
+            return dict(json.loads(data))
+        return None
+
+
 class _Waiting:
     """One wait on many jobs, whichever client makes the requests: what to ask next and what each
     answer settled. A request names at most MAX_WAIT_IDS jobs, the first still pending in the
@@ -147,7 +166,7 @@ class _Waiting:
         return [self.done[job_id] for job_id in self.ids]
 
 
-class SluiceClient:
+class SluiceClient(AdminCalls):
     def __init__(self, *, base_url: str, api_key: str, timeout_s: float = 30.0, retries: int = 3,
                  max_retry_wait_s: float = 30.0, transport: httpx.BaseTransport | None = None) -> None:
         self._timeout_s = timeout_s
@@ -230,17 +249,23 @@ class SluiceClient:
     def cancel(self, job_id: str) -> dict[str, Any]:
         return dict(self._call("DELETE", f"/v1/jobs/{job_id}"))
 
-    def model(self, name: str) -> dict[str, Any]:
-        return dict(self._call("GET", f"/v1/models/{name}"))
+    def events(self, job_id: str) -> Iterator[dict[str, Any]]:
+        """The job resource at each of its state changes (server-sent events), the current state
+        first, until it is final; the stream's keep-alives are skipped."""
+        with self._http.stream("GET", f"/v1/jobs/{job_id}/events") as response:
+            if response.status_code >= 400:
+                response.read()
+                _decode(response)
+            events = _EventStream()
+            for line in response.iter_lines():
+                job = events.feed(line)
+                if job is not None:
+                    yield job
 
-    def models(self) -> list[dict[str, Any]]:
-        return list(self._call("GET", "/v1/models")["models"])
-
-    def set_routing(self, model: str, weights: dict[str, float], reason: str | None = None) -> dict[str, Any]:
-        return dict(self._call("PUT", f"/v1/models/{model}/routing", json={"weights": weights, "reason": reason}))
 
 
-class AsyncClient:
+
+class AsyncClient(AsyncAdminCalls):
     """The asyncio client: one connection pool shared by every call, so many jobs can be in
     flight from one event loop. Use it as an async context manager (or call `aclose`).
 
@@ -342,10 +367,28 @@ class AsyncClient:
     async def cancel(self, job_id: str) -> dict[str, Any]:
         return dict(await self._call("DELETE", f"/v1/jobs/{job_id}"))
 
+    async def events(self, job_id: str) -> AsyncIterator[dict[str, Any]]:
+        """The job resource at each of its state changes (server-sent events), the current state
+        first, until it is final; the stream's keep-alives are skipped."""
+        async with self._http.stream("GET", f"/v1/jobs/{job_id}/events") as response:
+            if response.status_code >= 400:
+                await response.aread()
+                _decode(response)
+            events = _EventStream()
+            async for line in response.aiter_lines():
+                job = events.feed(line)
+                if job is not None:
+                    yield job
+
+
+# The name the README and most callers use.
+Client = SluiceClient
+
 
 __all__ = [
     "AsyncClient",
     "AuthError",
+    "Client",
     "ClientError",
     "ConflictError",
     "InvalidRequest",

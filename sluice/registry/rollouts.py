@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from sluice.errors import BadRequest, Conflict, NotFound
 from sluice.registry import queries
-from sluice.registry.tables import AuditEntry, ModelVersion, Rollout, RolloutDecision
+from sluice.registry.tables import AuditEntry, Model, ModelVersion, Rollout, RolloutDecision
 from sluice.versions import PRIMARY_STATES, VersionState
 
 SHADOW_STEP = -1  # the step index of the phase before any canary weight: the candidate sees shadow copies
@@ -76,8 +76,9 @@ def _record(session: Session, rollout: Rollout, *, at: datetime, action: str, re
 
 
 def start_rollout(session: Session, *, model: str, canary: str, policy: dict[str, Any], actor: str,
-                  now: datetime, stable: str | None = None) -> Rollout:
-    """Start at the first step, or in the shadow phase when the canary is in state `shadow`."""
+                  now: datetime, stable: str | None = None, reason: str | None = None) -> Rollout:
+    """Start at the first step, or in the shadow phase when the canary is in state `shadow`.
+    `reason` (the operator's why) goes into the start decision and its audit row."""
     if session.scalar(select(Rollout.id).where(Rollout.model == model, Rollout.state == "running")):
         raise Conflict(f"model '{model}' already has a running rollout")
     candidate = queries.get_version(session, model, canary)
@@ -99,17 +100,18 @@ def start_rollout(session: Session, *, model: str, canary: str, policy: dict[str
                       started_at=now, step_started_at=now)
     session.add(rollout)
     session.flush()
+    why = f": {reason}" if reason else ""
     audit = None
     if step != SHADOW_STEP:
         if candidate.state != VersionState.canary:
             queries.update_version(session, model=model, version=canary, actor=actor, state=VersionState.canary,
-                                   reason=f"rollout {rollout.id} started")
+                                   reason=f"rollout {rollout.id} started{why}")
         audit = queries.set_routing(session, model=model, weights=_step_weights(rollout, step), actor=actor,
                                     reason=f"rollout {rollout.id}: canary '{canary}' at "
-                                           f"{step_weight(rollout, step):g} %")
+                                           f"{step_weight(rollout, step):g} %{why}")
     _record(session, rollout, at=now, action="start", audit=audit, evidence={"policy": policy},
             reason=f"canary '{canary}' against stable '{stable}'"
-                   + (" (shadow phase first)" if step == SHADOW_STEP else ""))
+                   + (" (shadow phase first)" if step == SHADOW_STEP else "") + why)
     return rollout
 
 
@@ -192,7 +194,9 @@ def abort_rollout(session: Session, *, model: str, actor: str, now: datetime, re
     rollout = session.scalars(select(Rollout).where(Rollout.model == model, Rollout.state == "running")
                               .with_for_update()).first()
     if rollout is None:
-        raise NotFound(f"model '{model}' has no running rollout")
+        if session.get(Model, model) is None:
+            raise NotFound(f"model '{model}' does not exist")
+        raise Conflict(f"model '{model}' has no running rollout")
     why = reason or "aborted by an operator"
     weights = {v: float(w) for v, w in rollout.initial_weights.items()}
     audit = queries.set_routing(session, model=model, weights=weights, actor=actor,
@@ -222,6 +226,6 @@ def rollout_resource(rollout: Rollout, history: list[RolloutDecision]) -> dict[s
         "reason": rollout.reason,
         "decisions": [
             {"id": d.id, "at": d.at.isoformat(), "step_index": d.step_index, "action": d.action,
-             "reason": d.reason, "audit_id": d.audit_id} for d in history
+             "reason": d.reason, "audit_id": d.audit_id, "evidence": d.evidence} for d in history
         ],
     }

@@ -7,10 +7,10 @@ from contextlib import contextmanager
 
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from sluice.errors import Conflict, RegistryError, RegistryUnavailable
+from sluice.errors import BadRequest, Conflict, RegistryError, RegistryUnavailable
 
 
 def normalise_url(url: str) -> str:
@@ -48,6 +48,11 @@ class Registry:
         except IntegrityError as exc:
             session.rollback()
             raise Conflict(f"the registry refused the change: {exc.orig}") from exc
+        except DataError as exc:
+            # A value Postgres cannot hold (a NUL in a name from a URL path, a number out of
+            # range) is the caller's mistake, not an outage.
+            session.rollback()
+            raise BadRequest(f"the registry refused a value: {exc.orig}") from exc
         except OperationalError as exc:
             session.rollback()
             raise RegistryUnavailable(f"Postgres is unreachable: {exc.orig}") from exc

@@ -13,11 +13,12 @@ import httpx
 import pytest
 
 from bench.common import skewed_texts
-from scheduler.guardrails import SHADOW_STEP, Policy, Position, decide
+from scheduler.guardrails import SHADOW_STEP, Position, decide
 from scheduler.rollout import RolloutController, evidence_from_samples
 from sluice import connections
 from sluice.registry import rollouts
 from sluice.registry.store import Registry
+from sluice.rollout_policy import Policy
 from sluice.samples import read_samples
 from tests.support import unique
 

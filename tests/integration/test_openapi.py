@@ -32,6 +32,9 @@ RESOURCE_ROUTES = {
     ("put", "/v1/models/{model}/routing", "200"): "RoutingChange",
     ("post", "/v1/models/{model}/rollback", "200"): "RoutingChange",
     ("get", "/v1/models/{model}/versions/{version}/stats", "200"): "StatsResource",
+    ("post", "/v1/models/{model}/rollouts", "201"): "RolloutResource",
+    ("get", "/v1/models/{model}/rollouts/current", "200"): "RolloutResource",
+    ("delete", "/v1/models/{model}/rollouts/current", "200"): "RolloutResource",
 }
 
 

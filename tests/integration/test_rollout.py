@@ -21,10 +21,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from sqlalchemy import select
-from typer.testing import CliRunner
 
-from launch.cli import app
-from scheduler.guardrails import Policy
 from scheduler.rollout import Look, RolloutController
 from sluice import keys
 from sluice.connections import connect
@@ -33,6 +30,7 @@ from sluice.events import channel as events_channel
 from sluice.registry import queries, rollouts
 from sluice.registry.store import Registry
 from sluice.registry.tables import AuditEntry, Rollout, RolloutDecision
+from sluice.rollout_policy import Policy
 
 POLICY = Policy(steps=(10, 50, 100), soak_s=60, min_samples=60, min_test_samples=50, look_interval_s=10)
 LABELS = {"billing": 0.4, "tech": 0.3, "account": 0.2, "other": 0.1}
@@ -430,41 +428,6 @@ def test_a_manual_rollback_after_a_completed_rollout_restores_the_replaced_versi
     again = admin.post(f"/v1/models/{model}/rollback")
     assert again.status_code == 200, again.text
     assert again.json()["routing"] == {"v1": 100.0}, "a second rollback stays on the restored version"
-
-
-def test_the_cli_starts_shows_and_aborts_a_rollout(registry: Registry, redis_url: str, database_url: str) -> None:
-    model = make_model(registry)
-    runner = CliRunner()
-    env = {"SLUICE_DATABASE_URL": database_url, "SLUICE_REDIS_URL": redis_url}
-    started = runner.invoke(
-        app,
-        ["rollout", "start", model, "v2", "--steps", "2,20,100", "--soak-s", "120", "--min-samples", "100"],
-        env=env,
-    )
-    assert started.exit_code == 0, started.output
-    assert "'v2' against 'v1', starting at 2 %" in started.output
-    assert weights(registry, model) == {"v1": 98.0, "v2": 2.0}
-
-    status = runner.invoke(app, ["rollout", "status", model, "--json"], env=env)
-    assert status.exit_code == 0, status.output
-    body = json.loads(status.output)
-    assert (body["state"], body["weight"], body["stable"]) == ("running", 2.0, "v1")
-    assert body["policy"]["steps"] == [2.0, 20.0, 100.0] and body["policy"]["soak_s"] == 120
-    assert [d["action"] for d in body["decisions"]] == ["start"]
-    assert body["decisions"][0]["audit_id"] is not None
-
-    again = runner.invoke(app, ["rollout", "start", model, "v2"], env=env)
-    assert again.exit_code == 1 and "already has a running rollout" in again.output
-    bad = runner.invoke(app, ["rollout", "start", model, "v2", "--steps", "5,1,100"], env=env)
-    assert bad.exit_code == 2 and "steps must increase" in bad.output
-
-    aborted = runner.invoke(app, ["rollout", "abort", model, "--reason", "test"], env=env)
-    assert aborted.exit_code == 0, aborted.output
-    assert weights(registry, model) == {"v1": 100.0}
-    shown = runner.invoke(app, ["rollout", "status", model], env=env)
-    assert shown.exit_code == 0 and "aborted" in shown.output
-    missing = runner.invoke(app, ["rollout", "abort", model], env=env)
-    assert missing.exit_code == 1 and "no running rollout" in missing.output
 
 
 def test_the_scheduler_process_runs_the_controller(registry: Registry, redis_url: str) -> None:

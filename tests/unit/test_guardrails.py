@@ -13,10 +13,7 @@ from scipy.special import betaln
 
 from scheduler.guardrails import (
     SHADOW_STEP,
-    STEP_TESTS,
-    TESTS_PER_PHASE,
     Evidence,
-    Policy,
     Position,
     decide,
     event_rate_greater,
@@ -36,6 +33,7 @@ from scheduler.sequential import (
 )
 from scheduler.simulate import VersionProfile, simulate
 from sluice.errors import InvalidPolicy
+from sluice.rollout_policy import STEP_TESTS, TESTS_PER_PHASE, Policy
 
 LABELS = {"billing": 0.4, "tech": 0.3, "account": 0.2, "other": 0.1}
 CLASSIFIER = VersionProfile(error_rate=0.01, labels=LABELS)
