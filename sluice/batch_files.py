@@ -179,7 +179,8 @@ def _parquet(path: Path) -> Any:
     import pyarrow.parquet as pq
 
     try:
-        return pq.ParquetFile(path)
+        # Buffered reads: a column chunk is read a megabyte at a time, not whole.
+        return pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError and more for a bad file
         raise BatchFileError(f"'{path.name}' is not a readable Parquet file: {exc}") from exc
 
