@@ -1,5 +1,6 @@
 """How the operator commands reach the API: `SLUICE_URL` and `SLUICE_API_KEY`, defaulting to the
-local `sluice up` and the admin key it wrote (else the demo key) in `SLUICE_HOME`."""
+local `sluice up` and its admin key (`SLUICE_BOOTSTRAP_ADMIN_KEY`, else the one it wrote in
+`SLUICE_HOME`, else the demo key there)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ UrlOption = Annotated[str | None, typer.Option(
     help="The API (default: http://SLUICE_API_HOST:SLUICE_API_PORT, the local one)")]
 KeyOption = Annotated[str | None, typer.Option(
     "--key", envvar="SLUICE_API_KEY",
-    help="An API key (default: the admin, else the demo key in SLUICE_HOME)")]
+    help="An API key (default: SLUICE_BOOTSTRAP_ADMIN_KEY, else the admin, else the demo key in SLUICE_HOME)")]
 
 
 def api_client(url: str | None, key: str | None, *, timeout_s: float = 30.0) -> SluiceClient:
     settings = Settings()
+    if key is None and settings.bootstrap_admin_key is not None:
+        key = settings.bootstrap_admin_key.get_secret_value()
     if key is None:
         stored = [path for path in (settings.home / "admin.key", settings.home / "demo.key") if path.exists()]
         if not stored:

@@ -1,0 +1,102 @@
+"""The README's "Rolling out a new version" runs as printed after a plain `sluice up`.
+
+Its shell block is read from the README itself, cut into commands (a line ending in a backslash
+goes on), and run in order in one shell, so its variables carry from command to command, with
+only what `sluice up` itself is given (the home, the API port, the bootstrap admin key): no
+database or Redis URL, which the embedded stores of `sluice up` do not have at a known port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support import REPO
+
+from ._up import ADMIN_KEY, Up, start_up
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+SECTION = "## Rolling out a new version"
+MARK = "@@sluice-readme-rc"
+
+
+def readme_commands(readme: str) -> list[str]:
+    """The commands of the section's ```sh / ```bash blocks, each joined onto one line."""
+    section = readme.split(f"\n{SECTION}\n", 1)[1].split("\n## ", 1)[0]
+    commands: list[str] = []
+    for block in re.findall(r"^```(?:sh|bash)\n(.*?)^```", section, flags=re.MULTILINE | re.DOTALL):
+        pending = ""
+        for line in block.splitlines():
+            if not pending and (not line.strip() or line.lstrip().startswith("#")):
+                continue
+            pending += line
+            if line.endswith("\\"):
+                pending = pending[:-1] + " "
+                continue
+            commands.append(pending)
+            pending = ""
+        assert not pending, f"a command runs past its block: {pending}"
+    return commands
+
+
+@pytest.fixture
+def platform(tmp_path: Path) -> Iterator[Up]:
+    up = start_up(tmp_path)
+    try:
+        yield up
+    finally:
+        up.terminate()
+
+
+def run_in_one_shell(commands: list[str], *, env: dict[str, str], cwd: Path) -> list[tuple[str, int, str]]:
+    """Each command with its exit status and its output, run one after another in one bash."""
+    script = "".join(f"{command}\nprintf '\\n{MARK} {i} %d\\n' $?\n" for i, command in enumerate(commands))
+    done = subprocess.run(["bash", "-c", script], env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+    results, output = [], done.stdout
+    for i, command in enumerate(commands):
+        before, found, output = output.partition(f"\n{MARK} {i} ")
+        assert found, f"the block stopped at command {i}: {command}\nstderr: {done.stderr}"
+        status, _, output = output.partition("\n")
+        results.append((command, int(status), before.strip()))
+    return results
+
+
+def test_the_rollout_section_of_the_readme_runs_as_printed(platform: Up, tmp_path: Path) -> None:
+    commands = readme_commands((REPO / "README.md").read_text())
+    assert any(c.startswith("sluice rollout start ") for c in commands), commands
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    env.update(SLUICE_HOME=str(platform.home), SLUICE_API_PORT=str(platform.api_port),
+               SLUICE_BOOTSTRAP_ADMIN_KEY=ADMIN_KEY, PYTHONPATH=str(REPO),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
+
+    results = run_in_one_shell(commands, env=env, cwd=tmp_path)
+    failed = [(command, status, output) for command, status, output in results if status != 0]
+    assert not failed, failed
+    for command, _, output in results:
+        if command.startswith("curl") and output.startswith("{"):
+            assert "error" not in json.loads(output), (command, output)
+    said = {command.split("#")[0].strip(): output for command, _, output in results}
+    assert "against 'v1', starting at the shadow phase" in said[
+        "sluice rollout start minilm v2 --steps 1,5,25,100 --soak-s 600 --min-samples 500"]
+    assert "running" in said["sluice rollout status minilm"]
+    assert "aborted; weights restored to {'v1': 100.0, 'v2': 20.0}" in said["sluice rollout abort minilm"]
+    assert "minilm v2 over 300 s" in said["sluice stats minilm v2 --window-s 300"]
+
+    with httpx.Client(base_url=platform.api_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as admin:
+        rollout = admin.get("/v1/models/minilm/rollouts/current").json()
+        assert (rollout["canary"], rollout["stable"], rollout["state"]) == ("v2", "v1", "aborted")
+        assert [d["action"] for d in rollout["decisions"]][0] == "start"
+        assert rollout["decisions"][-1]["action"] == "abort"
+        assert rollout["policy"]["steps"] == [1.0, 5.0, 25.0, 100.0] and rollout["policy"]["soak_s"] == 600
+        model = admin.get("/v1/models/minilm").json()
+    assert model["routing"] == {"v1": 100.0, "v2": 20.0}, "the abort and the rollback keep the shadow's copies"
+    assert {v["version"]: v["state"] for v in model["versions"]} == {"v1": "stable", "v2": "shadow"}
