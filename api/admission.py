@@ -74,9 +74,14 @@ class Admission:
 
     async def queue(self, key: KeyInfo, version: VersionInfo, records: Sequence[JobRecord], *,
                     idempotency: IdempotencyClaim | None = None) -> None:
-        """Queue one submission's jobs (one lane of `version`), or raise TooManyRequests."""
-        lane, count = records[0].lane, len(records)
-        await self.shed(version, lane=lane, count=count)
+        """Queue one submission's jobs (one lane of `version`), or raise TooManyRequests.
+
+        Jobs answered from the response cache (`cache_hit`) are written with the others but cost
+        no worker time: they are never shed, and a submission of hits alone never waits for a load
+        read."""
+        lane, count = records[0].lane, sum(1 for record in records if not record.cache_hit)
+        if count:
+            await self.shed(version, lane=lane, count=count)
         refusal: Refusal | None = None
         queued = False
         try:

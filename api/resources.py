@@ -158,6 +158,7 @@ class VersionResource(BaseModel):
     batching: VersionBatching
     min_replicas: int
     max_replicas: int
+    cache_ttl_s: int = Field(description="Seconds the response cache keeps an output; 0: no cache")
     last_error: str | None = Field(description="Why the version's last load failed, if it did")
     replicas: Replicas | None = None
 

@@ -22,6 +22,7 @@ from sluice.errors import Conflict, NotDurable, NotFound
 from sluice.idempotency import LEASE_S, RELEASE_SCRIPT, IdempotencyClaim, IdempotencyRecord
 from sluice.jobs import JobRecord, JobStatus, JobView
 from sluice.quota import Refusal, TenantLimits
+from sluice.response_cache import SUBMIT_SCRIPT, submit_call
 from sluice.samples import Sample, read_samples
 from sluice.streams import CANCEL_SCRIPT, ENQUEUE_SCRIPT, WITHDRAW_SCRIPT, enqueue_call, enqueue_verdict
 
@@ -40,26 +41,32 @@ class Broker:
         self._cancel = redis.register_script(CANCEL_SCRIPT)
         self._enqueue = redis.register_script(ENQUEUE_SCRIPT)
         self._release = redis.register_script(RELEASE_SCRIPT)
+        self._submit = redis.register_script(SUBMIT_SCRIPT)
         self._withdraw = redis.register_script(WITHDRAW_SCRIPT)
 
     async def enqueue(self, records: Sequence[JobRecord], *, limits: TenantLimits,
                       idempotency: IdempotencyClaim | None = None) -> Refusal | None:
         """Queue one submission's jobs (records and stream entries) if the tenant's quota and rate
         allow, charging both and completing the Idempotency-Key in the same atomic script; answer
-        the refusal otherwise, with nothing written. See `streams.ENQUEUE_SCRIPT`.
+        the refusal otherwise, with nothing written. See `streams.ENQUEUE_SCRIPT`. Jobs answered from
+        the response cache (`cache_hit`, in input order among the others) are written final in the
+        same step, and only if the rest pass; they take no quota place and no rate token
+        (`response_cache.SUBMIT_SCRIPT`).
 
-        In durable mode the same round trip waits for the fsync; unconfirmed, the jobs are
+        In durable mode the same round trip waits for the fsync; unconfirmed, the queued jobs are
         withdrawn and NotDurable (503) raised.
         """
-        script_keys, args = enqueue_call(records, limits=limits, now=time.time(), result_ttl_s=self.result_ttl_s,
-                                         idempotency=idempotency, idempotency_ttl_s=self.idempotency_ttl_s)
+        queued = [record for record in records if not record.cache_hit]
+        script, call = (self._enqueue, enqueue_call) if len(queued) == len(records) else (self._submit, submit_call)
+        script_keys, args = call(records, limits=limits, now=time.time(), result_ttl_s=self.result_ttl_s,
+                                 idempotency=idempotency, idempotency_ttl_s=self.idempotency_ttl_s)
         with translate_redis_errors():
             if self.durable_timeout_ms is None:
-                reply, fsync = await self._enqueue(keys=script_keys, args=args), None
+                reply, fsync = await script(keys=script_keys, args=args), None
             else:
                 # A context: loading the script can fail before execute() would release the connection.
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    await self._enqueue(keys=script_keys, args=args, client=pipe)
+                    await script(keys=script_keys, args=args, client=pipe)
                     wait_fsynced(pipe, self.durable_timeout_ms)
                     reply, fsync = await pipe.execute(raise_on_error=False)
                 if isinstance(reply, Exception):
@@ -70,22 +77,23 @@ class Broker:
                            "retry to get that request's answer", headers={"Retry-After": "1"})
         if verdict == "ok":
             if self.durable_timeout_ms is not None and not fsynced(fsync):
-                await self._withdraw_unconfirmed(records, limits.tenant, idempotency, fsync)
+                await self._withdraw_unconfirmed(queued, [r.id for r in records], limits.tenant, idempotency, fsync)
             return None
         return Refusal(verdict, queued=int(value)) if verdict == "quota" else Refusal(verdict, wait_s=value)
 
-    async def _withdraw_unconfirmed(self, records: Sequence[JobRecord], tenant: str,
+    async def _withdraw_unconfirmed(self, records: Sequence[JobRecord], answers: list[str], tenant: str,
                                     idempotency: IdempotencyClaim | None, reply: object) -> None:
         """Undo the queueing of jobs whose fsync was not confirmed, so a 503 leaves nothing behind.
 
         A job a worker took in the meantime cannot be withdrawn: it runs, and a client that
         submits again may have it run twice (at least once, as everywhere else); with an
-        Idempotency-Key and every job started, a retry replays them instead.
+        Idempotency-Key and every job started, a retry replays them instead. Cache hits (in
+        `answers`, the ids the key replays, not in `records`) are final already and stay.
         """
         script_keys, completed = [keys.queued_jobs(tenant)], ""
         if idempotency is not None:
             script_keys.append(idempotency.redis_key)
-            completed = idempotency.completed([r.id for r in records])
+            completed = idempotency.completed(answers)
         script_keys += [keys.job(r.id) for r in records]
         with translate_redis_errors():
             started = int(await self._withdraw(keys=script_keys, args=[completed]))

@@ -95,9 +95,14 @@ class JobRecord:
     # `shadow_of` marks the copy, which names its primary and is never shown to a tenant.
     shadow: str | None = None
     shadow_of: str | None = None
+    # Set at submission when the version caches responses (`sluice.response_cache`): where the
+    # finish script stores this job's output once it succeeds, and for how long. Never shown.
+    cache_key: str | None = None
+    cache_ttl_s: int = 0
 
     def to_redis(self) -> dict[str, str]:
-        """Fields as written at submission; later fields are set by the transition scripts."""
+        """Fields as written at submission; later fields are set by the transition scripts (a job
+        answered from the response cache is final at submission, so it is written whole)."""
         fields = {
             "id": self.id,
             "tenant": self.tenant,
@@ -117,13 +122,18 @@ class JobRecord:
         if self.deadline is not None:
             fields["deadline"] = repr(self.deadline)
         if self.output is not None:
-            fields[OUTPUT_FIELD] = json.dumps(self.output, separators=(",", ":"))
+            fields[OUTPUT_FIELD] = _json_text(self.output)
+        if self.started_at is not None:
+            fields["started_at"] = repr(self.started_at)
         if self.finished_at is not None:
             fields["finished_at"] = repr(self.finished_at)
         if self.shadow:
             fields["shadow"] = self.shadow
         if self.shadow_of:
             fields["shadow_of"] = self.shadow_of
+        if self.cache_key and self.cache_ttl_s > 0:
+            fields["cache_key"] = self.cache_key
+            fields["cache_ttl_s"] = str(self.cache_ttl_s)
         return fields
 
     @classmethod
@@ -163,6 +173,8 @@ class JobRecord:
             metadata=obj("metadata") or {},
             shadow=data.get("shadow") or None,
             shadow_of=data.get("shadow_of") or None,
+            cache_key=data.get("cache_key") or None,
+            cache_ttl_s=int(data.get("cache_ttl_s") or 0),
         )
 
     @property

@@ -12,6 +12,8 @@ API_LATENCY = Histogram("sluice_api_request_seconds", "HTTP request latency", ["
                         buckets=_LATENCY_BUCKETS)
 JOBS_SUBMITTED = Counter("sluice_jobs_submitted_total", "Jobs accepted", ["model", "version", "lane"])
 JOBS_REJECTED = Counter("sluice_jobs_rejected_total", "Submissions refused", ["model", "code"])
+CACHE_LOOKUPS = Counter("sluice_cache_lookups_total", "Response-cache lookups at submission, by result (hit, miss)",
+                        ["model", "version", "result"])
 
 JOBS_FINISHED = Counter("sluice_jobs_finished_total", "Jobs reaching a final state",
                         ["model", "version", "status"])

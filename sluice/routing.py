@@ -40,6 +40,7 @@ class VersionInfo:
     min_replicas: int = 1
     max_replicas: int = 4
     latency_budget_ms: float = 2000.0
+    cache_ttl_s: int = 0  # > 0: the version's response cache keeps outputs this long
 
 
 @dataclass(frozen=True, slots=True)

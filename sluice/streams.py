@@ -110,9 +110,11 @@ return replies
 # record and its copy's stream entry (both empty without a copy); then one message per faulted job.
 # A whole batch in one atomic step: each outcome is written once (a job already final is left as
 # it is), and only the write that wins adds the job's webhook, event, sample and shadow copy, so a
-# job processed twice has one of each. Then every job's entry is acknowledged and deleted: never
-# before its outcome is stored. A faulted job gets no outcome and keeps its entry; its message is
-# noted for its dead letter. Answers, per job, 1 where this write won, else 0.
+# job processed twice has one of each; a success whose record names a response-cache key (set at
+# submission, `sluice.response_cache`) stores its output there. Then every job's entry is
+# acknowledged and deleted: never before its outcome is stored. A faulted job gets no outcome and
+# keeps its entry; its message is noted for its dead letter. Answers, per job, 1 where this write
+# won, else 0.
 FINISH_SCRIPT = QUEUE_WEBHOOK + events.JOB_CHANGED_LUA + ACK_AND_DROP_LUA + """
 local ttl, channel = tonumber(ARGV[1]), ARGV[2]
 local k, a = 5, 11
@@ -132,6 +134,10 @@ for j = 1, tonumber(ARGV[10]) do
       'close_reason', ARGV[9], 'started_at', ARGV[5])
     if output ~= '' then redis.call('HSET', job, 'output', output) end
     if err ~= '' then redis.call('HSET', job, 'error', err) end
+    local cache = redis.call('HMGET', job, 'cache_key', 'cache_ttl_s')
+    if cache[1] and status == 'succeeded' and output ~= '' then
+      redis.call('SET', cache[1], output, 'EX', cache[2])
+    end
     queue_webhook(job, KEYS[1])
     redis.call('EXPIRE', job, ttl)
     if announce ~= '' then job_changed(channel, id, status) end
@@ -382,9 +388,11 @@ def _shared(rows: Sequence[Mapping[str, str]]) -> tuple[dict[str, str], list[dic
 
 
 def enqueue_call(records: Sequence[JobRecord], *, limits: TenantLimits, now: float, result_ttl_s: int,
-                 idempotency: IdempotencyClaim | None, idempotency_ttl_s: int) -> tuple[list[str], list[str]]:
+                 idempotency: IdempotencyClaim | None, idempotency_ttl_s: int,
+                 answers: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
     """KEYS and ARGV of ENQUEUE_SCRIPT for one submission: one tenant's jobs, for one lane of one
-    version (so the stream and the tenant's keys are the same for all)."""
+    version (so the stream and the tenant's keys are the same for all). `answers`: the job ids the
+    Idempotency-Key replays, when the submission made more jobs than these (cache hits)."""
     first = records[0]
     if any((r.tenant, r.model, r.version, r.lane) != (first.tenant, first.model, first.version, first.lane)
            for r in records):
@@ -396,7 +404,8 @@ def enqueue_call(records: Sequence[JobRecord], *, limits: TenantLimits, now: flo
         args += ["", "", ""]
     else:
         script_keys.append(idempotency.redis_key)
-        args += [idempotency.marker, idempotency.completed([r.id for r in records]), str(idempotency_ttl_s)]
+        job_ids = [r.id for r in records] if answers is None else list(answers)
+        args += [idempotency.marker, idempotency.completed(job_ids), str(idempotency_ttl_s)]
     shared_record, own_records = _shared([record.to_redis() for record in records])
     shared_entry, own_entries = _shared([StreamEntry.of(record).to_fields() for record in records])
     args += [*_flat(shared_record), *_flat(shared_entry)]

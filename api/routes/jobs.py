@@ -8,6 +8,7 @@ import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query
@@ -18,14 +19,15 @@ from api.deps import AppState, CurrentKey, StateDep
 from api.middleware import StrictJsonRoute
 from api.resources import BulkAccepted, ErrorResource, JobResource
 from api.responses import JsonResponse
+from sluice import response_cache
 from sluice.errors import Conflict, InvalidInput, JobExpired, PayloadTooLarge, ServiceUnavailable, TooManyRequests
 from sluice.idempotency import IdempotencyClaim
 from sluice.jobs import JobRecord, JobStatus, JobView, new_job_id
 from sluice.keys import Lane
 from sluice.kinds import ModelKind, validate_input
-from sluice.metrics import JOBS_REJECTED, JOBS_SUBMITTED
+from sluice.metrics import CACHE_LOOKUPS, JOBS_REJECTED, JOBS_SUBMITTED
 from sluice.registry.queries import KeyInfo
-from sluice.routing import hash_unit, route, shadow_target
+from sluice.routing import VersionInfo, hash_unit, route, shadow_target
 from sluice.webhooks import CallbackRefused, allowed_networks, check_callback_url
 
 router = APIRouter(prefix="/v1", tags=["jobs"], route_class=StrictJsonRoute)
@@ -137,30 +139,54 @@ async def _queue(
         raise ServiceUnavailable("this API replica is shutting down; retry", headers={"Retry-After": "1"})
     decision = route(snapshot, model=model, tenant=key.tenant, routing_key=options.routing_key,
                      version=options.version, blocked=state.breakers.blocked(model), admin=key.is_admin)
+    version = decision.version
     # No await since `blocked`: a half-open version this job was routed to still has its slot free.
-    probe = state.breakers.take_probe(model, decision.version.version)
+    probe = state.breakers.take_probe(model, version.version)
     now = time.time()
     records = []
     for canonical, cost in validated:
         job_id = new_job_id()
         records.append(JobRecord(
-            id=job_id, tenant=key.tenant, model=model, version=decision.version.version,
+            id=job_id, tenant=key.tenant, model=model, version=version.version,
             lane=options.lane, status=JobStatus.queued, input=canonical, cost=cost, enqueued_at=now,
             callback_url=str(options.callback_url) if options.callback_url else None,
             deadline=now + options.timeout_s if options.timeout_s else None,
             metadata=dict(options.metadata or {}),
-            shadow=shadow_target(snapshot, model=model, primary=decision.version, point=hash_unit(model, job_id)),
+            shadow=shadow_target(snapshot, model=model, primary=version, point=hash_unit(model, job_id)),
         ))
     try:
-        await state.admission.queue(key, decision.version, records, idempotency=claim)
+        if version.cache_ttl_s > 0:
+            records = await _answer_cached(state, version, records)
+            if probe is not None and all(record.cache_hit for record in records):
+                # Answered without the version: these jobs tell its breaker nothing.
+                state.breakers.return_probe(probe)
+                probe = None
+        await state.admission.queue(key, version, records, idempotency=claim)
     except BaseException as exc:
         if probe is not None:
             state.breakers.return_probe(probe)
         if isinstance(exc, TooManyRequests):
             JOBS_REJECTED.labels(model, exc.code).inc()
         raise
-    JOBS_SUBMITTED.labels(model, decision.version.version, options.lane).inc(len(records))
+    JOBS_SUBMITTED.labels(model, version.version, options.lane).inc(len(records))
     return records
+
+
+async def _answer_cached(state: AppState, version: VersionInfo, records: list[JobRecord]) -> list[JobRecord]:
+    """The jobs with those the version's response cache answers made final (`cache_hit`); the
+    others carry their cache key, for the worker to store their output under."""
+    names = response_cache.cache_keys(version.model, version.version, records[0].tenant,
+                                      [record.input for record in records])
+    found = await response_cache.lookup(state.broker.redis, names)
+    hits = sum(1 for output in found if output is not None)
+    CACHE_LOOKUPS.labels(version.model, version.version, "hit").inc(hits)
+    CACHE_LOOKUPS.labels(version.model, version.version, "miss").inc(len(found) - hits)
+    at = time.time()
+    return [
+        response_cache.answered(record, output, at=at) if output is not None
+        else replace(record, cache_key=name, cache_ttl_s=version.cache_ttl_s)
+        for record, name, output in zip(records, names, found, strict=True)
+    ]
 
 
 _SUBMIT_WAIT = (

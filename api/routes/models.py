@@ -23,10 +23,15 @@ from api.resources import (
 from api.schemas import Kind, Name, ServingState, State
 from sluice.errors import NotFound
 from sluice.registry import quality, queries
+from sluice.response_cache import MAX_TTL_S
 from sluice.stats import summarise
 from sluice.versions import Tier, VersionState
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
+
+_CACHE_TTL = ("Seconds the version's response cache keeps an output: a later submission by the same tenant "
+              "of the same input is answered at once, `succeeded` with `cache_hit: true`, without a worker. "
+              "0 (the default) caches nothing")
 
 _TIER = ("The model's availability tier: the scheduler meets every `latency` model's need for workers "
          "before a `batch` model gets more than nothing")
@@ -55,6 +60,7 @@ class RegisterVersion(BaseModel):
     batching: Batching = Field(default_factory=Batching)
     min_replicas: int = Field(default=1, ge=0, le=64)
     max_replicas: int = Field(default=4, ge=1, le=256)
+    cache_ttl_s: int = Field(default=0, ge=0, le=MAX_TTL_S, description=_CACHE_TTL)
 
 
 class UpdateVersion(BaseModel):
@@ -63,6 +69,7 @@ class UpdateVersion(BaseModel):
     batching: Batching | None = None
     min_replicas: int | None = Field(default=None, ge=0, le=64)
     max_replicas: int | None = Field(default=None, ge=1, le=256)
+    cache_ttl_s: int | None = Field(default=None, ge=0, le=MAX_TTL_S, description=_CACHE_TTL)
     tier: Tier | None = Field(default=None, description=_TIER + " (set for the whole model)")
     reason: str | None = Field(default=None, max_length=500)
 
@@ -129,7 +136,7 @@ async def register_version(model: str, body: RegisterVersion, key: AdminKey, sta
                 session, model=model, version=body.version, artifact=body.artifact, sha256=body.sha256,
                 actor=f"key:{key.key_id}", state=body.state, max_batch_size=body.batching.max_batch_size,
                 max_wait_ms=body.batching.max_wait_ms, isolate_tenants=body.batching.isolate_tenants,
-                min_replicas=body.min_replicas, max_replicas=body.max_replicas,
+                min_replicas=body.min_replicas, max_replicas=body.max_replicas, cache_ttl_s=body.cache_ttl_s,
             )
             return queries.version_resource(row)
 
@@ -170,7 +177,7 @@ async def update_version(model: str, version: str, body: UpdateVersion, key: Adm
             row, entry = queries.update_version(
                 session, model=model, version=version, actor=f"key:{key.key_id}", reason=body.reason,
                 state=body.state, min_replicas=body.min_replicas, max_replicas=body.max_replicas,
-                max_batch_size=batching.max_batch_size if batching else None,
+                cache_ttl_s=body.cache_ttl_s, max_batch_size=batching.max_batch_size if batching else None,
                 max_wait_ms=batching.max_wait_ms if batching else None,
                 isolate_tenants=batching.isolate_tenants if batching else None,
             )

@@ -26,6 +26,7 @@ from sluice.registry.tables import (
     RoutingWeight,
     Tenant,
 )
+from sluice.response_cache import MAX_TTL_S
 from sluice.routing import ModelInfo, RoutingSnapshot, VersionInfo
 from sluice.versions import Tier, VersionState
 
@@ -218,6 +219,7 @@ def register_version(
     isolate_tenants: bool = True,
     min_replicas: int = 1,
     max_replicas: int = 4,
+    cache_ttl_s: int = 0,
 ) -> ModelVersion:
     if session.get(Model, model) is None:
         raise NotFound(f"model '{model}' does not exist")
@@ -227,16 +229,22 @@ def register_version(
         raise BadRequest(f"state must be one of {', '.join(VersionState)}")
     if max_replicas < min_replicas:
         raise BadRequest("max_replicas must be >= min_replicas")
+    _check_cache_ttl(cache_ttl_s)
     row = ModelVersion(
         model=model, version=version, artifact=artifact, sha256=sha256.lower(), state=state,
         max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, isolate_tenants=isolate_tenants,
-        min_replicas=min_replicas, max_replicas=max_replicas,
+        min_replicas=min_replicas, max_replicas=max_replicas, cache_ttl_s=cache_ttl_s,
     )
     session.add(row)
     session.flush()
     _audit(session, actor=actor, action="version.register", model=model, before=None,
            after={"version": version, "artifact": artifact, "sha256": sha256, "state": state}, reason=None)
     return row
+
+
+def _check_cache_ttl(cache_ttl_s: int) -> None:
+    if not 0 <= cache_ttl_s <= MAX_TTL_S:
+        raise BadRequest(f"cache_ttl_s must be between 0 (no response cache) and {MAX_TTL_S}")
 
 
 def get_version(session: Session, model: str, version: str) -> ModelVersion:
@@ -322,6 +330,7 @@ def version_resource(row: ModelVersion) -> dict[str, Any]:
         },
         "min_replicas": row.min_replicas,
         "max_replicas": row.max_replicas,
+        "cache_ttl_s": row.cache_ttl_s,
         "last_error": row.last_error,
     }
 
@@ -348,7 +357,7 @@ def _version_info(row: ModelVersion) -> VersionInfo:
         model=row.model, version=row.version, state=row.state, artifact=row.artifact, sha256=row.sha256,
         max_batch_size=row.max_batch_size, max_wait_ms=row.max_wait_ms,
         isolate_tenants=row.isolate_tenants, min_replicas=row.min_replicas,
-        max_replicas=row.max_replicas, latency_budget_ms=row.latency_budget_ms,
+        max_replicas=row.max_replicas, latency_budget_ms=row.latency_budget_ms, cache_ttl_s=row.cache_ttl_s,
     )
 
 
@@ -376,9 +385,10 @@ def routing_snapshot(session: Session) -> RoutingSnapshot:
 def update_version(
     session: Session, *, model: str, version: str, actor: str, reason: str | None, state: str | None = None,
     max_batch_size: int | None = None, max_wait_ms: float | None = None, isolate_tenants: bool | None = None,
-    min_replicas: int | None = None, max_replicas: int | None = None,
+    min_replicas: int | None = None, max_replicas: int | None = None, cache_ttl_s: int | None = None,
 ) -> tuple[ModelVersion, AuditEntry]:
-    """Change a version's state or batching. Retiring also takes its routing weight away."""
+    """Change a version's state, batching, replicas or response-cache TTL. Retiring also takes its
+    routing weight away."""
     row = get_version(session, model, version)
     before = version_resource(row)
     if state is not None:
@@ -391,11 +401,12 @@ def update_version(
             session.execute(delete(Pin).where(Pin.model == model, Pin.version == version))
     for name, value in (("max_batch_size", max_batch_size), ("max_wait_ms", max_wait_ms),
                         ("isolate_tenants", isolate_tenants), ("min_replicas", min_replicas),
-                        ("max_replicas", max_replicas)):
+                        ("max_replicas", max_replicas), ("cache_ttl_s", cache_ttl_s)):
         if value is not None:
             setattr(row, name, value)
     if row.max_replicas < row.min_replicas:
         raise BadRequest("max_replicas must be >= min_replicas")
+    _check_cache_ttl(row.cache_ttl_s)
     session.flush()
     entry = _audit(session, actor=actor, action="version.update", model=model, before=before,
                    after=version_resource(row), reason=reason)

@@ -123,6 +123,50 @@ def test_an_unconfirmed_fsync_answers_503_and_leaves_nothing_queued(
         store.stop()
 
 
+def test_cache_hits_are_fsynced_like_any_accept_and_a_refused_key_replays_them(
+    admin: httpx.Client,
+    tenant: Callable[[str], httpx.Client],
+    database_url: str,
+    tmp_path: Path,
+    start_api: Callable[[Settings], ApiServer],
+) -> None:
+    store = _valkey(tmp_path / "valkey")
+    try:
+        model = register_synthetic_model(admin, unique("durable-cache"))
+        assert admin.patch(f"/v1/models/{model}/versions/v1", json={"cache_ttl_s": 60}).status_code == 200
+        api = start_api(
+            make_settings(redis_url=store.url, database_url=database_url, home=tmp_path, durable_accept=True)
+        )
+        rds = store.client()
+        with tenant(api.url) as client, rds:
+            url = f"/v1/models/{model}/jobs"
+            asked = {"input": {"text": "asked before"}}
+            miss = client.post(url, json=asked).json()
+            # What its worker would store (there is none here).
+            rds.set(str(rds.hget(keys.job(miss["id"]), "cache_key")), '{"echo":{"text":"asked before"}}', ex=60)
+            hit = client.post(url, json=asked)
+            assert hit.status_code == 202 and hit.json()["cache_hit"] is True, hit.text
+
+            rds.config_set("appendonly", "no")
+            mixed = client.post(f"{url}:bulk", json={"inputs": [asked["input"], {"text": "new"}], "lane": "online"})
+            only_hits = client.post(url, json=asked, headers={"Idempotency-Key": "k-hit"})
+            for response in (mixed, only_hits):
+                assert response.status_code == 503 and response.json()["error"]["code"] == "not_durable", response.text
+            # The miss of the mixed submission is withdrawn; answered jobs are final and stay.
+            tenant_id = str(rds.hget(keys.job(miss["id"]), "tenant"))
+            assert rds.zrange(keys.queued_jobs(tenant_id), 0, -1) == [miss["id"]]
+
+            rds.config_set("appendonly", "yes")
+            deadline = time.monotonic() + 20
+            while (again := client.post(url, json=asked, headers={"Idempotency-Key": "k-hit"})).status_code != 202:
+                assert again.status_code == 503 and time.monotonic() < deadline, again.text
+                time.sleep(0.2)
+            # Nothing was queued, so the key kept its jobs: the retry replays the hit.
+            assert again.headers["Idempotent-Replayed"] == "true" and again.json()["cache_hit"] is True
+    finally:
+        store.stop()
+
+
 class Load:
     """Submits single jobs from several threads as fast as the API answers; keeps each answer."""
 

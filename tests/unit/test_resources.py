@@ -87,7 +87,7 @@ def test_a_stats_resource_passes_through_unchanged(samples: list[Sample]) -> Non
 def test_a_model_resource_passes_through_unchanged() -> None:
     version = {"version": "v1", "state": "stable", "artifact": "synthetic:?", "sha256": "0" * 64,
                "batching": {"max_batch_size": 32, "max_wait_ms": 10.0, "isolate_tenants": True},
-               "min_replicas": 1, "max_replicas": 4, "last_error": None,
+               "min_replicas": 1, "max_replicas": 4, "cache_ttl_s": 0, "last_error": None,
                "replicas": {"desired": 2, "live": 1, "reason": "backlog 40"}}
     body = {"name": "m", "kind": "synthetic", "tier": "latency", "versions": [version], "routing": {"v1": 100.0}}
     assert_identical(round_trip(ModelResource, body), body)
