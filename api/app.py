@@ -18,7 +18,7 @@ from api.caches import AuthCache, RoutingCache
 from api.deps import AppState
 from api.events import EventHub
 from api.middleware import BodyLimitMiddleware, MetricsMiddleware, StrictJsonMiddleware
-from api.routes import health, jobs, models, rollouts, tenants, waits
+from api.routes import batches, health, jobs, models, rollouts, schedules, tenants, waits
 from sluice import events
 from sluice.breaker import CircuitBreaker
 from sluice.broker import Broker
@@ -97,10 +97,11 @@ def create_app(
         lifespan=lifespan,
     )
     errors.install(app)
-    for module in (health, jobs, waits, models, rollouts, tenants):
+    for module in (health, jobs, waits, models, rollouts, tenants, batches, schedules):
         app.include_router(module.router)
     # The last added runs first: metrics see every answer, and the JSON check reads bounded bodies.
     app.add_middleware(StrictJsonMiddleware)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, upload_paths=frozenset({"/v1/batches"}),
+                       max_upload_bytes=settings.max_batch_upload_bytes)
     app.add_middleware(MetricsMiddleware)
     return app

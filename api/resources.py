@@ -27,6 +27,8 @@ from sluice.versions import Tier, VersionState
 __all__ = [
     "AuditResource",
     "BatchFacts",
+    "BatchList",
+    "BatchResource",
     "BulkAccepted",
     "ErrorResource",
     "JobError",
@@ -37,6 +39,8 @@ __all__ = [
     "RolloutDecisionResource",
     "RolloutResource",
     "RoutingChange",
+    "ScheduleList",
+    "ScheduleResource",
     "StatsResource",
     "Timings",
     "VersionChange",
@@ -109,6 +113,61 @@ class BulkAccepted(BaseModel):
     model: str
     version: str
     count: int
+
+
+# --- batches and schedules -----------------------------------------------------------------------
+
+
+class BatchOutput(BaseModel):
+    url: str = Field(description="GET it for the rows in input order (`?format=` jsonl, csv or parquet)")
+    format: str = Field(description="The output's default format")
+
+
+class BatchResource(BaseModel):
+    """A batch-scoring run. `done` rows succeeded, `failed` rows have a per-row error; `total` is
+    null until the feeder has counted the input."""
+
+    id: str
+    model: str
+    version: str
+    status: str = Field(json_schema_extra={"enum": ["queued", "running", "succeeded", "failed", "cancelled"]})
+    total: int | None
+    done: int
+    failed: int
+    created_at: str = Field(json_schema_extra=_ISO)
+    started_at: str | None = Field(json_schema_extra=_ISO)
+    finished_at: str | None = Field(json_schema_extra=_ISO, description="Set once the output holds every row "
+                                                                       "that ran (a cancelled batch too)")
+    output: BatchOutput
+    error: str | _Absent = Field(default=None, description="Why the whole batch failed")
+    schedule_id: str | _Absent = None
+    slot: str | _Absent = Field(default=None, json_schema_extra=_ISO)
+    metadata: dict[str, str | int | float | bool | None] | _Absent = None
+
+
+class BatchList(BaseModel):
+    batches: list[BatchResource]
+
+
+class ScheduleResource(BaseModel):
+    id: str
+    tenant: str
+    model: str
+    version: str | None = Field(description="Null: each run is routed like the tenant's jobs")
+    cron: str
+    timezone: str
+    input_uri: str
+    input_format: str | None
+    text_field: str
+    output_uri: str | None
+    output_format: str
+    callback_url: str | None
+    created_at: str = Field(json_schema_extra=_ISO)
+    next_run_at: str = Field(json_schema_extra=_ISO)
+
+
+class ScheduleList(BaseModel):
+    schedules: list[ScheduleResource]
 
 
 # --- errors --------------------------------------------------------------------------------------

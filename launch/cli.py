@@ -11,12 +11,14 @@ import typer
 from rich.console import Console
 
 from launch.api_client import KeyOption, UrlOption, api_client, api_errors
+from launch.batch_cli import batch_app
 from sluice.errors import InvalidPolicy
 from sluice.redact import configure_logging
 from sluice.settings import Settings
 from sluice.shutdown import install_two_stage
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Sluice: asynchronous inference.")
+app.add_typer(batch_app, name="batch")
 console = Console(soft_wrap=True)
 log = logging.getLogger(__name__)
 
@@ -115,7 +117,8 @@ def up(exit_after_demo: Annotated[bool, typer.Option(help="Stop after the demo (
         console.print(f"[bold green]Sluice is up[/]  home: {_printable_home(platform.home)}")
         console.print(f"  API      {platform.api_url}   (docs: {platform.api_url}/docs)")
         console.print(f"  metrics  {platform.api_url}/metrics")
-        console.print(f"  Flower   {platform.flower_url}   (Celery: webhook delivery)")
+        console.print(f"  Flower   {platform.flower_url}   (Celery: webhooks, batch scoring, schedules)")
+        console.print(f"  batches  input_uri and schedule files under {platform.batch_root.as_uri()}/")
         console.print(f"  Redis    {platform.stores.redis_url if platform.stores else ''}")
         console.print(f"  demo key {seeded.demo_key}")
         console.print(f"  admin key is in {_printable_home(platform.home / 'admin.key')}"

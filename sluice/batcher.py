@@ -9,8 +9,8 @@ I/O. The caller passes ``now`` (seconds, same clock as ``Item.enqueued_at``), so
 the exact same code runs in the asyncio worker and in a discrete-event
 simulator, and tests can assert exact deadlines.
 
-Items are grouped by ``(tenant, length bucket)`` (tenant is ``None`` when
-tenants are not isolated). A group closes
+Items are grouped by ``(priority, tenant, length bucket)`` (tenant is ``None``
+when tenants are not isolated). A group closes
 
 * by **size** as soon as it holds ``max_batch_size`` items,
 * by **age** when its oldest item has waited ``max_wait_ms``,
@@ -20,6 +20,9 @@ Two ways to drive it:
 
 * ``take(now)`` whenever the model is free: the one most urgent batch ready at
   ``now``, or ``None`` (then wait for ``next_deadline()`` or the next ``add``).
+  While any item of a more urgent ``priority`` is held (the online lane: 0),
+  ``take`` and ``next_deadline`` see only those: bulk items (1) run when no
+  online item is held, however overdue they are, and never share its batches.
   Everything else stays held and keeps growing while the model runs. This is
   what the worker does: with a backlog every item is overdue the moment it is
   read, and closing groups as they are read would ship them one or two at a
@@ -84,6 +87,8 @@ class Item(Generic[P]):
     tenant: str
     cost: int
     enqueued_at: float
+    # Lower is more urgent: 0 for the online lane, 1 for bulk.
+    priority: int = 0
     # Payloads can be large tensors or bytes: keep them out of == and of logs.
     # An item built without one carries None (the cast: a default cannot be typed as P).
     payload: P = field(default=cast(P, None), compare=False, repr=False)
@@ -112,7 +117,8 @@ class Batch(Generic[P]):
         return max(item.cost for item in self.items)
 
 
-_TenantKey = str | None
+# (priority, tenant): items of different priorities never share a group, so never a batch.
+_TenantKey = tuple[int, str | None]
 # The sequence number breaks enqueued_at ties in add order, so the tuples sort
 # by arrival and Item itself (which has no ordering) is never compared.
 _Entry = tuple[float, int, Item[P]]
@@ -200,7 +206,7 @@ class MicroBatcher(Generic[P]):
             raise ValueError(f"item {item.id!r} has negative cost {item.cost}")
         if not math.isfinite(item.enqueued_at):
             raise ValueError(f"item {item.id!r} has non-finite enqueued_at")
-        tenant = item.tenant if self._isolate else None
+        tenant = (item.priority, item.tenant if self._isolate else None)
         bucket = self.bucket_of(item.cost)
         entry: _Entry[P] = (item.enqueued_at, self._next_seq, item)
         self._next_seq += 1
@@ -226,15 +232,21 @@ class MicroBatcher(Generic[P]):
         batches.sort(key=lambda b: b.oldest_enqueued_at)
         return batches
 
-    def take(self, now: float) -> Batch[P] | None:
+    def take(self, now: float, *, max_priority: int | None = None) -> Batch[P] | None:
         """The most urgent batch ready at ``now`` (by size or age), or None.
 
         Most urgent = the ready group whose oldest item is oldest, the order
         ``poll`` returns batches in; a group that is both full and overdue
         closes by size, as in ``poll``. Call it when the model is free.
+        ``max_priority``: None unless a batch of at most this priority is ready.
         """
         best: tuple[tuple[float, int], _TenantKey, int, CloseReason] | None = None
+        urgent = self._urgent_priority()
+        if urgent is None or (max_priority is not None and urgent > max_priority):
+            return None
         for tenant, buckets in self._groups.items():
+            if tenant[0] != urgent:
+                continue
             for bucket, group in buckets.items():
                 head = group[0]
                 if len(group) >= self._max_batch_size:
@@ -253,8 +265,9 @@ class MicroBatcher(Generic[P]):
         """Earliest age deadline among held items, or None when empty.
 
         Size-ready groups are not reflected here: poll() after add() for those.
+        Only the most urgent priority held counts, as in ``take``.
         """
-        key = self._oldest_group()
+        key = self._oldest_group(self._urgent_priority())
         if key is None:
             return None
         tenant, bucket = key
@@ -295,10 +308,16 @@ class MicroBatcher(Generic[P]):
         removed.sort()
         return [entry[2] for entry in removed]
 
-    def _oldest_group(self) -> tuple[_TenantKey, int] | None:
+    def _urgent_priority(self) -> int | None:
+        return min((tenant[0] for tenant in self._groups), default=None)
+
+    def _oldest_group(self, priority: int | None = None) -> tuple[_TenantKey, int] | None:
+        """The group whose oldest item is oldest (among groups of `priority`, when given)."""
         best: tuple[_TenantKey, int] | None = None
         best_head: tuple[float, int] | None = None
         for tenant, buckets in self._groups.items():
+            if priority is not None and tenant[0] != priority:
+                continue
             for bucket, group in buckets.items():
                 head = (group[0][0], group[0][1])
                 if best_head is None or head < best_head:
@@ -323,7 +342,7 @@ class MicroBatcher(Generic[P]):
             items=tuple(entry[2] for entry in taken),
             close_reason=reason,
             bucket=bucket,
-            tenant=tenant,
+            tenant=tenant[1],
             closed_at=now,
         )
 

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from sluice.client_admin import AdminCalls, AsyncAdminCalls
+from sluice.client_batches import AsyncBatchCalls, BatchCalls
 from sluice.errors import SluiceError
 from sluice.jobs import MAX_WAIT_IDS
 from sluice.webhooks import retry_after_s, verify
@@ -166,7 +167,7 @@ class _Waiting:
         return [self.done[job_id] for job_id in self.ids]
 
 
-class SluiceClient(AdminCalls):
+class SluiceClient(AdminCalls, BatchCalls):
     def __init__(self, *, base_url: str, api_key: str, timeout_s: float = 30.0, retries: int = 3,
                  max_retry_wait_s: float = 30.0, transport: httpx.BaseTransport | None = None) -> None:
         self._timeout_s = timeout_s
@@ -249,6 +250,9 @@ class SluiceClient(AdminCalls):
     def cancel(self, job_id: str) -> dict[str, Any]:
         return dict(self._call("DELETE", f"/v1/jobs/{job_id}"))
 
+    def _raise_for(self, response: httpx.Response) -> None:
+        _decode(response)
+
     def events(self, job_id: str) -> Iterator[dict[str, Any]]:
         """The job resource at each of its state changes (server-sent events), the current state
         first, until it is final; the stream's keep-alives are skipped."""
@@ -263,9 +267,7 @@ class SluiceClient(AdminCalls):
                     yield job
 
 
-
-
-class AsyncClient(AsyncAdminCalls):
+class AsyncClient(AsyncAdminCalls, AsyncBatchCalls):
     """The asyncio client: one connection pool shared by every call, so many jobs can be in
     flight from one event loop. Use it as an async context manager (or call `aclose`).
 

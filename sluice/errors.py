@@ -87,6 +87,12 @@ class InvalidInput(ApiError):
     status, code = 422, "invalid_input"
 
 
+class InvalidJson(InvalidInput):
+    """A body that is not JSON, where the route reads it itself (the JSON check covers the rest)."""
+
+    code = "invalid_json"
+
+
 class BadRequest(ApiError):
     status, code = 400, "bad_request"
 

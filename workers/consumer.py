@@ -71,6 +71,10 @@ def consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
 
 
+# The batcher runs online items before any bulk one (sluice/batcher.py).
+LANE_PRIORITY: dict[Lane, int] = {"online": 0, "bulk": 1}
+
+
 def held_limit(*, prefetch: int, max_batch_size: int, items_per_s: float, claim_after_s: float) -> int:
     """How many entries a worker may hold (read and not yet acknowledged).
 
@@ -200,8 +204,12 @@ class Worker:
         # Cleared first: a batch completing or the model going idle during the reads below
         # must end the nap at the bottom, not be forgotten.
         self._wake_reader.clear()
-        room = held_limit(prefetch=self.prefetch, max_batch_size=self.max_batch_size,
-                          items_per_s=self.items_per_s(), claim_after_s=self.claim_after_s) - len(self._held)
+        limit = held_limit(prefetch=self.prefetch, max_batch_size=self.max_batch_size,
+                           items_per_s=self.items_per_s(), claim_after_s=self.claim_after_s)
+        room = limit - len(self._held)
+        # Bulk entries never take the last batch of room: an online arrival is read (and, by its
+        # priority in the batcher, run) after at most the forward pass under way.
+        bulk_room = min(self.max_batch_size, room - min(self.max_batch_size, limit // 2))
         entries: list[Delivered] = []
         if room > 0:
             entries = await self._reclaim(room) if self._claim_due() else []
@@ -210,12 +218,15 @@ class Worker:
             # per job at low traffic, where such overhead weighs most (bench/worker_cost.py).
             if not entries and not (self._drained and self._runner_idle):
                 entries = await self._read(["online"], room, block_ms=None)
-                if not entries:
-                    entries = await self._read(["bulk"], min(room, self.max_batch_size), block_ms=None)
+                if not entries and bulk_room > 0:
+                    entries = await self._read(["bulk"], bulk_room, block_ms=None)
             # Only a worker whose model is idle blocks on the streams: a new arrival then goes to
             # a worker that can start it now, not into the prefetch of one whose model is busy.
             if not entries and self._runner_idle:
-                entries = await self._read(["online", "bulk"], room, block_ms=READ_BLOCK_MS)
+                if bulk_room > 0:
+                    entries = await self._read(["online", "bulk"], bulk_room, block_ms=READ_BLOCK_MS)
+                else:
+                    entries = await self._read(["online"], room, block_ms=READ_BLOCK_MS)
         if entries:
             await self._accept(entries)
             self._wake_runner.set()
@@ -252,6 +263,7 @@ class Worker:
             if claim.verdict == "run":
                 item = Item(
                     id=delivered.entry_id, tenant=entry.tenant, cost=entry.cost, enqueued_at=entry.enqueued_at,
+                    priority=LANE_PRIORITY[delivered.lane],
                     payload=Delivery(job_id=entry.job_id, lane=delivered.lane, input=claim.input,
                                      attempts=claim.attempts, shadow=entry.shadow, shadow_of=entry.shadow_of),
                 )
@@ -266,7 +278,7 @@ class Worker:
 
     async def _run_loop(self) -> None:
         while True:
-            batch = self._ready.popleft() if self._ready else self._take()
+            batch = self._take()
             if batch is None:
                 if self._reading_done and len(self.batcher) == 0:
                     return
@@ -287,8 +299,16 @@ class Worker:
 
     def _take(self) -> Batch[Delivery] | None:
         """The next batch to run: the batcher's most urgent, or its first forward pass when the
-        handler splits batches itself (the other passes run next, before anything else)."""
-        batch = self.batcher.take(self.clock())
+        handler splits batches itself (the other passes run next, before anything else but an
+        online batch that is ready while they are bulk ones)."""
+        if self._ready:
+            urgent = (self.batcher.take(self.clock(), max_priority=LANE_PRIORITY["online"])
+                      if self._ready[0].items[0].priority > LANE_PRIORITY["online"] else None)
+            if urgent is None:
+                return self._ready.popleft()
+            batch: Batch[Delivery] | None = urgent
+        else:
+            batch = self.batcher.take(self.clock())
         if batch is None:
             return None
         first, *rest = self._passes(batch)

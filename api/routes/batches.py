@@ -26,7 +26,7 @@ from api.resources import BatchList, BatchResource, ErrorResource
 from api.responses import JsonResponse
 from sluice import batch_files
 from sluice.batch_files import FORMATS, BatchFileError, Format
-from sluice.errors import InvalidInput, NotFound, PayloadTooLarge
+from sluice.errors import InvalidInput, InvalidJson, NotFound, PayloadTooLarge
 from sluice.registry import batches as queries
 from sluice.routing import route
 from sluice.webhooks import CallbackRefused, allowed_networks, check_callback_url
@@ -123,7 +123,10 @@ async def create_batch(request: Request, key: CurrentKey, state: StateDep) -> Js
 
 
 async def _from_json(request: Request, state: AppState, folder: Path) -> tuple[CreateBatch, Path, Format]:
-    body = await request.json()
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise InvalidJson(f"the body is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidInput("the body must be a JSON object")
     options: CreateBatch = _options(CreateBatch, body)

@@ -757,3 +757,38 @@ def test_payload_is_carried_but_not_compared() -> None:
 def test_an_empty_batch_cannot_be_built() -> None:
     with pytest.raises(ValueError):
         Batch(items=(), close_reason="age", bucket=0, tenant=None, closed_at=0.0)
+
+
+# --- priorities: the online lane before bulk -----------------------------------------------------
+
+
+def test_an_online_item_runs_before_older_overdue_bulk_items_and_never_shares_their_batch() -> None:
+    batcher: MicroBatcher = MicroBatcher(max_batch_size=4, max_wait_ms=10)
+    for i in range(6):
+        batcher.add(Item(id=f"bulk{i}", tenant="t", cost=10, enqueued_at=0.0 + i * 0.001, priority=1))
+    batcher.add(Item(id="online", tenant="t", cost=10, enqueued_at=5.0))
+    # The bulk items are long overdue; the online one is not due yet: nothing runs before it.
+    assert batcher.take(5.001) is None
+    assert batcher.next_deadline() == 5.0 + 0.01
+    first = batcher.take(5.01)
+    assert first is not None and [item.id for item in first.items] == ["online"]
+    second = batcher.take(5.01)
+    assert second is not None and [item.id for item in second.items] == ["bulk0", "bulk1", "bulk2", "bulk3"]
+    assert second.tenant == "t"
+
+
+def test_bulk_items_run_when_no_online_item_is_held() -> None:
+    batcher: MicroBatcher = MicroBatcher(max_batch_size=8, max_wait_ms=10)
+    batcher.add(Item(id="b", tenant="t", cost=10, enqueued_at=0.0, priority=1))
+    assert batcher.next_deadline() == 0.01
+    batch = batcher.take(0.01)
+    assert batch is not None and batch.close_reason == "age" and batch.items[0].id == "b"
+
+
+def test_take_with_a_priority_limit_answers_only_a_batch_that_urgent() -> None:
+    batcher: MicroBatcher = MicroBatcher(max_batch_size=8, max_wait_ms=10)
+    batcher.add(Item(id="b", tenant="t", cost=10, enqueued_at=0.0, priority=1))
+    assert batcher.take(1.0, max_priority=0) is None
+    batcher.add(Item(id="o", tenant="t", cost=10, enqueued_at=0.5))
+    batch = batcher.take(1.0, max_priority=0)
+    assert batch is not None and [item.id for item in batch.items] == ["o"]
