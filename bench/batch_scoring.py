@@ -168,9 +168,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     for batch in results["batches"]:
         print(f"batch {batch['id']}: {batch['status']}, {batch['done']} done, {batch['failed']} failed of "
               f"{batch['total']}; output {batch['check']}")
-    results["p99_queue_wait_ratio"] = round(loaded["queue_wait_ms"]["p99"] / alone["queue_wait_ms"]["p99"], 2)
-    print(f"online p99 queue wait with the batches running: {results['p99_queue_wait_ratio']}x that without; "
-          f"batches fed at {results['batch_rows_per_s']} rows/s")
+    for q in ("p50", "p95", "p99"):
+        with_batches, without = loaded["queue_wait_ms"][q], alone["queue_wait_ms"][q]
+        if with_batches is not None and without:
+            results[f"{q}_queue_wait_ratio"] = round(with_batches / without, 2)
+            print(f"online {q} queue wait with the batches running: {with_batches:.1f} ms against {without:.1f} ms "
+                  "without")
+    print(f"batches fed at {results['batch_rows_per_s']} rows/s")
     print(f"wrote {write_json(args.output, results)}")
 
 
