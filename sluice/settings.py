@@ -91,12 +91,15 @@ class Settings(BaseSettings):
     # (unset: refused); uploads, inline inputs and outputs live under `batch_dir` (default
     # HOME/batches), which the API and the Celery workers share. A batch keeps at most
     # `batch_max_in_flight` jobs on its version's bulk lane; at most `batch_max_running` batches
-    # are fed at once; a feeder that stops renewing its lease for `batch_lease_s` is replaced on
+    # are fed at once (in all); a feeder that stops renewing its lease for `batch_lease_s` is replaced on
     # the next sweep, which beat sends every `batch_sweep_s` with the due schedules' dispatch.
     batch_root: Path | None = None
     batch_dir: Path | None = None
     batch_max_in_flight: int = Field(default=256, ge=1, le=100_000)
     batch_max_running: int = Field(default=4, ge=1, le=256)
+    # Feeders one Celery worker process runs at once: each holds a pool thread for its whole
+    # batch, and the others must stay free for webhook deliveries.
+    batch_feeders_per_worker: int = Field(default=2, ge=1, le=64)
     batch_lease_s: float = Field(default=30.0, ge=2)
     batch_sweep_s: float = Field(default=2.0, gt=0)
     batch_checkpoint_s: float = Field(default=1.0, gt=0)

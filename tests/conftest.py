@@ -23,6 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import pytest
 import redis
+from sqlalchemy import text
 
 from launch.seed import Seeded, seed
 from sluice import keys
@@ -99,6 +100,17 @@ def registry(database_url: str) -> Iterator[Registry]:
     reg = Registry(url=database_url, pool_size=2)
     yield reg
     reg.dispose()
+
+
+@pytest.fixture(scope="module")
+def batches_ended_after(registry: Registry) -> Iterator[None]:
+    """After the module: every batch it left unfinished ends and every schedule goes, so that no
+    Celery worker of a later module spends its threads feeding them (their models' workers are gone)."""
+    yield
+    with registry.session() as session:
+        session.execute(text("UPDATE batches SET status = 'cancelled', finished_at = now() "
+                             "WHERE finished_at IS NULL"))
+        session.execute(text("DELETE FROM schedules"))
 
 
 @pytest.fixture(scope="session")

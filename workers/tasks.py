@@ -91,6 +91,7 @@ class _Runtime:
         self._settings = settings
         self._deliverer: Deliverer | None = None
         self._feeder: BatchFeeder | None = None
+        self._feeding: threading.BoundedSemaphore | None = None
         self._lock = threading.Lock()
 
     @property
@@ -106,6 +107,14 @@ class _Runtime:
             if self._deliverer is None:
                 self._deliverer = Deliverer.from_settings(settings)
             return self._deliverer
+
+    def feeding(self) -> threading.BoundedSemaphore:
+        """The process's feeder slots."""
+        settings = self.settings
+        with self._lock:
+            if self._feeding is None:
+                self._feeding = threading.BoundedSemaphore(settings.batch_feeders_per_worker)
+            return self._feeding
 
     def feeder(self) -> BatchFeeder:
         settings = self.settings
@@ -211,7 +220,14 @@ def create_app(*, settings: Settings | None = None) -> Celery:
     @app.task(name=RUN_BATCH_TASK, ignore_result=True)
     def run_batch(batch_id: str) -> str:
         """Feed one batch to its end (or until this worker stops: the next sweep re-sends it)."""
-        return runtime.feeder().run(batch_id)
+        slots = runtime.feeding()
+        if not slots.acquire(blocking=False):
+            # Every feeder slot of this process is taken: the sweep sends it again, to any worker.
+            return "busy"
+        try:
+            return runtime.feeder().run(batch_id)
+        finally:
+            slots.release()
 
     @app.task(name=SWEEP_BATCHES_TASK, ignore_result=True)
     def sweep_batches() -> dict[str, int]:

@@ -3,6 +3,7 @@ duplicates no row, and two beat processes dispatch each schedule slot once."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -22,7 +23,7 @@ from croniter import croniter
 from sluice.settings import Settings
 from tests.support import REPO, stop_process, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("batches_ended_after")]
 
 # Each batch of 32 takes about 0.07 s: a few thousand rows last long enough to kill a feeder.
 STEADY_SYNTHETIC = "fixed_s=0.005&per_item_s=0.002&per_token_s=0"
@@ -43,14 +44,18 @@ def celery(redis_url: str, database_url: str, settings: Settings,
     def start(*args: str) -> subprocess.Popen[bytes]:
         log = tmp_path / f"celery-{len(started)}.log"
         with log.open("wb") as sink:
+            # A session of its own: killing the group takes the embedded beat child with the worker,
+            # as a host or container dying would.
             proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "workers.tasks", *args], cwd=REPO, env=env,
-                                    stdout=sink, stderr=subprocess.STDOUT)
+                                    stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
         started.append(proc)
         return proc
 
     yield start
     for proc in started:
         stop_process(proc, signal.SIGTERM, timeout_s=20)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _worker(celery: Callable[..., subprocess.Popen[bytes]], *, beat: bool) -> subprocess.Popen[bytes]:
@@ -81,7 +86,7 @@ def test_a_celery_worker_killed_mid_batch_loses_and_duplicates_no_row(
 
     first = _worker(celery, beat=True)
     wait_until(lambda: _batch(demo, batch_id)["done"] >= 600, timeout_s=90, what="600 rows done")
-    first.send_signal(signal.SIGKILL)
+    os.killpg(first.pid, signal.SIGKILL)
     first.wait(timeout=10)
     killed_at = _batch(demo, batch_id)
     assert killed_at["status"] == "running" and killed_at["done"] < rows

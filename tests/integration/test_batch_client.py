@@ -24,7 +24,7 @@ from sluice.settings import Settings
 from tests.support import ApiServer
 from workers.batches import BatchFeeder
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("batches_ended_after")]
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from sluice.registry.store import Registry
 from sluice.settings import Settings
 from workers.batches import BatchFeeder, job_id
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("batches_ended_after")]
 
 
 @pytest.fixture
@@ -267,3 +267,48 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.1)
+
+
+def test_a_finished_batch_s_callback_is_queued_once_and_posts_the_signed_batch(
+    demo: httpx.Client, synth: str, feeder: Callable[..., BatchFeeder], registry: Registry,
+    rds: redis_sync.Redis, settings: Settings,
+) -> None:
+    import random
+
+    from sluice import webhooks
+    from sluice.registry import queries as registry_queries
+    from sluice.registry.tables import Batch
+    from tests.support import receiving
+    from workers.batches import callback_delivery_id
+    from workers.delivery import Deliverer
+
+    batch = _create(demo, model=synth, inputs=[{"text": "a"}, {"text": "b"}])
+    with receiving() as receiver:
+        with registry.session() as session:
+            row = session.get(Batch, batch["id"])
+            assert row is not None
+            # Set here: the suite's API refuses loopback callbacks, as it should.
+            row.callback_url = receiver.plan("/batch", 200)
+        run = feeder()
+        assert run.run(batch["id"]) == "succeeded"
+        assert run.send_callbacks() == 0  # queued by the finish already, and only then
+        delivery_id = callback_delivery_id(batch["id"])
+        entries = [fields for _, fields in rds.xrange(keys.WEBHOOK_OUTBOX) if fields.get("job") == batch["id"]]
+        assert entries == [{"delivery": delivery_id, "job": batch["id"]}]
+        deliverer = Deliverer(redis=redis_sync.Redis.from_url(settings.require_redis_url()), registry=registry,
+                              http=httpx.Client(timeout=5.0), allowed=webhooks.allowed_networks(["127.0.0.0/8"]),
+                              max_attempts=3, backoff_base_s=1, backoff_cap_s=1, lease_s=30, ttl_s=600,
+                              rng=random.Random(1))
+        try:
+            assert deliverer.attempt(delivery_id, batch["id"]).outcome == "delivered"
+            assert deliverer.attempt(delivery_id, batch["id"]).outcome == "skipped"
+        finally:
+            deliverer.http.close()
+            deliverer.redis.close()
+            rds.zrem(keys.WEBHOOK_DUE, delivery_id)
+        [request] = receiver.received("/batch")
+    body = json.loads(request.body)
+    assert (body["id"], body["status"], body["done"]) == (batch["id"], "succeeded", 2)
+    with registry.session() as session:
+        secret = registry_queries.tenant_secret(session, "demo")
+    assert secret and webhooks.verify(secret, request.headers["sluice-signature"], request.body)

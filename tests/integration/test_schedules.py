@@ -18,6 +18,8 @@ from sluice.registry.tables import Schedule
 from sluice.settings import Settings
 from workers.schedules import dispatch_due
 
+pytestmark = pytest.mark.usefixtures("batches_ended_after")
+
 
 def _schedule(admin: httpx.Client, settings: Settings, model: str, **extra: Any) -> dict[str, Any]:
     assert settings.batch_root is not None
