@@ -41,6 +41,7 @@ from tests.support import (
     unique,
     wait_job,
 )
+from workers.batches import BatchFeeder
 
 # Tried in this order; SLUICE_TEST_REDIS_DB pins one (unlocked).
 TEST_REDIS_DBS = (11, 12, 13, 14, 15, *range(1, 11))
@@ -100,6 +101,26 @@ def registry(database_url: str) -> Iterator[Registry]:
     reg = Registry(url=database_url, pool_size=2)
     yield reg
     reg.dispose()
+
+
+@pytest.fixture
+def feeder(settings: Settings) -> Iterator[Callable[..., BatchFeeder]]:
+    """Batch feeders (workers/batches.py) on the suite's stores, closed after the test."""
+    made: list[BatchFeeder] = []
+
+    def make(**overrides: Any) -> BatchFeeder:
+        options: dict[str, Any] = {
+            "storage": settings.batch_storage, "batch_root": settings.batch_root, "max_in_flight": 64,
+            "max_running": 8, "lease_s": 30.0, "checkpoint_s": 0.2, "result_ttl_s": 600,
+            "max_text_chars": settings.max_text_chars, **overrides,
+        }
+        made.append(BatchFeeder(redis=redis.Redis.from_url(settings.require_redis_url()),
+                                registry=Registry(url=settings.require_database_url(), pool_size=4), **options))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.close()
 
 
 @pytest.fixture(scope="module")

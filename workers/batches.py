@@ -166,17 +166,16 @@ class BatchFeeder:
             if row is None:
                 return None
             model = session.get(Model, row.model)
-            kind = ModelKind(model.kind) if model is not None else None
+            if model is None:
+                queries.fail_unstarted(session, batch_id, now=self._now(),
+                                       error=f"model '{row.model}' no longer exists")
+                return None
             run = _Run(id=row.id, tenant=row.tenant_id, model=row.model, version=row.version,
-                       kind=kind or ModelKind.embedding, input_path=Path(row.input_path),
+                       kind=ModelKind(model.kind), input_path=Path(row.input_path),
                        input_format=row.input_format,  # type: ignore[arg-type]
                        text_field=row.text_field, output_format=row.output_format,  # type: ignore[arg-type]
                        output_path=row.output_path, total=row.total, done=row.done, failed=row.failed,
                        rows_written=row.rows_written, bytes_written=row.bytes_written, status=row.status)
-            if kind is None:
-                queries.fail_unstarted(session, batch_id, now=self._now(),
-                                       error=f"model '{row.model}' no longer exists")
-                return None
         return run
 
     def _feed(self, run: _Run, owner: str) -> str:

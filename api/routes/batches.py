@@ -28,6 +28,7 @@ from sluice import batch_files
 from sluice.batch_files import FORMATS, BatchFileError, Format
 from sluice.errors import InvalidInput, InvalidJson, NotFound, PayloadTooLarge
 from sluice.registry import batches as queries
+from sluice.registry.queries import KeyInfo
 from sluice.routing import route
 from sluice.webhooks import CallbackRefused, allowed_networks, check_callback_url
 
@@ -177,7 +178,7 @@ async def _from_upload(request: Request, state: AppState, folder: Path) -> tuple
         await form.close()
 
 
-def _routed(state: AppState, key: Any, options: _BatchOptions, path: Path, fmt: Format) -> queries.NewBatch:
+def _routed(state: AppState, key: KeyInfo, options: _BatchOptions, path: Path, fmt: Format) -> queries.NewBatch:
     if options.callback_url is not None:
         try:
             check_callback_url(str(options.callback_url),
@@ -190,7 +191,7 @@ def _routed(state: AppState, key: Any, options: _BatchOptions, path: Path, fmt: 
         tenant=key.tenant, model=options.model, version=decision.version.version, input_path=str(path),
         input_format=fmt, text_field=options.text_field, output_format=options.output_format,
         callback_url=str(options.callback_url) if options.callback_url else None,
-        metadata=dict(options.metadata) if isinstance(options, _BatchOptions) and options.metadata else None,
+        metadata=dict(options.metadata) if options.metadata else None,
     )
 
 
@@ -238,7 +239,7 @@ async def get_batch(batch_id: str, key: CurrentKey, state: StateDep) -> dict[str
     return await to_thread.run_sync(read)
 
 
-def _reader(key: Any) -> str | None:
+def _reader(key: KeyInfo) -> str | None:
     """Whose batches the key reads: an admin reads any (a schedule's runs belong to its tenant)."""
     return None if key.is_admin else key.tenant
 

@@ -27,7 +27,7 @@ from sluice.registry.store import Registry
 from sluice.streams import queue_jobs
 from tests.support import REPO, SYNTHETIC_SHA, fresh_database
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
 MODEL, VERSION = "burst", "v1"
 # A batch of 8 takes 0.05 + 8 * 0.02 s: about 38 jobs/s per worker.

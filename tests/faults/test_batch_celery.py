@@ -23,7 +23,7 @@ from croniter import croniter
 from sluice.settings import Settings
 from tests.support import REPO, stop_process, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("batches_ended_after")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("batches_ended_after"), pytest.mark.soak]
 
 # Each batch of 32 takes about 0.07 s: a few thousand rows last long enough to kill a feeder.
 STEADY_SYNTHETIC = "fixed_s=0.005&per_item_s=0.002&per_token_s=0"

@@ -36,7 +36,7 @@ from tests.support import ApiServer, http_client, make_settings, register_synthe
 
 from ._support import RedisServer
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("batches_ended_after")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("batches_ended_after"), pytest.mark.soak]
 
 MODES = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
 

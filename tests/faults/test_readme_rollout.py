@@ -23,7 +23,7 @@ from tests.support import REPO
 
 from ._up import ADMIN_KEY, Up, start_up
 
-pytestmark = [pytest.mark.slow, pytest.mark.model]
+pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.soak]
 
 SECTION = "## Rolling out a new version"
 MARK = "@@sluice-readme-rc"

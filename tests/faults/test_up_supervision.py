@@ -24,7 +24,7 @@ from tests.support import wait_job
 
 from ._up import ADMIN_KEY, Up, alive, holding, start_up, wait_gone
 
-pytestmark = [pytest.mark.slow, pytest.mark.model]
+pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.soak]
 
 # A store must be back, and the platform accepting, within this many seconds of its death.
 RECOVERY_S = 15.0

@@ -12,15 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis as redis_sync
 from typer.testing import CliRunner
 
 from launch.cli import app
 from launch.seed import Seeded
 from sluice.client import AsyncClient, NotFoundError, SluiceClient
 from sluice.registry.batches import to_dispatch
-from sluice.registry.store import Registry
-from sluice.settings import Settings
 from tests.support import ApiServer
 from workers.batches import BatchFeeder
 
@@ -28,33 +25,28 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("batches_ended_after")]
 
 
 @pytest.fixture
-def feeding(settings: Settings) -> Iterator[None]:
+def feeding(feeder: Callable[..., BatchFeeder]) -> Iterator[None]:
     """What beat's sweep and the Celery workers do: a feeder for each batch that needs one."""
-    feeder = BatchFeeder(redis=redis_sync.Redis.from_url(settings.require_redis_url()),
-                         registry=Registry(url=settings.require_database_url(), pool_size=4),
-                         storage=settings.batch_storage, batch_root=settings.batch_root, max_in_flight=64,
-                         max_running=8, lease_s=10.0, checkpoint_s=0.2, result_ttl_s=600,
-                         max_text_chars=settings.max_text_chars)
+    run = feeder(lease_s=10.0)
     stop = threading.Event()
     runs: list[threading.Thread] = []
 
     def sweep() -> None:
         while not stop.wait(0.2):
-            with feeder.registry.session() as session:
-                waiting = to_dispatch(session, now=datetime.now(UTC), lease_s=feeder.lease_s)
+            with run.registry.session() as session:
+                waiting = to_dispatch(session, now=datetime.now(UTC), lease_s=run.lease_s)
             for batch_id in waiting:
-                runs.append(threading.Thread(target=feeder.run, args=(batch_id,), daemon=True))
+                runs.append(threading.Thread(target=run.run, args=(batch_id,), daemon=True))
                 runs[-1].start()
 
     sweeper = threading.Thread(target=sweep, daemon=True)
     sweeper.start()
     yield
     stop.set()
-    feeder.request_stop()
+    run.request_stop()
     sweeper.join()
-    for run in runs:
-        run.join(timeout=10)
-    feeder.close()
+    for thread in runs:
+        thread.join(timeout=10)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import csv
 import io
 import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,25 +25,6 @@ from sluice.settings import Settings
 from workers.batches import BatchFeeder, job_id
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("batches_ended_after")]
-
-
-@pytest.fixture
-def feeder(settings: Settings, registry: Registry) -> Iterator[Callable[..., BatchFeeder]]:
-    made: list[BatchFeeder] = []
-
-    def make(**overrides: Any) -> BatchFeeder:
-        options: dict[str, Any] = {
-            "storage": settings.batch_storage, "batch_root": settings.batch_root, "max_in_flight": 64,
-            "max_running": 8, "lease_s": 30.0, "checkpoint_s": 0.2, "result_ttl_s": 600,
-            "max_text_chars": settings.max_text_chars, **overrides,
-        }
-        made.append(BatchFeeder(redis=redis_sync.Redis.from_url(settings.require_redis_url()),
-                                registry=Registry(url=settings.require_database_url(), pool_size=2), **options))
-        return made[-1]
-
-    yield make
-    for each in made:
-        each.close()
 
 
 @pytest.fixture
