@@ -177,16 +177,19 @@ class Demand:
     floor: int  # its min_replicas (keeps it warm)
     online: int  # replicas its online lane needs, floor included, up to `desired`
     desired: int  # everything it needs (stabilized, clamped)
+    # False for a shadow version: it answers no caller, so it gets only what serving versions leave.
+    serving: bool = True
 
 
 def allocate(demands: Mapping[K, Demand], slots: int) -> dict[K, int]:
-    """Replicas per version within `slots`: tier by tier (latency first), each tier's floors, then
-    its online need, then the rest; a round that cannot be met in full is shared in proportion to
-    what each version asked for in it (largest remainder, ties to the earlier key)."""
+    """Replicas per version within `slots`: the versions that serve callers tier by tier (latency
+    first), then shadow versions the same way; within each, the floors, then the online need,
+    then the rest; a round that cannot be met in full is shared in proportion to what each
+    version asked for in it (largest remainder, ties to the earlier key)."""
     granted = dict.fromkeys(demands, 0)
     left = max(0, slots)
-    for tier in TIERS:
-        members = [key for key, demand in demands.items() if demand.tier == tier]
+    for serving, tier in [(serving, tier) for serving in (True, False) for tier in TIERS]:
+        members = [key for key, demand in demands.items() if demand.tier == tier and demand.serving == serving]
         for level in ("floor", "online", "desired"):
             asks = {key: max(0, getattr(demands[key], level) - granted[key]) for key in members}
             total = sum(asks.values())

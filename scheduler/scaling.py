@@ -158,7 +158,7 @@ class Autoscaler:
             needs[key] = (desired, needed.reason + held)
             online = min(desired, max(info.min_replicas, math.ceil(round(needed.online, 6))))
             demands[key] = Demand(tier=scaled.tier, floor=min(info.min_replicas, desired), online=online,
-                                  desired=desired)
+                                  desired=desired, serving=info.state != VersionState.shadow)
         granted = allocate(demands, self.slots)
         for gone in set(self.desired).difference(versions):
             del self.desired[gone]

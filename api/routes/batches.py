@@ -213,7 +213,7 @@ def _insert(state: AppState, batch_id: str, spec: queries.NewBatch) -> dict[str,
         return queries.batch_resource(queries.create_batch(session, spec, batch_id=batch_id))
 
 
-@router.get("/batches", response_model=BatchList)
+@router.get("/batches", response_model=BatchList, response_model_exclude_unset=True)
 async def list_batches(
     key: CurrentKey, state: StateDep,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
@@ -230,7 +230,8 @@ async def list_batches(
     return await to_thread.run_sync(read)
 
 
-@router.get("/batches/{batch_id}", response_model=BatchResource, responses=_ERRORS)
+@router.get("/batches/{batch_id}", response_model=BatchResource, response_model_exclude_unset=True,
+            responses=_ERRORS)
 async def get_batch(batch_id: str, key: CurrentKey, state: StateDep) -> dict[str, Any]:
     def read() -> dict[str, Any]:
         with state.registry.session() as session:
@@ -274,7 +275,8 @@ async def batch_output(
     return StreamingResponse(chunks, media_type=batch_files.media_type(fmt), headers=headers)
 
 
-@router.delete("/batches/{batch_id}", response_model=BatchResource, responses=_ERRORS)
+@router.delete("/batches/{batch_id}", response_model=BatchResource, response_model_exclude_unset=True,
+               responses=_ERRORS)
 async def cancel_batch(batch_id: str, key: CurrentKey, state: StateDep) -> dict[str, Any]:
     """Cancel what has not started: rows not yet queued never run, queued ones end `cancelled`."""
     def write() -> dict[str, Any]:

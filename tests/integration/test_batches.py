@@ -59,6 +59,8 @@ def test_inline_inputs_come_back_in_input_order_with_per_row_errors(
     done = demo.get(f"/v1/batches/{batch['id']}").json()
     assert (done["status"], done["total"], done["done"], done["failed"]) == ("succeeded", 300, 298, 2)
     assert done["started_at"] and done["finished_at"]
+    # Absent, not null, when there is none: as the job resource.
+    assert not {"error", "schedule_id", "slot"} & done.keys()
     rows = _rows(demo.get(f"/v1/batches/{batch['id']}/output").content)
     assert [row["row"] for row in rows] == list(range(300))
     assert rows[7]["status"] == "failed" and rows[7]["error"]["code"] == "invalid_input"

@@ -129,3 +129,14 @@ def test_online_need_comes_before_bulk_and_a_short_round_is_shared_in_proportion
     assert allocate(demands, 10) == {"a": 7, "b": 3}
     assert sum(allocate(demands, 7).values()) == 7
     assert allocate(demands, 0) == {"a": 0, "b": 0}
+
+
+def test_a_shadow_version_gets_only_the_slots_serving_versions_leave() -> None:
+    demands = {
+        "minilm/v1": Demand(tier="latency", floor=1, online=1, desired=1),
+        "minilm/v2": Demand(tier="latency", floor=1, online=1, desired=1, serving=False),
+        "intent/v1": Demand(tier="latency", floor=1, online=1, desired=1),
+        "nightly/v1": Demand(tier="batch", floor=0, online=0, desired=1),
+    }
+    assert allocate(demands, 2) == {"minilm/v1": 1, "minilm/v2": 0, "intent/v1": 1, "nightly/v1": 0}
+    assert allocate(demands, 4) == {"minilm/v1": 1, "minilm/v2": 1, "intent/v1": 1, "nightly/v1": 1}
