@@ -36,6 +36,11 @@ INT8_SPEEDUP = Gauge("sluice_worker_int8_speedup", "int8's speed over fp32's, me
 DESIRED_REPLICAS = Gauge("sluice_desired_replicas", "Replicas the scheduler wants", ["model", "version"])
 LIVE_REPLICAS = Gauge("sluice_live_replicas", "Replicas alive", ["model", "version"])
 STREAM_LAG = Gauge("sluice_stream_lag", "Entries not yet acknowledged", ["model", "version", "lane"])
+QUEUE_PENDING = Gauge("sluice_queue_pending", "Entries a worker has read and not yet acknowledged",
+                      ["model", "version", "lane"])
+QUEUE_OLDEST_AGE = Gauge("sluice_queue_oldest_age_seconds", "Age of the oldest entry not yet acknowledged",
+                         ["model", "version", "lane"])
+LIVE_WORKERS = Gauge("sluice_live_workers", "Workers whose heartbeat is current", ["model", "version"])
 BREAKER_OPEN = Gauge("sluice_breaker_open", "1 while the version's circuit breaker is not closed",
                      ["model", "version"])
 SHADOW_COPIES = Counter("sluice_shadow_copies_total", "Jobs copied to a shadow version", ["model", "version"])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from typing import Annotated, Any
 
 from anyio import to_thread
@@ -12,7 +14,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api.deps import AppState, StateDep
+from api.queue_gauges import refresh_queue_gauges
 from sluice.errors import ApiError, SluiceError
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["health"])
 
@@ -81,5 +86,10 @@ async def readyz(
 
 
 @router.get("/metrics", include_in_schema=False)
-async def metrics() -> Response:
+async def metrics(state: StateDep) -> Response:
+    try:
+        await refresh_queue_gauges(state.broker.redis, state.routing.current(), now=time.time())
+    except SluiceError as exc:
+        # The process's own metrics are still worth a scrape while Redis is away.
+        log.warning("queue gauges not refreshed: %s", exc)
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
