@@ -16,10 +16,11 @@ from api.caches import AuthCache, RoutingCache
 from api.events import EventHub
 from sluice import events
 from sluice.broker import Broker
-from sluice.errors import Forbidden, Unauthenticated
+from sluice.errors import Forbidden, InvalidInput, Unauthenticated
 from sluice.registry.queries import KeyInfo
 from sluice.registry.store import Registry
 from sluice.settings import Settings
+from sluice.webhooks import CallbackRefused, allowed_networks, check_callback_url
 
 
 @dataclass
@@ -44,6 +45,18 @@ async def get_state(request: Request) -> AppState:
 
 
 StateDep = Annotated[AppState, Depends(get_state)]
+
+
+def checked_callback(state: AppState, url: object | None) -> str | None:
+    """A submitted `callback_url` as text, or InvalidInput (422) when the webhook policy refuses
+    its address (checked again at send time, after DNS)."""
+    if url is None:
+        return None
+    try:
+        check_callback_url(str(url), allowed=allowed_networks(state.settings.webhook_allowed_networks))
+    except CallbackRefused as exc:
+        raise InvalidInput(str(exc)) from None
+    return str(url)
 
 
 async def announce_routing(state: AppState, model: str) -> None:

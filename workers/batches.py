@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -262,7 +263,7 @@ class BatchFeeder:
 
     def _drain(self, run: _Run, out: Any) -> bool:
         """Write the lines of the window's leading rows that are final; answer whether any was."""
-        head = list(_take(run.window, CHUNK_ROWS))
+        head = list(islice(run.window, CHUNK_ROWS))
         with translate_redis_errors():
             pipe = self.redis.pipeline(transaction=False)
             for slot in head:
@@ -367,10 +368,3 @@ class BatchFeeder:
                     pipe.execute()
                 queries.mark_callback_sent(session, pending)
         return len(pending)
-
-
-def _take(window: deque[_Slot], count: int) -> Iterator[_Slot]:
-    for index, slot in enumerate(window):
-        if index >= count:
-            return
-        yield slot

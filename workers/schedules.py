@@ -9,6 +9,7 @@ under the schedule's row lock and the unique (schedule, slot) constraint
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -33,6 +34,7 @@ def dispatch_due(registry: Registry, *, batch_root: Path | None, now: datetime) 
         for due in queries.take_due_slots(session, now=now):
             schedule = due.schedule
             local = due.slot.astimezone(ZoneInfo(schedule.timezone))
+            # What a failed run records when the slot's input or version cannot be resolved.
             spec = queries.NewBatch(
                 tenant=schedule.tenant_id, model=schedule.model, version=schedule.version or "",
                 input_path=schedule.input_uri, input_format=schedule.input_format or "jsonl",
@@ -46,12 +48,9 @@ def dispatch_due(registry: Registry, *, batch_root: Path | None, now: datetime) 
                           if schedule.output_uri else None)
                 decision = route(snapshot, model=schedule.model, tenant=schedule.tenant_id, routing_key=None,
                                  version=schedule.version, blocked=(), admin=True)
-                spec = queries.NewBatch(
-                    tenant=schedule.tenant_id, model=schedule.model, version=decision.version.version,
-                    input_path=str(path), input_format=format_of(path.name, schedule.input_format),
-                    text_field=schedule.text_field, output_format=schedule.output_format,
-                    output_path=str(output) if output else None, callback_url=schedule.callback_url,
-                )
+                spec = replace(spec, version=decision.version.version, input_path=str(path),
+                               input_format=format_of(path.name, schedule.input_format),
+                               output_path=str(output) if output else None)
             except SluiceError as exc:
                 status, error = "failed", str(exc)
             row = queries.create_run(session, due, spec, status=status, error=error, now=now)

@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import UploadFile
 
-from api.deps import AppState, CurrentKey, StateDep
+from api.deps import AppState, CurrentKey, StateDep, checked_callback
 from api.resources import BatchList, BatchResource, ErrorResource
 from api.responses import JsonResponse
 from sluice import batch_files
@@ -30,7 +30,6 @@ from sluice.errors import InvalidInput, InvalidJson, NotFound, PayloadTooLarge
 from sluice.registry import batches as queries
 from sluice.registry.queries import KeyInfo
 from sluice.routing import route
-from sluice.webhooks import CallbackRefused, allowed_networks, check_callback_url
 
 router = APIRouter(prefix="/v1", tags=["batches"])
 
@@ -179,18 +178,13 @@ async def _from_upload(request: Request, state: AppState, folder: Path) -> tuple
 
 
 def _routed(state: AppState, key: KeyInfo, options: _BatchOptions, path: Path, fmt: Format) -> queries.NewBatch:
-    if options.callback_url is not None:
-        try:
-            check_callback_url(str(options.callback_url),
-                               allowed=allowed_networks(state.settings.webhook_allowed_networks))
-        except CallbackRefused as exc:
-            raise InvalidInput(str(exc)) from None
+    callback_url = checked_callback(state, options.callback_url)
     decision = route(state.routing.current(), model=options.model, tenant=key.tenant, routing_key=None,
                      version=options.version, blocked=state.breakers.blocked(options.model), admin=key.is_admin)
     return queries.NewBatch(
         tenant=key.tenant, model=options.model, version=decision.version.version, input_path=str(path),
         input_format=fmt, text_field=options.text_field, output_format=options.output_format,
-        callback_url=str(options.callback_url) if options.callback_url else None,
+        callback_url=callback_url,
         metadata=dict(options.metadata) if options.metadata else None,
     )
 

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Header, Query
 from fastapi.responses import StreamingResponse
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
 
-from api.deps import AppState, CurrentKey, StateDep
+from api.deps import AppState, CurrentKey, StateDep, checked_callback
 from api.middleware import StrictJsonRoute
 from api.resources import BulkAccepted, ErrorResource, JobResource
 from api.responses import JsonResponse
@@ -28,7 +28,6 @@ from sluice.kinds import ModelKind, validate_input
 from sluice.metrics import CACHE_LOOKUPS, JOBS_REJECTED, JOBS_SUBMITTED
 from sluice.registry.queries import KeyInfo
 from sluice.routing import VersionInfo, hash_unit, route, shadow_target
-from sluice.webhooks import CallbackRefused, allowed_networks, check_callback_url
 
 router = APIRouter(prefix="/v1", tags=["jobs"], route_class=StrictJsonRoute)
 
@@ -128,13 +127,11 @@ async def _queue(
             JOBS_REJECTED.labels(model, exc.code).inc()
             where = f"inputs[{index}]" if len(inputs) > 1 or isinstance(options, SubmitBulk) else "input"
             raise InvalidInput(exc.message.replace("input", where, 1)) from None
-    if options.callback_url is not None:
-        try:
-            check_callback_url(str(options.callback_url),
-                               allowed=allowed_networks(state.settings.webhook_allowed_networks))
-        except CallbackRefused as exc:
-            JOBS_REJECTED.labels(model, InvalidInput.code).inc()
-            raise InvalidInput(str(exc)) from None
+    try:
+        callback_url = checked_callback(state, options.callback_url)
+    except InvalidInput:
+        JOBS_REJECTED.labels(model, InvalidInput.code).inc()
+        raise
     if state.draining.is_set():
         raise ServiceUnavailable("this API replica is shutting down; retry", headers={"Retry-After": "1"})
     decision = route(snapshot, model=model, tenant=key.tenant, routing_key=options.routing_key,
@@ -149,7 +146,7 @@ async def _queue(
         records.append(JobRecord(
             id=job_id, tenant=key.tenant, model=model, version=version.version,
             lane=options.lane, status=JobStatus.queued, input=canonical, cost=cost, enqueued_at=now,
-            callback_url=str(options.callback_url) if options.callback_url else None,
+            callback_url=callback_url,
             deadline=now + options.timeout_s if options.timeout_s else None,
             metadata=dict(options.metadata or {}),
             shadow=shadow_target(snapshot, model=model, primary=version, point=hash_unit(model, job_id)),

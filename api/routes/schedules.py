@@ -10,15 +10,13 @@ from anyio import to_thread
 from fastapi import APIRouter
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
 
-from api.deps import AdminKey, StateDep
+from api.deps import AdminKey, StateDep, checked_callback
 from api.middleware import StrictJsonRoute
 from api.resources import ErrorResource, ScheduleList, ScheduleResource
 from api.responses import JsonResponse
 from sluice import batch_files
 from sluice.batch_files import Format
-from sluice.errors import InvalidInput
 from sluice.registry import batches as queries
-from sluice.webhooks import CallbackRefused, allowed_networks, check_callback_url
 
 router = APIRouter(prefix="/v1", tags=["schedules"], route_class=StrictJsonRoute)
 
@@ -58,17 +56,12 @@ async def create_schedule(body: CreateSchedule, key: AdminKey, state: StateDep) 
     batch_files.local_path(batch_files.render_template(body.input_uri, now), root=root, must_exist=False)
     if body.output_uri is not None:
         batch_files.local_path(batch_files.render_template(body.output_uri, now), root=root, must_exist=False)
-    if body.callback_url is not None:
-        try:
-            check_callback_url(str(body.callback_url),
-                               allowed=allowed_networks(state.settings.webhook_allowed_networks))
-        except CallbackRefused as exc:
-            raise InvalidInput(str(exc)) from None
+    callback_url = checked_callback(state, body.callback_url)
     spec = queries.NewSchedule(
         tenant=body.tenant or key.tenant, model=body.model, version=body.version, cron=body.cron,
         timezone=body.timezone, input_uri=body.input_uri, input_format=body.format, text_field=body.text_field,
         output_uri=body.output_uri, output_format=body.output_format,
-        callback_url=str(body.callback_url) if body.callback_url else None,
+        callback_url=callback_url,
     )
 
     def write() -> dict[str, Any]:
