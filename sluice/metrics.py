@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 API_REQUESTS = Counter("sluice_api_requests_total", "HTTP requests", ["route", "method", "status"])
 API_LATENCY = Histogram("sluice_api_request_seconds", "HTTP request latency", ["route", "method"],
@@ -17,15 +17,24 @@ CACHE_LOOKUPS = Counter("sluice_cache_lookups_total", "Response-cache lookups at
 
 JOBS_FINISHED = Counter("sluice_jobs_finished_total", "Jobs reaching a final state",
                         ["model", "version", "status"])
-QUEUE_WAIT = Histogram("sluice_queue_wait_seconds", "Enqueue to batch start", ["model", "version"],
+# Per-job latencies carry the lane: a bulk job's wait behind online traffic is by design, and
+# blending the two would hide an online regression behind a batch's long tail.
+QUEUE_WAIT = Histogram("sluice_queue_wait_seconds", "Enqueue to batch start, per job", ["model", "version", "lane"],
                        buckets=_LATENCY_BUCKETS)
-MODEL_TIME = Histogram("sluice_model_seconds", "Model time per batch", ["model", "version"],
+JOB_SECONDS = Histogram("sluice_job_seconds", "Enqueue to stored result (end to end), per job",
+                        ["model", "version", "lane"], buckets=_LATENCY_BUCKETS)
+MODEL_TIME = Histogram("sluice_model_seconds", "Model time per batch", ["model", "version", "lane"],
                        buckets=_LATENCY_BUCKETS)
-BATCH_SIZE = Histogram("sluice_batch_size", "Jobs per batch", ["model", "version"],
+BATCH_SIZE = Histogram("sluice_batch_size", "Jobs per batch", ["model", "version", "lane"],
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
-BATCH_CLOSED = Counter("sluice_batches_total", "Batches by close reason", ["model", "version", "reason"])
+BATCH_FILL = Histogram("sluice_batch_fill_seconds", "From a batch's first job reaching the batcher to its close",
+                       ["model", "version", "lane"], buckets=_LATENCY_BUCKETS)
+BATCH_CLOSED = Counter("sluice_batches_total", "Batches by close reason (size, age, drain)",
+                       ["model", "version", "lane", "reason"])
 PADDING_RATIO = Histogram("sluice_batch_padding_ratio", "Padded tokens / real tokens per batch",
-                          ["model", "version"], buckets=(1, 1.1, 1.25, 1.5, 2, 3, 5, 10))
+                          ["model", "version", "lane"], buckets=(1, 1.1, 1.25, 1.5, 2, 3, 5, 10))
+WEBHOOK_ATTEMPTS = Counter("sluice_webhook_attempts_total",
+                           "Webhook delivery attempts by outcome (delivered, retrying, failed, refused)", ["outcome"])
 WORKER_STATE = Gauge("sluice_worker_ready", "1 when the worker's model is loaded and warm",
                      ["model", "version"])
 COLD_START = Gauge("sluice_worker_cold_start_seconds", "Verify + load + warm-up time", ["model", "version"])
