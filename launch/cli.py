@@ -79,10 +79,12 @@ def scheduler(actuator: Annotated[str, typer.Option(help="local: supervise worke
                                                          "none: only export desired replicas")] = "local") -> None:
     """Keep every servable version's worker pool at its desired size."""
     from scheduler.main import Scheduler, autoscaler, local_supervisor
+    from sluice import exposition
     from sluice.registry.store import Registry
 
     settings = Settings()
     configure_logging(name="scheduler")
+    endpoint = exposition.serve_metrics(host=settings.metrics_host, port=settings.metrics_port)
     supervisor = (
         local_supervisor(home=settings.home.resolve(), cores=settings.cpu_cores, slots=settings.worker_slots,
                          stop_grace_s=settings.shutdown_grace_s)
@@ -92,7 +94,8 @@ def scheduler(actuator: Annotated[str, typer.Option(help="local: supervise worke
     # the quality aggregator.
     registry = Registry(url=settings.require_database_url(), pool_size=3)
     runner = Scheduler(registry=registry, redis_url=settings.require_redis_url(), supervisor=supervisor,
-                       autoscaler=autoscaler(settings), refresh_s=settings.scale_interval_s)
+                       autoscaler=autoscaler(settings), refresh_s=settings.scale_interval_s,
+                       scrape_target=exposition.ScrapeTarget(address=endpoint.address, process="scheduler"))
     install_two_stage(runner.request_stop, force=lambda: sys.exit(1))
     runner.run()
     registry.dispose()
@@ -114,9 +117,11 @@ def up(exit_after_demo: Annotated[bool, typer.Option(help="Stop after the demo (
             seeded = platform.start()
         with console.status("waiting for the API and warm workers…"):
             platform.wait_ready()
+        platform.write_scrape_targets()
         console.print(f"[bold green]Sluice is up[/]  home: {_printable_home(platform.home)}")
         console.print(f"  API      {platform.api_url}   (docs: {platform.api_url}/docs)")
-        console.print(f"  metrics  {platform.api_url}/metrics")
+        console.print(f"  metrics  {platform.api_url}/metrics; every process: Prometheus file_sd "
+                      f"{_printable_home(platform.scrape_targets_path)}")
         console.print(f"  Flower   {platform.flower_url}   (Celery: webhooks, batch scoring, schedules)")
         console.print(f"  batches  input_uri and schedule files under {platform.batch_root.as_uri()}/")
         console.print(f"  Redis    {platform.stores.redis_url if platform.stores else ''}")

@@ -21,13 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 import redis.asyncio as aioredis
 
 from launch.embedded import EmbeddedStores, start_embedded
 from launch.seed import DEMO_VERSIONS, Seeded, seed
-from sluice import heartbeats
+from sluice import exposition, heartbeats
 from sluice.client import SluiceClient
 from sluice.connections import connect
+from sluice.errors import SluiceError
 from sluice.heartbeats import WorkerState
 from sluice.migrate import upgrade
 from sluice.processes import die_with_parent
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 FLOWER_STOP_S = 3.0
 # Past the children's own grace, for their interpreters to exit before they are killed.
 STOP_SLACK_S = 2.0
+# How often the Prometheus file-SD file is rewritten from the advertised endpoints.
+TARGETS_EVERY_S = 2.0
 
 DEMO_TEXTS = (
     "I lost my credit card yesterday, please block it",
@@ -59,6 +63,8 @@ class Platform:
         self.stores: EmbeddedStores | None = None
         self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
         self._stop_within: dict[str, float] = {}
+        self._targets_at = 0.0
+        self._targets_client: redis.Redis | None = None
 
     @property
     def api_url(self) -> str:
@@ -67,6 +73,11 @@ class Platform:
     @property
     def flower_url(self) -> str:
         return f"http://{self.settings.api_host}:{self.settings.flower_port}"
+
+    @property
+    def scrape_targets_path(self) -> Path:
+        """Prometheus file-based service discovery of every process's metrics endpoint."""
+        return self.home / "prometheus" / "targets.json"
 
     def _spawn(
         self,
@@ -196,10 +207,30 @@ class Platform:
                 raise RuntimeError(f"{name} exited with {process.returncode}; see {self.home / 'logs' / name}.log")
 
     def supervise(self) -> None:
-        """Restart an embedded store that died (on its data and port: the children reconnect)."""
+        """Restart an embedded store that died (on its data and port: the children reconnect), and
+        keep the Prometheus targets file current."""
         if self.stores is not None:
             for name in self.stores.revive(time.monotonic()):
                 log.warning("embedded %s restarted", name)
+        if time.monotonic() - self._targets_at >= TARGETS_EVERY_S:
+            self._targets_at = time.monotonic()
+            try:
+                self.write_scrape_targets()
+            except SluiceError as exc:
+                log.warning("could not refresh %s: %s", self.scrape_targets_path, exc)
+
+    def write_scrape_targets(self) -> None:
+        """The API and Flower at their fixed addresses; workers, the scheduler and the Celery worker
+        where they advertise their ephemeral ports."""
+        assert self.stores is not None
+        if self._targets_client is None:
+            self._targets_client = redis.Redis.from_url(self.stores.redis_url, socket_timeout=2.0,
+                                                        socket_connect_timeout=2.0)
+        host = self.settings.api_host
+        fixed = [exposition.ScrapeTarget(address=f"{host}:{self.settings.api_port}", process="api"),
+                 exposition.ScrapeTarget(address=f"{host}:{self.settings.flower_port}", process="flower")]
+        advertised = exposition.live_targets(self._targets_client, now=time.time())
+        exposition.write_file_sd(self.scrape_targets_path, [*fixed, *advertised])
 
     def stop(self) -> None:
         """Signal every child at once and give them one grace period together, then stop the stores.
@@ -223,6 +254,9 @@ class Platform:
             if self.stores is not None:
                 self.stores.forget(process.pid)
         self.children.clear()
+        if self._targets_client is not None:
+            self._targets_client.close()
+            self._targets_client = None
         if self.stores is not None:
             self.stores.stop()
             self.stores = None

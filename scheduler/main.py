@@ -11,6 +11,7 @@ beside it, each on a thread of its own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -26,7 +27,7 @@ from scheduler.quality import run_aggregator
 from scheduler.rollout import run_controller
 from scheduler.scaling import Autoscaler, publish, read_pools, scaled_versions, worker_config
 from scheduler.supervisor import Supervisor, VersionKey
-from sluice import events
+from sluice import events, exposition
 from sluice.errors import BrokerError, SluiceError
 from sluice.registry import queries
 from sluice.registry.store import Registry
@@ -46,7 +47,8 @@ def worker_command(python: str = sys.executable) -> Callable[[str, str, int], li
 
 class Scheduler:
     def __init__(self, *, registry: Registry, redis_url: str, supervisor: Supervisor | None,
-                 autoscaler: Autoscaler, refresh_s: float = 2.0) -> None:
+                 autoscaler: Autoscaler, refresh_s: float = 2.0,
+                 scrape_target: exposition.ScrapeTarget | None = None) -> None:
         self.registry = registry
         self.redis_url = redis_url
         self.supervisor = supervisor
@@ -56,12 +58,17 @@ class Scheduler:
         self._wake = threading.Event()
         self._redis = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
         self._snapshot: RoutingSnapshot | None = None
+        self.scrape_target = scrape_target
+        self._advertised_at = 0.0
 
     def request_stop(self) -> None:
         self.stopping.set()
         self._wake.set()
 
     def tick(self) -> None:
+        # Before the registry: a scheduler that cannot scale still has metrics worth scraping.
+        with contextlib.suppress(BrokerError):
+            self._advertise()
         try:
             with self.registry.session() as session:
                 self._snapshot = queries.routing_snapshot(session)
@@ -94,6 +101,12 @@ class Scheduler:
             publish(self._redis, decisions, readings, live=live)
         except BrokerError as exc:
             log.warning("could not publish the scaling decisions: %s", exc)
+
+    def _advertise(self) -> None:
+        now = time.time()
+        if self.scrape_target is not None and now - self._advertised_at >= exposition.ADVERTISE_EVERY_S:
+            exposition.advertise(self._redis, self.scrape_target, now=now)
+            self._advertised_at = now
 
     def _listen(self) -> None:
         """Wake the loop on routing events so a new version gets workers at once."""
@@ -130,6 +143,9 @@ class Scheduler:
                 self.supervisor.stop_all()
             controller.join(timeout=10)
             aggregator.join(timeout=10)
+            if self.scrape_target is not None:
+                with contextlib.suppress(BrokerError):
+                    exposition.withdraw(self._redis, self.scrape_target)
             self._redis.close()
 
 

@@ -72,6 +72,11 @@ def queued_jobs(tenant: str) -> str:
     return f"sluice:queued-jobs:{{{tenant}}}"
 
 
+def scrape_targets() -> str:
+    """Sorted set: a process's metrics endpoint (JSON) -> time it last advertised it (sluice.exposition)."""
+    return "sluice:scrape-targets"
+
+
 def live_workers(model: str, version: str) -> str:
     """Sorted set: worker name -> time of its last heartbeat, so readers need no SCAN."""
     return f"sluice:{tag(model, version)}:live"

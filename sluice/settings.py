@@ -26,7 +26,11 @@ class Settings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = 8000
     flower_port: int = 5555
-    metrics_port: int = 9100
+    # Workers, the scheduler and the Celery worker each serve their metrics here (the API serves
+    # its own on api_port). Port 0 lets the kernel pick one, so one machine runs many workers;
+    # each process advertises where it listens (sluice.exposition).
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(default=0, ge=0, le=65535)
 
     bootstrap_admin_key: SecretStr | None = None
 

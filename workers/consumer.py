@@ -257,7 +257,8 @@ class Worker:
             return
         # One round trip: the claim script also announces each change and settles (acknowledges,
         # dead-letters) the entries whose jobs will not run here.
-        claims = await self.streams.claim(entries, now=self.clock())
+        now = self.clock()
+        claims = await self.streams.claim(entries, now=now)
         for delivered, claim in zip(entries, claims, strict=True):
             entry = delivered.entry
             if claim.verdict == "run":
@@ -265,7 +266,8 @@ class Worker:
                     id=delivered.entry_id, tenant=entry.tenant, cost=entry.cost, enqueued_at=entry.enqueued_at,
                     priority=LANE_PRIORITY[delivered.lane],
                     payload=Delivery(job_id=entry.job_id, lane=delivered.lane, input=claim.input,
-                                     attempts=claim.attempts, shadow=entry.shadow, shadow_of=entry.shadow_of),
+                                     attempts=claim.attempts, shadow=entry.shadow, shadow_of=entry.shadow_of,
+                                     arrived_at=now),
                 )
                 self.batcher.add(item)
                 self._held[item.id] = delivered.lane
@@ -356,7 +358,7 @@ class Worker:
         self.processed += size
         self.last_batch_size = size
         self._rate_window.append((size, model_s))
-        self._metrics.batch(batch, outcomes, won, started=started, model_s=model_s)
+        self._metrics.batch(batch, outcomes, won, started=started, model_s=model_s, finished=finished)
 
     # --- keeping what this worker holds -----------------------------------------------------------
 

@@ -28,6 +28,7 @@ from sluice import keys
 from sluice.connections import translate_redis_errors
 from sluice.errors import SluiceError
 from sluice.jobs import JobRecord
+from sluice.metrics import WEBHOOK_ATTEMPTS
 from sluice.redact import scrub
 from sluice.registry import queries
 from sluice.registry.batches import batch_resource
@@ -210,7 +211,9 @@ class Deliverer:
         number = int(reply[1])
         try:
             status, retry_after = self._send(delivery_id, job_id)
-        except (CallbackRefused, _Undeliverable) as exc:
+        except CallbackRefused as exc:
+            return self._record(delivery_id, token, number, "failed", error=str(exc), counted_as="refused")
+        except _Undeliverable as exc:
             return self._record(delivery_id, token, number, "failed", error=str(exc))
         except (httpx.TransportError, OSError, SluiceError) as exc:
             return self._retry_or_fail(delivery_id, token, number, error=f"{type(exc).__name__}: {scrub(str(exc))}")
@@ -286,13 +289,14 @@ class Deliverer:
         return self._record(delivery_id, token, number, "retrying", status=status, error=error, delay=delay)
 
     def _record(self, delivery_id: str, token: str, number: int, outcome: str, *, status: int | None = None,
-                error: str = "", delay: float = 0.0) -> Attempt:
+                error: str = "", delay: float = 0.0, counted_as: str | None = None) -> Attempt:
         now = self.clock()
         with translate_redis_errors():
             self._end(keys=[keys.delivery(delivery_id), keys.WEBHOOK_DUE], args=[
                 token, outcome, repr(now), repr(now + delay) if outcome == "retrying" else "",
                 "" if status is None else str(status), error[:500], delivery_id,
             ])
+        WEBHOOK_ATTEMPTS.labels(counted_as or outcome).inc()
         detail = error or (f"answered {status}" if status is not None else "")
         log.info("webhook %s attempt %d: %s %s", delivery_id, number, outcome, detail)
         return Attempt("retry" if outcome == "retrying" else outcome, number, delay, detail)

@@ -7,6 +7,7 @@ then join the consumer group, so no job is read by a worker that cannot run it y
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -14,8 +15,10 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+import redis.asyncio as aioredis
 import uvloop
 
+from sluice import exposition
 from sluice.connections import connect
 from sluice.errors import EXIT_ARTIFACT_REFUSED, ArtifactError, SluiceError
 from sluice.metrics import COLD_START, INT8_SPEEDUP, WORKER_INT8, WORKER_STATE
@@ -74,7 +77,10 @@ def run_worker(*, settings: Settings, model: str, version: str, threads: int | N
         if choice.speedup is not None:
             INT8_SPEEDUP.labels(model, version).set(choice.speedup)
         log.info("worker for %s/%s runs %s: %s", model, version, choice.precision, choice.reason)
-    log.info("worker for %s/%s ready after %.2fs cold start (threads=%s)", model, version, cold_start_s, threads)
+    endpoint = exposition.serve_metrics(host=settings.metrics_host, port=settings.metrics_port)
+    target = exposition.ScrapeTarget(address=endpoint.address, process="worker")
+    log.info("worker for %s/%s ready after %.2fs cold start (threads=%s), metrics on %s",
+             model, version, cold_start_s, threads, endpoint.address)
 
     async def main() -> None:
         redis = connect(settings.require_redis_url(), max_connections=8)
@@ -95,14 +101,25 @@ def run_worker(*, settings: Settings, model: str, version: str, threads: int | N
 
         install_two_stage(worker.request_stop, force=leave_now, loop=asyncio.get_running_loop())
         WORKER_STATE.labels(model, version).set(1)
+        advertising = asyncio.create_task(_advertise(redis, target))
         try:
             await worker.run()
         finally:
             WORKER_STATE.labels(model, version).set(0)
+            advertising.cancel()
+            with contextlib.suppress(SluiceError):
+                await exposition.withdraw_async(redis, target)
             await redis.aclose()
 
     run_event_loop(main())
     return 0
+
+
+async def _advertise(redis: aioredis.Redis, target: exposition.ScrapeTarget) -> None:
+    while True:
+        with contextlib.suppress(SluiceError):
+            await exposition.advertise_async(redis, target, now=time.time())
+        await asyncio.sleep(exposition.ADVERTISE_EVERY_S)
 
 
 def run_event_loop(main: Coroutine[Any, Any, None]) -> None:

@@ -1,18 +1,40 @@
 """A worker's Prometheus series: the labelled children of `sluice.metrics`, looked up once.
 
 `Metric.labels(...)` takes a lock and hashes the label tuple on every call; a worker serves one
-(model, version), so its children are fixed at start and each batch only observes.
+(model, version), so its children are fixed at start (one set per lane) and each batch only
+observes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from sluice.batcher import Batch
 from sluice.jobs import CLOSE_REASONS, JobStatus
-from sluice.metrics import BATCH_CLOSED, BATCH_SIZE, JOBS_FINISHED, MODEL_TIME, PADDING_RATIO, QUEUE_WAIT
+from sluice.keys import LANES, Lane
+from sluice.metrics import (
+    BATCH_CLOSED,
+    BATCH_FILL,
+    BATCH_SIZE,
+    JOB_SECONDS,
+    JOBS_FINISHED,
+    MODEL_TIME,
+    PADDING_RATIO,
+    QUEUE_WAIT,
+)
 from workers.execution import Outcome
+from workers.results import Delivery
+
+
+class _LaneSeries:
+    def __init__(self, model: str, version: str, lane: Lane) -> None:
+        self.closed = {reason: BATCH_CLOSED.labels(model, version, lane, reason) for reason in CLOSE_REASONS}
+        self.size = BATCH_SIZE.labels(model, version, lane)
+        self.fill = BATCH_FILL.labels(model, version, lane)
+        self.model_time = MODEL_TIME.labels(model, version, lane)
+        self.padding = PADDING_RATIO.labels(model, version, lane)
+        self.queue_wait = QUEUE_WAIT.labels(model, version, lane)
+        self.job_seconds = JOB_SECONDS.labels(model, version, lane)
 
 
 class BatchMetrics:
@@ -21,31 +43,32 @@ class BatchMetrics:
             status: JOBS_FINISHED.labels(model, version, status.value)
             for status in (JobStatus.succeeded, JobStatus.failed, JobStatus.expired)
         }
-        self._closed = {reason: BATCH_CLOSED.labels(model, version, reason) for reason in CLOSE_REASONS}
-        self._size = BATCH_SIZE.labels(model, version)
-        self._model_time = MODEL_TIME.labels(model, version)
-        self._padding = PADDING_RATIO.labels(model, version)
-        self._queue_wait = QUEUE_WAIT.labels(model, version)
+        self._lanes = {lane: _LaneSeries(model, version, lane) for lane in LANES}
 
     def batch(
-        self, batch: Batch[Any], outcomes: Sequence[Outcome], won: Sequence[bool], *, started: float, model_s: float
+        self, batch: Batch[Delivery], outcomes: Sequence[Outcome], won: Sequence[bool], *, started: float,
+        model_s: float, finished: float,
     ) -> None:
-        """A stored batch; only the writes that made a job final count it, as with its sample."""
+        """A stored batch (one forward pass). Per-job series count only the writes that made a job
+        final, as its sample does, so they agree with the stats resource."""
+        series = self._lanes[batch.items[0].payload.lane]
         size = len(batch.items)
-        self._size.observe(size)
-        self._closed[batch.close_reason].inc()
-        self._model_time.observe(model_s)
+        series.size.observe(size)
+        series.closed[batch.close_reason].inc()
+        series.model_time.observe(model_s)
+        series.fill.observe(max(0.0, batch.closed_at - min(item.payload.arrived_at for item in batch.items)))
         real = sum(max(1, item.cost) for item in batch.items)
-        self._padding.observe(batch.max_cost * size / real if real else 1.0)
-        for item in batch.items:
-            self._queue_wait.observe(max(0.0, started - item.enqueued_at))
+        series.padding.observe(batch.max_cost * size / real if real else 1.0)
         failed = succeeded = 0
-        for outcome, first in zip(outcomes, won, strict=True):
-            if first:
-                if outcome.error is None:
-                    succeeded += 1
-                else:
-                    failed += 1
+        for item, outcome, first in zip(batch.items, outcomes, won, strict=True):
+            if not first:
+                continue
+            series.queue_wait.observe(max(0.0, started - item.enqueued_at))
+            series.job_seconds.observe(max(0.0, finished - item.enqueued_at))
+            if outcome.error is None:
+                succeeded += 1
+            else:
+                failed += 1
         if failed:
             self.finished[JobStatus.failed].inc(failed)
         if succeeded:

@@ -40,6 +40,8 @@ class Delivery:
     attempts: int
     shadow: str | None = None  # copy the input to this version once the job succeeds
     shadow_of: str | None = None  # this job is a shadow copy of that primary job
+    # When this worker handed it to the batcher: a batch's fill time runs from its first arrival.
+    arrived_at: float = 0.0
 
 
 def _json(value: dict[str, Any] | None) -> bytes:

@@ -20,8 +20,10 @@ message was lost with a broker that lost its data, or their worker died mid-atte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -30,6 +32,7 @@ import redis as redis_sync
 from celery import Celery, Task, bootsteps, signals
 from kombu.exceptions import KombuError
 
+from sluice import exposition
 from sluice.connections import connect
 from sluice.errors import BrokerError, BrokerUnavailable
 from sluice.redact import RedactingFilter
@@ -183,6 +186,47 @@ def _relay_step(runtime: _Runtime, publish: Callable[[str, str], None]) -> type[
     return OutboxRelayStep
 
 
+def _metrics_step(runtime: _Runtime) -> type[bootsteps.StartStopStep]:
+    class MetricsStep(bootsteps.StartStopStep):
+        """This worker's metrics (webhook attempts, batch feeders) on a port of its own, advertised
+        for discovery (sluice.exposition). With the threads pool every task runs in this process,
+        so one registry sees them all."""
+
+        def __init__(self, parent: Any, **kwargs: Any) -> None:
+            super().__init__(parent, **kwargs)
+            self.stopping = threading.Event()
+            self.thread: threading.Thread | None = None
+
+        def start(self, parent: Any) -> None:
+            settings = runtime.settings
+            endpoint = exposition.serve_metrics(host=settings.metrics_host, port=settings.metrics_port)
+            target = exposition.ScrapeTarget(address=endpoint.address, process="celery")
+            client = redis_sync.Redis.from_url(settings.require_redis_url(), socket_timeout=5.0,
+                                               socket_connect_timeout=2.0)
+
+            def advertise() -> None:
+                try:
+                    while not self.stopping.is_set():
+                        with contextlib.suppress(BrokerError):
+                            exposition.advertise(client, target, now=time.time())
+                        self.stopping.wait(exposition.ADVERTISE_EVERY_S)
+                    with contextlib.suppress(BrokerError):
+                        exposition.withdraw(client, target)
+                finally:
+                    client.close()
+
+            self.thread = threading.Thread(target=advertise, name="sluice-metrics-advertiser", daemon=True)
+            self.thread.start()
+            log.info("metrics on %s", endpoint.address)
+
+        def stop(self, parent: Any) -> None:
+            self.stopping.set()
+            if self.thread is not None:
+                self.thread.join(timeout=5)
+
+    return MetricsStep
+
+
 def create_app(*, settings: Settings | None = None) -> Celery:
     """The Celery app over `settings` (read from the environment on first use when None)."""
     runtime = _Runtime(settings)
@@ -245,6 +289,7 @@ def create_app(*, settings: Settings | None = None) -> Celery:
         return {"scheduled": len(scheduled), "sent": len(waiting), "callbacks": feeder.send_callbacks()}
 
     app.steps["worker"].add(_relay_step(runtime, publish))
+    app.steps["worker"].add(_metrics_step(runtime))
 
     @signals.worker_shutting_down.connect(weak=False)
     def _stop_feeding(**_: Any) -> None:

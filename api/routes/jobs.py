@@ -25,7 +25,7 @@ from sluice.idempotency import IdempotencyClaim
 from sluice.jobs import JobRecord, JobStatus, JobView, new_job_id
 from sluice.keys import Lane
 from sluice.kinds import ModelKind, validate_input
-from sluice.metrics import CACHE_LOOKUPS, JOBS_REJECTED, JOBS_SUBMITTED
+from sluice.metrics import CACHE_LOOKUPS, JOBS_FINISHED, JOBS_REJECTED, JOBS_SUBMITTED
 from sluice.registry.queries import KeyInfo
 from sluice.routing import VersionInfo, hash_unit, route, shadow_target
 
@@ -300,5 +300,6 @@ async def cancel_job(job_id: str, key: CurrentKey, state: StateDep) -> dict[str,
     blocking = await state.broker.cancel(job_id, key.tenant)
     if blocking is not None:
         raise Conflict(f"job '{job_id}' is {blocking}; only a queued job can be cancelled")
+    JOBS_FINISHED.labels(record.model, record.version, JobStatus.cancelled.value).inc()
     record = await state.broker.get_for_tenant(job_id, key.tenant)
     return record.resource()
