@@ -17,8 +17,8 @@ from api.breakers import BreakerBoard
 from api.caches import AuthCache, RoutingCache
 from api.deps import AppState
 from api.events import EventHub
-from api.middleware import BodyLimitMiddleware, MetricsMiddleware, StrictJsonMiddleware
-from api.routes import batches, health, jobs, models, rollouts, schedules, tenants, waits
+from api.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware, StrictJsonMiddleware
+from api.routes import batches, dashboard, health, jobs, models, rollouts, schedules, tenants, waits
 from sluice import events
 from sluice.breaker import CircuitBreaker
 from sluice.broker import Broker
@@ -97,11 +97,12 @@ def create_app(
         lifespan=lifespan,
     )
     errors.install(app)
-    for module in (health, jobs, waits, models, rollouts, tenants, batches, schedules):
+    for module in (health, jobs, waits, models, rollouts, tenants, batches, schedules, dashboard):
         app.include_router(module.router)
     # The last added runs first: metrics see every answer, and the JSON check reads bounded bodies.
     app.add_middleware(StrictJsonMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, upload_paths=frozenset({"/v1/batches"}),
                        max_upload_bytes=settings.max_batch_upload_bytes)
     app.add_middleware(MetricsMiddleware)
+    app.add_middleware(RequestIdMiddleware)
     return app

@@ -8,11 +8,13 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi.routing import APIRoute
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.strict_json import JsonRefused, parse
+from sluice.logs import REQUEST_ID_HEADER, accepted_request_id, bound_request_id
 from sluice.metrics import API_LATENCY, API_REQUESTS
 
 # Where StrictJsonMiddleware leaves the value it parsed, for StrictJsonRoute.
@@ -205,3 +207,27 @@ class MetricsMiddleware:
             method = scope.get("method", "GET")
             API_REQUESTS.labels(template, method, str(status)).inc()
             API_LATENCY.labels(template, method).observe(time.perf_counter() - start)
+
+
+class RequestIdMiddleware:
+    """Binds the request id (the caller's `X-Request-Id` when it is a plain token, else a new one)
+    for the request's log lines and job records, and answers it in the same header."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        sent = Headers(scope=scope).get(REQUEST_ID_HEADER)
+        request_id = accepted_request_id(sent)
+        encoded = request_id.encode("ascii")
+
+        async def tagging_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", encoded)]
+            await send(message)
+
+        with bound_request_id(request_id):
+            await self.app(scope, receive, tagging_send)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -13,7 +13,7 @@ from rich.console import Console
 from launch.api_client import KeyOption, UrlOption, api_client, api_errors
 from launch.batch_cli import batch_app
 from sluice.errors import InvalidPolicy
-from sluice.redact import configure_logging
+from sluice.logs import configure_logging
 from sluice.settings import Settings
 from sluice.shutdown import install_two_stage
 
@@ -31,8 +31,9 @@ def migrate() -> None:
     """Apply the registry's Alembic migrations (a step of its own, before services start)."""
     from sluice.migrate import upgrade
 
-    configure_logging(name="migrate")
-    upgrade(Settings().require_database_url())
+    settings = Settings()
+    configure_logging(settings.log_level, name="migrate", fmt=settings.log_format)
+    upgrade(settings.require_database_url())
     console.print("registry migrated to head")
 
 
@@ -58,7 +59,7 @@ def api(host: Annotated[str | None, typer.Option()] = None,
     from api.server import serve
 
     settings = Settings()
-    configure_logging(name="api")
+    configure_logging(settings.log_level, name="api", fmt=settings.log_format)
     serve(create_app(settings=settings), host=host or settings.api_host, port=port or settings.api_port,
           grace_s=settings.shutdown_grace_s)
 
@@ -70,8 +71,9 @@ def worker(model: Annotated[str, typer.Option()], version: Annotated[str, typer.
     """Serve one model version from its streams."""
     from workers.main import run_worker
 
-    configure_logging(name=f"worker[{model}/{version}]")
-    raise typer.Exit(run_worker(settings=Settings(), model=model, version=version, threads=threads, device=device))
+    settings = Settings()
+    configure_logging(settings.log_level, name=f"worker[{model}/{version}]", fmt=settings.log_format)
+    raise typer.Exit(run_worker(settings=settings, model=model, version=version, threads=threads, device=device))
 
 
 @app.command()
@@ -83,7 +85,7 @@ def scheduler(actuator: Annotated[str, typer.Option(help="local: supervise worke
     from sluice.registry.store import Registry
 
     settings = Settings()
-    configure_logging(name="scheduler")
+    configure_logging(settings.log_level, name="scheduler", fmt=settings.log_format)
     endpoint = exposition.serve_metrics(host=settings.metrics_host, port=settings.metrics_port)
     supervisor = (
         local_supervisor(home=settings.home.resolve(), cores=settings.cpu_cores, slots=settings.worker_slots,
@@ -108,7 +110,8 @@ def up(exit_after_demo: Annotated[bool, typer.Option(help="Stop after the demo (
     from launch.launcher import Platform, _printable_home, describe, run_demo
 
     settings = Settings()
-    configure_logging(name="up", level="WARNING")
+    # The terminal of the person who ran it: their messages go to the console, as text.
+    configure_logging("WARNING", name="up", fmt="text")
     platform = Platform(settings=settings)
     stop = threading.Event()
     install_two_stage(stop.set, force=lambda: sys.exit(1))
@@ -235,31 +238,38 @@ def models(url: UrlOption = None, key: KeyOption = None) -> None:
 
 
 @app.command()
-def stats(model: str, version: str,
-          window_s: Annotated[float | None, typer.Option("--window-s", help="Over the last this many seconds "
-                                                                        "(default: the API's, 300)")] = None,
-          as_json: Annotated[bool, typer.Option("--json", help="Print the stats resource as JSON")] = False,
+def stats(model: str,
+          version: Annotated[str | None, typer.Argument(help="Only this version (default: every one not retired)")]
+          = None,
+          window_s: Annotated[float, typer.Option("--window-s", min=1, help="Over the last this many seconds")] = 300.0,
+          watch: Annotated[bool, typer.Option("--watch", help="Redraw every --every seconds until Ctrl-C")] = False,
+          every_s: Annotated[float, typer.Option("--every", min=0.5, help="Seconds between redraws")] = 2.0,
+          as_json: Annotated[bool, typer.Option("--json", help="Print the stats resources as JSON")] = False,
           url: UrlOption = None, key: KeyOption = None) -> None:
-    """One version's exact latency percentiles, error rate, throughput and batches (through the API)."""
+    """Exact latency percentiles, error rate, throughput and batches, versions side by side (through the API)."""
+    from rich.live import Live
+
+    from launch.stats_view import shown_versions, stats_table
+
     with api_errors(console), api_client(url, key) as client:
-        body = client.stats(model, version, window_s=window_s)
-    if as_json:
-        console.print_json(data=body)
-        return
+        def read() -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+            resource = client.model(model)
+            return resource, {name: client.stats(model, name, window_s=window_s)
+                              for name in shown_versions(resource, version)}
 
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value:.1f}"
-
-    console.print(f"{model} {version} over {body['window_s']:g} s: {body['count']} jobs, {body['errors']} errors "
-                  f"(error rate {body['error_rate']:.2%}), {body['throughput_per_s']:.2f} jobs/s")
-    console.print(f"  {'ms':<12} {'p50':>9} {'p95':>9} {'p99':>9}")
-    for name, label in (("queue_wait_ms", "queue wait"), ("model_ms", "model"), ("total_ms", "total")):
-        cut = body[name]
-        console.print(f"  {label:<12} {ms(cut['p50']):>9} {ms(cut['p95']):>9} {ms(cut['p99']):>9}")
-    reasons = ", ".join(f"{reason} {count}" for reason, count in body["close_reasons"].items())
-    console.print(f"  batch size mean {body['batch_size']['mean']:.2f}; closed on {reasons}")
-    if body["count"] < body["p99_min_samples"]:
-        console.print(f"  (p99 needs at least {body['p99_min_samples']} jobs in the window)")
+        resource, bodies = read()
+        if as_json:
+            console.print_json(data=bodies)
+            return
+        if not watch:
+            console.print(stats_table(model, resource, bodies, window_s=window_s))
+            return
+        stop = threading.Event()
+        install_two_stage(stop.set, force=lambda: sys.exit(1))
+        with Live(stats_table(model, resource, bodies, window_s=window_s), console=console,
+                  auto_refresh=False) as live:
+            while not stop.wait(every_s):
+                live.update(stats_table(model, *read(), window_s=window_s), refresh=True)
 
 
 @app.command()

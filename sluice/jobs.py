@@ -99,6 +99,8 @@ class JobRecord:
     # finish script stores this job's output once it succeeds, and for how long. Never shown.
     cache_key: str | None = None
     cache_ttl_s: int = 0
+    # The submitting request's id (sluice.logs): the worker's log lines about the job carry it.
+    request_id: str | None = None
 
     def to_redis(self) -> dict[str, str]:
         """Fields as written at submission; later fields are set by the transition scripts (a job
@@ -134,6 +136,8 @@ class JobRecord:
         if self.cache_key and self.cache_ttl_s > 0:
             fields["cache_key"] = self.cache_key
             fields["cache_ttl_s"] = str(self.cache_ttl_s)
+        if self.request_id:
+            fields["request_id"] = self.request_id
         return fields
 
     @classmethod
@@ -175,6 +179,7 @@ class JobRecord:
             shadow_of=data.get("shadow_of") or None,
             cache_key=data.get("cache_key") or None,
             cache_ttl_s=int(data.get("cache_ttl_s") or 0),
+            request_id=data.get("request_id") or None,
         )
 
     @property

@@ -47,11 +47,3 @@ class RedactingFilter(logging.Filter):
             record.exc_info = None
         return True
 
-
-def configure_logging(level: str = "INFO", *, name: str = "sluice") -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s"))
-    handler.addFilter(RedactingFilter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)

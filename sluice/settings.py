@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -33,6 +33,10 @@ class Settings(BaseSettings):
     metrics_port: int = Field(default=0, ge=0, le=65535)
 
     bootstrap_admin_key: SecretStr | None = None
+
+    # One JSON object per line (sluice.logs); `text` for a person reading a terminal.
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["json", "text"] = "json"
 
     result_ttl_s: int = Field(default=24 * 3600, ge=60)
     idempotency_ttl_s: int = Field(default=24 * 3600, ge=60)
@@ -109,6 +113,11 @@ class Settings(BaseSettings):
     batch_checkpoint_s: float = Field(default=1.0, gt=0)
     max_batch_inputs: int = Field(default=100_000, ge=1)
     max_batch_upload_bytes: int = Field(default=4 * 1024**3, ge=1024)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper_level(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
 
     @field_validator("webhook_allowed_networks", mode="before")
     @classmethod

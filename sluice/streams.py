@@ -237,11 +237,12 @@ class StreamEntry:
     enqueued_at: float
     shadow: str | None = None  # copy the input to this version once the job succeeds
     shadow_of: str | None = None  # this job is a shadow copy of that primary job
+    request_id: str | None = None
 
     @classmethod
     def of(cls, record: JobRecord) -> StreamEntry:
         return cls(job_id=record.id, tenant=record.tenant, cost=record.cost, enqueued_at=record.enqueued_at,
-                   shadow=record.shadow, shadow_of=record.shadow_of)
+                   shadow=record.shadow, shadow_of=record.shadow_of, request_id=record.request_id)
 
     def to_fields(self) -> dict[str, str]:
         fields = {"id": self.job_id, "tenant": self.tenant, "cost": str(self.cost), "t": repr(self.enqueued_at)}
@@ -249,13 +250,15 @@ class StreamEntry:
             fields["sh"] = self.shadow
         if self.shadow_of:
             fields["so"] = self.shadow_of
+        if self.request_id:
+            fields["rq"] = self.request_id
         return fields
 
     @classmethod
     def from_fields(cls, fields: Mapping[bytes, bytes]) -> StreamEntry:
         return cls(job_id=fields[b"id"].decode(), tenant=fields[b"tenant"].decode(), cost=int(fields[b"cost"]),
                    enqueued_at=float(fields[b"t"]), shadow=_text(fields.get(b"sh")) or None,
-                   shadow_of=_text(fields.get(b"so")) or None)
+                   shadow_of=_text(fields.get(b"so")) or None, request_id=_text(fields.get(b"rq")) or None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -250,7 +250,7 @@ class BatchFeeder:
         return _Slot(row.row, record=JobRecord(
             id=job_id(run.id, row.row), tenant=run.tenant, model=run.model, version=run.version, lane="bulk",
             status=JobStatus.queued, input=canonical, cost=cost, enqueued_at=self.clock(),
-            metadata={"batch": run.id, "row": row.row}))
+            metadata={"batch": run.id, "row": row.row}, request_id=run.id))
 
     def _queue(self, records: list[JobRecord]) -> None:
         if not records:

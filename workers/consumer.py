@@ -267,7 +267,7 @@ class Worker:
                     priority=LANE_PRIORITY[delivered.lane],
                     payload=Delivery(job_id=entry.job_id, lane=delivered.lane, input=claim.input,
                                      attempts=claim.attempts, shadow=entry.shadow, shadow_of=entry.shadow_of,
-                                     arrived_at=now),
+                                     arrived_at=now, request_id=entry.request_id),
                 )
                 self.batcher.add(item)
                 self._held[item.id] = delivered.lane
@@ -359,6 +359,24 @@ class Worker:
         self.last_batch_size = size
         self._rate_window.append((size, model_s))
         self._metrics.batch(batch, outcomes, won, started=started, model_s=model_s, finished=finished)
+        self._log_batch(batch, outcomes, won, model_ms)
+
+    def _log_batch(self, batch: Batch[Delivery], outcomes: list[Outcome], won: list[bool], model_ms: float) -> None:
+        """One line per stored batch, naming its jobs and their request ids (never inputs or outputs),
+        and one per job that failed."""
+        for item, outcome, first in zip(batch.items, outcomes, won, strict=True):
+            if first and outcome.error is not None:
+                log.warning("job %s failed: %s", item.payload.job_id, outcome.error.get("message", ""), extra={
+                    "job_id": item.payload.job_id, "request_id": item.payload.request_id,
+                    "error_code": outcome.error.get("code")})
+        if log.isEnabledFor(logging.INFO):
+            log.info("batch of %d stored (%s lane, closed on %s) after %.1f ms on the model", len(batch.items),
+                     batch.items[0].payload.lane, batch.close_reason, model_ms, extra={
+                         "model": self.model, "version": self.version, "lane": batch.items[0].payload.lane,
+                         "batch_size": len(batch.items), "close_reason": batch.close_reason, "model_ms": model_ms,
+                         "job_ids": [item.payload.job_id for item in batch.items],
+                         "request_ids": sorted({item.payload.request_id for item in batch.items
+                                                if item.payload.request_id})})
 
     # --- keeping what this worker holds -----------------------------------------------------------
 

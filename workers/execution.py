@@ -65,7 +65,7 @@ def fault_message(exc: BaseException, item: Mapping[str, Any]) -> str:
 
 def _alone(exc: Exception, item: Mapping[str, Any]) -> Outcome:
     if isinstance(exc, InferenceError):
-        log.warning("an input failed on its own: %s", _error_body(exc)["message"])
+        # Logged by the worker once stored, with the job's id and request id.
         return Outcome(error=_error_body(exc))
     fault = fault_message(exc, item)
     log.warning("a run failed on the worker's side; its job is left for another delivery: %s", fault)

@@ -42,6 +42,7 @@ class Delivery:
     shadow_of: str | None = None  # this job is a shadow copy of that primary job
     # When this worker handed it to the batcher: a batch's fill time runs from its first arrival.
     arrived_at: float = 0.0
+    request_id: str | None = None
 
 
 def _json(value: dict[str, Any] | None) -> bytes:
@@ -121,5 +122,5 @@ class ResultWriter:
         return JobRecord(
             id=new_job_id(), tenant=SHADOW_TENANT, model=self.model, version=str(delivery.shadow),
             lane="bulk", status=JobStatus.queued, input=delivery.input, cost=cost, enqueued_at=now,
-            shadow_of=delivery.job_id,
+            shadow_of=delivery.job_id, request_id=delivery.request_id,
         )

@@ -35,7 +35,7 @@ from kombu.exceptions import KombuError
 from sluice import exposition
 from sluice.connections import connect
 from sluice.errors import BrokerError, BrokerUnavailable
-from sluice.redact import RedactingFilter
+from sluice.logs import prepare_handler
 from sluice.registry.batches import to_dispatch
 from sluice.registry.store import Registry
 from sluice.settings import Settings
@@ -307,11 +307,11 @@ def create_app(*, settings: Settings | None = None) -> Celery:
 
 @signals.after_setup_logger.connect(weak=False, dispatch_uid="sluice-redact-celery")
 @signals.after_setup_task_logger.connect(weak=False, dispatch_uid="sluice-redact-celery-tasks")
-def _redact_celery_logs(logger: logging.Logger, **_: Any) -> None:
-    """Celery installs its own log handlers: give them the same redaction as every Sluice process."""
+def _sluice_celery_logs(logger: logging.Logger, **_: Any) -> None:
+    """Celery installs its own log handlers: give them the format and redaction of every Sluice process."""
+    fmt = Settings().log_format
     for handler in logger.handlers:
-        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
-            handler.addFilter(RedactingFilter())
+        prepare_handler(handler, fmt=fmt, process="celery")
 
 
 app = create_app()

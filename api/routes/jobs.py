@@ -25,6 +25,7 @@ from sluice.idempotency import IdempotencyClaim
 from sluice.jobs import JobRecord, JobStatus, JobView, new_job_id
 from sluice.keys import Lane
 from sluice.kinds import ModelKind, validate_input
+from sluice.logs import current_request_id
 from sluice.metrics import CACHE_LOOKUPS, JOBS_FINISHED, JOBS_REJECTED, JOBS_SUBMITTED
 from sluice.registry.queries import KeyInfo
 from sluice.routing import VersionInfo, hash_unit, route, shadow_target
@@ -140,6 +141,7 @@ async def _queue(
     # No await since `blocked`: a half-open version this job was routed to still has its slot free.
     probe = state.breakers.take_probe(model, version.version)
     now = time.time()
+    request_id = current_request_id()
     records = []
     for canonical, cost in validated:
         job_id = new_job_id()
@@ -150,6 +152,7 @@ async def _queue(
             deadline=now + options.timeout_s if options.timeout_s else None,
             metadata=dict(options.metadata or {}),
             shadow=shadow_target(snapshot, model=model, primary=version, point=hash_unit(model, job_id)),
+            request_id=request_id,
         ))
     try:
         if version.cache_ttl_s > 0:

@@ -38,11 +38,13 @@ def test_planted_secrets_never_reach_logs_or_metrics(
     text = f"please charge card {card} for {email}, reference {marker}"
     inputs: list[dict[str, Any]] = [{"text": f"{text} #{i}"} for i in range(6)]
     inputs.insert(3, {"text": "__poison__"})  # fails its batch; bisection isolates it and logs why
+    # A request id that is not a plain token (here, an address) is replaced, never echoed or logged.
     response = demo.post(f"/v1/models/{model}/jobs:bulk", json={
         "inputs": inputs, "metadata": {"note": marker, "contact": email},
         "callback_url": f"https://hooks.example.com/sluice?token={marker}",
-    })
+    }, headers={"X-Request-Id": email})
     assert response.status_code == 202, response.text
+    assert response.headers["X-Request-Id"].startswith("req_"), response.headers
     ids = response.json()["ids"]
     # One more through the single-job route, with the secrets in the Idempotency-Key's body too.
     response = demo.post(f"/v1/models/{model}/jobs", json={"input": {"text": text}, "metadata": {"m": marker}},
@@ -68,7 +70,7 @@ def test_planted_secrets_never_reach_logs_or_metrics(
     # Let the worker write what it writes at shutdown (drain) too before reading its log.
     assert worker.terminate() == 0
     worker_log = worker.log_path.read_text(errors="replace")
-    assert "an input failed on its own" in worker_log, worker_log[-2000:]  # the error path did log
+    assert f"job {ids[3]} failed" in worker_log, worker_log[-2000:]  # the error path did log
 
     # The capture sees the API's thread: a record logged on the API's own event loop arrives.
     async def canary() -> None:
