@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sluice.client import SluiceClient
+from tests.faults._up import start_up
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -42,3 +49,38 @@ def test_up_runs_the_demo_on_embedded_stores_and_stops_cleanly(tmp_path: Path) -
     assert leftovers.stdout.strip() == "", leftovers.stdout
     flower = subprocess.run(["pgrep", "-f", f"--port={flower_port}"], capture_output=True, text=True)
     assert flower.stdout.strip() == "", flower.stdout
+
+
+def test_every_process_of_up_serves_its_metrics_where_the_file_sd_file_says(tmp_path: Path) -> None:
+    """Metrics leave their processes: each endpoint in the Prometheus file-SD file `sluice up`
+    writes answers, and the workers' own histograms count the jobs they ran."""
+    up = start_up(tmp_path)
+    try:
+        with SluiceClient(base_url=up.api_url, api_key=up.demo_key()) as client:
+            jobs = [client.submit(model, {"text": "How do I reset my password?"}) for model in ("minilm", "intent")]
+            assert {client.wait(job["id"], timeout_s=60)["status"] for job in jobs} == {"succeeded"}
+        path = up.home / "prometheus" / "targets.json"
+
+        def listed() -> dict[str, list[str]]:
+            by_process: dict[str, list[str]] = {}
+            for group in json.loads(path.read_text()) if path.exists() else []:
+                by_process.setdefault(group["labels"]["process"], []).extend(group["targets"])
+            return by_process
+
+        wait_until(lambda: {"api", "flower", "scheduler", "celery", "worker"} <= set(listed())
+                   and len(listed()["worker"]) >= 2, timeout_s=30, what=f"every process in {path}")
+        scraped = {process: [httpx.get(f"http://{address}/metrics", timeout=5).text for address in addresses]
+                   for process, addresses in listed().items()}
+        assert all("sluice_api_requests_total" in text for text in scraped["api"])
+        assert all("sluice_desired_replicas" in text for text in scraped["scheduler"])
+        assert all("sluice_webhook_attempts_total" in text for text in scraped["celery"])
+        assert all("flower_" in text for text in scraped["flower"])
+        for model in ("minilm", "intent"):
+            served = [text for text in scraped["worker"] if f'sluice_worker_ready{{model="{model}"' in text]
+            assert served, f"no advertised worker serves {model}"
+            finished = sum(sample.value for text in served for family in text_string_to_metric_families(text)
+                           for sample in family.samples
+                           if sample.name == "sluice_jobs_finished_total" and sample.labels["model"] == model)
+            assert finished >= 1, model
+    finally:
+        up.terminate()
