@@ -1,8 +1,11 @@
-"""The queue's state per version on the API's `/metrics`, read from Redis at scrape time: one
-scrape of any API replica shows every version's lag, pending entries, oldest entry and live
-workers, whichever process (or none) is running for it."""
+"""The queue's state per version, read from Redis when asked: on the API's `/metrics` at scrape
+time (one scrape of any API replica shows every version's lag, pending entries, oldest entry and
+live workers, whichever process, or none, is running for it), and as JSON for the dashboard
+(`GET /v1/models/{model}/queue`). One read serves both, in one round trip."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
@@ -14,11 +17,29 @@ from sluice.routing import RoutingSnapshot
 from sluice.versions import VersionState
 
 
-async def refresh_queue_gauges(redis: aioredis.Redis, snapshot: RoutingSnapshot, *, now: float) -> None:
-    """Set the gauges of every version that is not retired, in one round trip; a retired or removed
-    version's series go away."""
-    versions = [(model.name, info.version) for model in snapshot.models.values()
-                for info in model.versions.values() if info.state != VersionState.retired]
+@dataclass(frozen=True, slots=True)
+class LaneQueue:
+    lag: int  # XLEN: queued and in flight (an entry leaves its stream once its outcome is stored)
+    pending: int  # delivered to a worker and not acknowledged
+    oldest_age_s: float  # since the first entry was added; 0 when the stream is empty
+
+
+@dataclass(frozen=True, slots=True)
+class VersionQueue:
+    lanes: dict[keys.Lane, LaneQueue]
+    live_workers: int
+
+
+def serving_versions(snapshot: RoutingSnapshot, model: str | None = None) -> list[tuple[str, str]]:
+    """(model, version) of every version that is not retired, of one model or of all."""
+    models = [snapshot.model(model)] if model is not None else list(snapshot.models.values())
+    return [(info.name, version.version) for info in models
+            for version in info.versions.values() if version.state != VersionState.retired]
+
+
+async def read_queues(redis: aioredis.Redis, versions: list[tuple[str, str]], *,
+                      now: float) -> dict[tuple[str, str], VersionQueue]:
+    """Every listed version's queue, in one round trip."""
     pipe = redis.pipeline(transaction=False)
     for model, version in versions:
         for lane in keys.LANES:
@@ -30,16 +51,30 @@ async def refresh_queue_gauges(redis: aioredis.Redis, snapshot: RoutingSnapshot,
     with translate_redis_errors():
         # A stream no worker has read yet has no group: its XPENDING fails, and it has none pending.
         replies = iter(await pipe.execute(raise_on_error=False))
-    for gauge in (STREAM_LAG, QUEUE_PENDING, QUEUE_OLDEST_AGE, LIVE_WORKERS):
-        gauge.clear()
+    queues = {}
     for model, version in versions:
+        lanes = {}
         for lane in keys.LANES:
             length, pending, first = next(replies), next(replies), next(replies)
-            STREAM_LAG.labels(model, version, lane).set(_number(length))
-            QUEUE_PENDING.labels(model, version, lane).set(
-                int(pending["pending"]) if isinstance(pending, dict) else 0)
-            QUEUE_OLDEST_AGE.labels(model, version, lane).set(_oldest_age(first, now))
-        LIVE_WORKERS.labels(model, version).set(_number(next(replies)))
+            lanes[lane] = LaneQueue(lag=int(_number(length)),
+                                    pending=int(pending["pending"]) if isinstance(pending, dict) else 0,
+                                    oldest_age_s=_oldest_age(first, now))
+        queues[(model, version)] = VersionQueue(lanes=lanes, live_workers=int(_number(next(replies))))
+    return queues
+
+
+async def refresh_queue_gauges(redis: aioredis.Redis, snapshot: RoutingSnapshot, *, now: float) -> None:
+    """Set the gauges of every version that is not retired, in one round trip; a retired or removed
+    version's series go away."""
+    queues = await read_queues(redis, serving_versions(snapshot), now=now)
+    for gauge in (STREAM_LAG, QUEUE_PENDING, QUEUE_OLDEST_AGE, LIVE_WORKERS):
+        gauge.clear()
+    for (model, version), queue in queues.items():
+        for lane, state in queue.lanes.items():
+            STREAM_LAG.labels(model, version, lane).set(state.lag)
+            QUEUE_PENDING.labels(model, version, lane).set(state.pending)
+            QUEUE_OLDEST_AGE.labels(model, version, lane).set(state.oldest_age_s)
+        LIVE_WORKERS.labels(model, version).set(queue.live_workers)
 
 
 def _number(reply: object) -> float:

@@ -36,12 +36,14 @@ __all__ = [
     "JobSet",
     "ModelList",
     "ModelResource",
+    "QueueResource",
     "RolloutDecisionResource",
     "RolloutResource",
     "RoutingChange",
     "ScheduleList",
     "ScheduleResource",
     "StatsResource",
+    "StatsSeriesResource",
     "Timings",
     "VersionChange",
     "VersionResource",
@@ -375,3 +377,54 @@ class StatsResource(BaseModel):
     quality: QualitySummary
     percentile_method: str
     p99_min_samples: int = Field(description="The samples a p99 needs; with fewer `count`, every p99 is null")
+
+
+class SeriesBucket(BaseModel):
+    """The jobs of one version finished in [t, t + step_s)."""
+
+    t: float = Field(description="The bucket's start, Unix seconds")
+    count: int
+    errors: int
+    error_rate: float | None = Field(description="Null when the bucket has no jobs")
+    throughput_per_s: float
+    queue_wait_ms: Percentiles
+    model_ms: Percentiles
+    batch_size_mean: float | None = Field(description="Jobs per batch; null when the bucket has no jobs")
+
+
+class StatsSeriesResource(BaseModel):
+    """One version's finished jobs over time, in complete buckets of `step_s` on a grid of
+    multiples of `step_s`, oldest first: the bucket in progress is not reported."""
+
+    model: str
+    version: str
+    window_s: float
+    step_s: float
+    since: float = Field(description="The first bucket's start, Unix seconds")
+    until: float = Field(description="The last bucket's end, Unix seconds: at most `step_s` before now")
+    buckets: list[SeriesBucket]
+    percentile_method: str
+    p99_min_samples: int = Field(description="The jobs a bucket's p99 needs; with fewer it is null")
+
+
+# --- queues --------------------------------------------------------------------------------------
+
+
+class LaneQueueResource(BaseModel):
+    lag: int = Field(description="Entries in the lane's stream: its jobs queued and in flight")
+    pending: int = Field(description="Entries delivered to a worker and not acknowledged")
+    oldest_age_s: float = Field(description="Seconds since the oldest entry was added; 0 when there is none")
+
+
+class VersionQueueResource(BaseModel):
+    version: str
+    lanes: dict[Lane, LaneQueueResource]
+    live_workers: int = Field(description="Workers whose heartbeat is recent")
+
+
+class QueueResource(BaseModel):
+    """A model's queues as Redis holds them now, per version that is not retired."""
+
+    model: str
+    at: float = Field(description="When they were read, Unix seconds")
+    versions: list[VersionQueueResource]

@@ -2,11 +2,13 @@
 
 Percentiles are exact over the window's samples (numpy's default 'linear' method, i.e.
 Hyndman-Fan type 7), not estimates from histogram buckets. A p99 needs P99_MIN_SAMPLES of them:
-below that it is null, and `count` says how many there were.
+below that it is null, and `count` says how many there were. `series` buckets the same samples
+over time, with the same method and a lower bar per bucket (SERIES_P99_MIN_SAMPLES).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -21,12 +23,12 @@ from sluice.samples import Sample
 P99_MIN_SAMPLES = 300
 
 
-def _percentiles(values: list[float]) -> dict[str, float | None]:
+def _percentiles(values: list[float], *, p99_min: int = P99_MIN_SAMPLES) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p95": None, "p99": None}
     p50, p95, p99 = np.percentile(np.asarray(values), [50, 95, 99], method="linear")
     return {"p50": round(float(p50), 3), "p95": round(float(p95), 3),
-            "p99": round(float(p99), 3) if len(values) >= P99_MIN_SAMPLES else None}
+            "p99": round(float(p99), 3) if len(values) >= p99_min else None}
 
 
 def summarise(samples: list[Sample], *, window_s: float) -> dict[str, Any]:
@@ -56,4 +58,67 @@ def summarise(samples: list[Sample], *, window_s: float) -> dict[str, Any]:
         "quality": summarise_quality(s.quality for s in samples),
         "percentile_method": "exact, linear interpolation (type 7)",
         "p99_min_samples": P99_MIN_SAMPLES,
+    }
+
+
+# --- over time ------------------------------------------------------------------------------------
+
+# A bucket is a few seconds of one version's jobs, so the window's bar would hide the p99 line at
+# all but high rates. At 100 a bucket's p99 sits near its maximum: read as a line beside its
+# neighbours it still shows the tail moving; the window's figure (`summarise`) keeps the strict bar.
+SERIES_P99_MIN_SAMPLES = 100
+MAX_SERIES_BUCKETS = 1440
+
+
+def check_series_window(*, window_s: float, step_s: float) -> None:
+    """ValueError unless the window holds 1 to MAX_SERIES_BUCKETS steps."""
+    if step_s <= 0 or window_s < step_s or window_s / step_s > MAX_SERIES_BUCKETS:
+        raise ValueError(f"window_s ({window_s:g}) must hold 1 to {MAX_SERIES_BUCKETS} steps of step_s ({step_s:g})")
+
+
+def series(samples: list[Sample], *, now: float, window_s: float, step_s: float) -> dict[str, Any]:
+    """The samples bucketed by `finished_at` into steps of `step_s` over the last `window_s`, oldest
+    bucket first: per bucket its start `t`, jobs, errors, rate and exact percentiles (as `summarise`).
+
+    Buckets sit on multiples of `step_s` since the epoch, so two reads seconds apart put a job in
+    the same bucket and a chart redrawn on each poll does not shift. Only complete buckets: the one
+    in progress is left out, since its rate would read low until it ends (a chart would dip at its
+    right edge on every poll), so the series ends at `until`, up to one step before `now`; a reader
+    needs the samples of `window_s + step_s`. An empty bucket has count 0 and null percentiles,
+    error rate and batch mean: no jobs is not zero latency. ValueError as `check_series_window`.
+    """
+    check_series_window(window_s=window_s, step_s=step_s)
+    count = math.floor(window_s / step_s)
+    until = math.floor(now / step_s) * step_s
+    since = until - count * step_s
+    buckets: list[list[Sample]] = [[] for _ in range(count)]
+    for sample in samples:
+        if since <= sample.finished_at < until:
+            # Clamped: float rounding must not push a sample just below `until` out of the range.
+            buckets[min(count - 1, int((sample.finished_at - since) // step_s))].append(sample)
+    return {
+        "window_s": window_s,
+        "step_s": step_s,
+        "since": since,
+        "until": until,
+        "buckets": [_bucket(since + i * step_s, bucket, step_s) for i, bucket in enumerate(buckets)],
+        "percentile_method": "exact, linear interpolation (type 7)",
+        "p99_min_samples": SERIES_P99_MIN_SAMPLES,
+    }
+
+
+def _bucket(t: float, samples: list[Sample], step_s: float) -> dict[str, Any]:
+    count = len(samples)
+    errors = sum(1 for s in samples if s.status != "succeeded")
+    # As in `summarise`: a batch of n leaves n samples, so 1/n each counts batches.
+    batches = sum(1.0 / max(1, s.batch_size) for s in samples)
+    return {
+        "t": t,
+        "count": count,
+        "errors": errors,
+        "error_rate": round(errors / count, 6) if count else None,
+        "throughput_per_s": round(count / step_s, 3),
+        "queue_wait_ms": _percentiles([s.queue_wait_ms for s in samples], p99_min=SERIES_P99_MIN_SAMPLES),
+        "model_ms": _percentiles([s.model_ms for s in samples], p99_min=SERIES_P99_MIN_SAMPLES),
+        "batch_size_mean": round(count / batches, 3) if batches else None,
     }

@@ -10,21 +10,24 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import AdminKey, AppState, CurrentKey, StateDep, announce_routing
+from api.queue_gauges import read_queues, serving_versions
 from api.resources import (
     AuditLog,
     ModelList,
     ModelResource,
     QualityResource,
+    QueueResource,
     RoutingChange,
     StatsResource,
+    StatsSeriesResource,
     VersionChange,
     VersionResource,
 )
 from api.schemas import Kind, Name, ServingState, State
-from sluice.errors import NotFound
+from sluice.errors import InvalidInput, NotFound
 from sluice.registry import quality, queries
 from sluice.response_cache import MAX_TTL_S
-from sluice.stats import summarise
+from sluice.stats import MAX_SERIES_BUCKETS, check_series_window, series, summarise
 from sluice.versions import Tier, VersionState
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
@@ -213,6 +216,39 @@ async def version_stats(
         raise NotFound(f"model '{model}' has no version '{version}'")
     samples = await state.broker.samples(model, version, window_s=window_s)
     return {"model": model, "version": version, **summarise(samples, window_s=window_s)}
+
+
+@router.get("/{model}/versions/{version}/stats/series", response_model=StatsSeriesResource)
+async def version_stats_series(
+    model: str, version: str, _: CurrentKey, state: StateDep,
+    window_s: Annotated[float, Query(ge=1, le=86_400)] = 300.0,
+    step_s: Annotated[float, Query(ge=1, le=3_600, description="The bucket width; the window holds at most "
+                                                               f"{MAX_SERIES_BUCKETS} of them")] = 5.0,
+) -> dict[str, Any]:
+    """The version's finished jobs over time: exact percentiles, rate and errors per bucket (never blended)."""
+    if version not in state.routing.current().model(model).versions:
+        raise NotFound(f"model '{model}' has no version '{version}'")
+    now = time.time()
+    try:
+        check_series_window(window_s=window_s, step_s=step_s)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+    samples = await state.broker.samples(model, version, window_s=window_s + step_s)
+    return {"model": model, "version": version, **series(samples, now=now, window_s=window_s, step_s=step_s)}
+
+
+@router.get("/{model}/queue", response_model=QueueResource)
+async def model_queue(model: str, _: AdminKey, state: StateDep) -> dict[str, Any]:
+    """Each serving version's lanes now (lag, pending, oldest entry) and its live workers: what
+    `/metrics` shows, for one model, as JSON."""
+    now = time.time()
+    queues = await read_queues(state.broker.redis, serving_versions(state.routing.current(), model), now=now)
+    return {"model": model, "at": now, "versions": [
+        {"version": version, "live_workers": queue.live_workers,
+         "lanes": {lane: {"lag": lane_queue.lag, "pending": lane_queue.pending,
+                          "oldest_age_s": round(lane_queue.oldest_age_s, 3)}
+                   for lane, lane_queue in queue.lanes.items()}}
+        for (_, version), queue in queues.items()]}
 
 
 @router.get("/{model}/audit", response_model=AuditLog)
