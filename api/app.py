@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -28,6 +27,9 @@ from sluice.registry.store import Registry
 from sluice.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# How long shutdown waits for the background tasks it cancelled.
+TASK_STOP_S = 5.0
 
 
 def create_app(
@@ -82,9 +84,13 @@ def create_app(
         finally:
             for task in tasks:
                 task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            # Bounded: a task stuck in a Redis client's cleanup must not hold the shutdown forever.
+            stopped, stuck = await asyncio.wait(tasks, timeout=TASK_STOP_S)
+            for task in stopped:
+                if not task.cancelled() and task.exception() is not None:
+                    log.warning("background task %s had failed: %s", task.get_name(), task.exception())
+            for task in stuck:
+                log.warning("background task %s did not stop within %.0fs", task.get_name(), TASK_STOP_S)
             if own_redis:
                 await client.aclose()
             if own_registry:
