@@ -123,8 +123,8 @@ def up(exit_after_demo: Annotated[bool, typer.Option(help="Stop after the demo (
         platform.write_scrape_targets()
         console.print(f"[bold green]Sluice is up[/]  home: {_printable_home(platform.home)}")
         console.print(f"  API      {platform.api_url}   (docs: {platform.api_url}/docs)")
-        console.print(f"  metrics  {platform.api_url}/metrics; every process: Prometheus file_sd "
-                      f"{_printable_home(platform.scrape_targets_path)}")
+        console.print(f"  metrics  {platform.api_url}/metrics; every process: "
+                      f"prometheus --config.file={_printable_home(platform.write_prometheus_config())}")
         console.print(f"  Flower   {platform.flower_url}   (Celery: webhooks, batch scoring, schedules)")
         console.print(f"  batches  input_uri and schedule files under {platform.batch_root.as_uri()}/")
         console.print(f"  Redis    {platform.stores.redis_url if platform.stores else ''}")

@@ -11,6 +11,7 @@ While it runs, `supervise()` restarts an embedded store that died.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -45,6 +46,18 @@ FLOWER_STOP_S = 3.0
 STOP_SLACK_S = 2.0
 # How often the Prometheus file-SD file is rewritten from the advertised endpoints.
 TARGETS_EVERY_S = 2.0
+
+# Scrapes whatever the targets file lists, re-read as `sluice up` rewrites it.
+PROMETHEUS_CONFIG = """\
+# Written by `sluice up`: prometheus --config.file=<this file>
+global:
+  scrape_interval: 5s
+scrape_configs:
+  - job_name: sluice
+    file_sd_configs:
+      - files: [{targets}]
+        refresh_interval: 5s
+"""
 
 DEMO_TEXTS = (
     "I lost my credit card yesterday, please block it",
@@ -218,6 +231,13 @@ class Platform:
                 self.write_scrape_targets()
             except SluiceError as exc:
                 log.warning("could not refresh %s: %s", self.scrape_targets_path, exc)
+
+    def write_prometheus_config(self) -> Path:
+        """A Prometheus configuration over the file-SD file, for `prometheus --config.file=…`."""
+        path = self.home / "prometheus" / "prometheus.yml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(PROMETHEUS_CONFIG.format(targets=json.dumps(str(self.scrape_targets_path))))
+        return path
 
     def write_scrape_targets(self) -> None:
         """The API and Flower at their fixed addresses; workers, the scheduler and the Celery worker
