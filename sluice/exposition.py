@@ -67,19 +67,23 @@ def serve_metrics(*, host: str, port: int) -> MetricsEndpoint:
     return MetricsEndpoint(host=host, port=int(server.server_address[1]))
 
 
+def _queue_advertisement(pipe: Any, target: ScrapeTarget, now: float) -> None:
+    """This target's time, and the lapsed ones of processes that died without withdrawing."""
+    pipe.zadd(keys.scrape_targets(), {target.to_member(): now})
+    pipe.zremrangebyscore(keys.scrape_targets(), "-inf", now - LIVE_WITHIN_S)
+
+
 def advertise(client: redis.Redis, target: ScrapeTarget, *, now: float) -> None:
     with translate_redis_errors():
         pipe = client.pipeline(transaction=False)
-        pipe.zadd(keys.scrape_targets(), {target.to_member(): now})
-        pipe.zremrangebyscore(keys.scrape_targets(), "-inf", now - LIVE_WITHIN_S)
+        _queue_advertisement(pipe, target, now)
         pipe.execute()
 
 
 async def advertise_async(client: aioredis.Redis, target: ScrapeTarget, *, now: float) -> None:
     with translate_redis_errors():
         pipe = client.pipeline(transaction=False)
-        pipe.zadd(keys.scrape_targets(), {target.to_member(): now})
-        pipe.zremrangebyscore(keys.scrape_targets(), "-inf", now - LIVE_WITHIN_S)
+        _queue_advertisement(pipe, target, now)
         await pipe.execute()
 
 
