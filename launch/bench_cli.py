@@ -1,6 +1,6 @@
 """`sluice bench frontier` and `sluice plan`: the batching frontier of a model, and the replicas and
-cost it implies per device type. Heavy imports (torch, the worker, matplotlib) happen inside the
-commands.
+cost it implies per device type. Everything past typer and rich (numpy, torch, the worker,
+matplotlib) is imported inside the commands, so registering them costs `sluice` nothing at start.
 
 Until launch/cli.py registers them, ``python -m launch.bench_cli bench frontier ...`` and
 ``python -m launch.bench_cli plan ...`` run them the same way.
@@ -11,15 +11,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from scheduler.capacity_plan import DEVICE_SYNTAX, DeviceSpec, PlanRow, parse_device, plan_device
-from scheduler.frontier import SERIES, Series, load_series
+if TYPE_CHECKING:
+    from scheduler.capacity_plan import PlanRow
+    from scheduler.frontier import Series
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print a table and write a plot.")
 
@@ -90,6 +91,8 @@ def frontier(
 
 
 def _series(path: Path, name: str) -> Series:
+    from scheduler.frontier import load_series
+
     try:
         return load_series(json.loads(path.read_text()), name)
     except (OSError, ValueError, KeyError) as exc:
@@ -120,9 +123,10 @@ def plan(
     peak_rps: Annotated[float, typer.Option("--peak-rps", help="Peak arrival rate to serve, jobs/s")],
     device: Annotated[list[str], typer.Option(
         metavar="NAME=PRICE[:SOURCE]",
-        help=f"A device type, repeatable: {DEVICE_SYNTAX}. PRICE is one replica's cost per hour; without "
-             "SOURCE the base frontier is that device's own; a speed factor scales the base frontier "
-             "(throughput x factor, latency / factor). E.g. --device cpu=0.10 --device "
+        help="A device type, repeatable: NAME=PRICE[:SOURCE]. PRICE is one replica's cost per hour (one "
+             "currency for all); SOURCE is a frontier.json measured on that device, or a speed factor "
+             "against --frontier (2.5 or x2.5), which scales it in time (throughput x factor, latency / "
+             "factor); without SOURCE, --frontier is the device's own. E.g. --device cpu=0.10 --device "
              "h100=4.00:h100/frontier.json --device a10=1.20:x6")],
     headroom: Annotated[float, typer.Option(min=0.0, help="Spare capacity over the peak (0.3: 30 %)")] = 0.3,
     series: Annotated[str, typer.Option(help="Which sweep of the frontier to plan from: real or sim")] = "real",
@@ -131,10 +135,13 @@ def plan(
     """Replicas and cost per device type for a peak rate: each replica at the frontier's best
     throughput within the p99 budget, replicas = ceil(peak x (1 + headroom) / that), and the cost per
     million requests at the peak rate and at full per-replica use."""
+    from scheduler.capacity_plan import parse_device, plan_device
+    from scheduler.frontier import SERIES
+
     if series not in SERIES:
         raise typer.BadParameter(f"one of {', '.join(SERIES)}", param_hint="--series")
     try:
-        specs: list[DeviceSpec] = [parse_device(text) for text in device]
+        specs = [parse_device(text) for text in device]
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--device") from None
     base = _series(frontier, series)
