@@ -157,14 +157,3 @@ def plan(
         return
     _console().print(_plan_table(rows, budget=p99_budget_ms, peak=peak_rps, headroom=headroom))
 
-
-def standalone() -> typer.Typer:
-    """`bench` and `plan` on an app of their own, as launch/cli.py registers them."""
-    app = typer.Typer(add_completion=False, no_args_is_help=True, help="Sluice benches and capacity planning.")
-    app.add_typer(bench_app, name="bench")
-    app.command()(plan)
-    return app
-
-
-if __name__ == "__main__":
-    standalone()()

@@ -12,6 +12,7 @@ from rich.console import Console
 
 from launch.api_client import KeyOption, UrlOption, api_client, api_errors
 from launch.batch_cli import batch_app
+from launch.bench_cli import bench_app, plan
 from sluice.errors import InvalidPolicy
 from sluice.logs import configure_logging
 from sluice.settings import Settings
@@ -312,6 +313,10 @@ def simulate(
                           f"{line['scale_changes']} scale changes, at most {line['max_replicas']} replicas")
     if not as_json:
         console.print(f"plot: {path}")
+
+
+app.add_typer(bench_app, name="bench")
+app.command()(plan)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
-from launch.bench_cli import standalone
+from launch.cli import app
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ BUDGET_MS = 1000.0
 @pytest.fixture(scope="module")
 def swept(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("frontier")
-    result = CliRunner().invoke(standalone(), [
+    result = CliRunner().invoke(app, [
         "bench", "frontier", "--model", MODEL, "--batch-sizes", "1,8", "--waits-ms", "2,10", "--fractions", "0.5,0.9",
         "--phase-s", "1", "--p99-budget-ms", str(BUDGET_MS), "--texts", "256", "--redis-url", redis_url,
         "--out", str(out)])
@@ -64,7 +64,7 @@ def test_the_sweep_leaves_no_key_behind(swept: tuple[Path, str], rds: redis.Redi
 def test_plan_from_the_frontier(swept: tuple[Path, str]) -> None:
     out, _ = swept
     best = json.loads((out / "frontier.json").read_text())["series"]["real"]["best"]
-    result = CliRunner().invoke(standalone(), [
+    result = CliRunner().invoke(app, [
         "plan", "--frontier", str(out / "frontier.json"), "--p99-budget-ms", str(BUDGET_MS), "--peak-rps", "500",
         "--headroom", "0.25", "--device", "cpu=0.10", "--device", "fast=1.5:x3", "--json"])
     assert result.exit_code == 0, result.output
@@ -76,7 +76,7 @@ def test_plan_from_the_frontier(swept: tuple[Path, str]) -> None:
     # Three times as fast: at least three times the throughput within the same budget.
     assert rows["fast"]["per_replica_rps"] >= 3 * best["throughput_rps"]
     assert rows["fast"]["replicas"] <= rows["cpu"]["replicas"]
-    table = CliRunner().invoke(standalone(), [
+    table = CliRunner().invoke(app, [
         "plan", "--frontier", str(out / "frontier.json"), "--p99-budget-ms", str(BUDGET_MS), "--peak-rps", "500",
         "--device", "cpu=0.10"])
     assert table.exit_code == 0 and "per 1M at peak" in table.output

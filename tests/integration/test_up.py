@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -11,13 +13,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.client import SluiceClient
 from tests.faults._up import start_up
 from tests.support import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "docker" / "grafana" / "dashboards" / "sluice.json"
 
 
 def _free_port() -> int:
@@ -51,36 +54,85 @@ def test_up_runs_the_demo_on_embedded_stores_and_stops_cleanly(tmp_path: Path) -
     assert flower.stdout.strip() == "", flower.stdout
 
 
-def test_every_process_of_up_serves_its_metrics_where_the_file_sd_file_says(tmp_path: Path) -> None:
-    """Metrics leave their processes: each endpoint in the Prometheus file-SD file `sluice up`
-    writes answers, and the workers' own histograms count the jobs they ran."""
+def _dashboard_queries() -> list[str]:
+    """Every PromQL expression of the Grafana dashboard, its variables set as "All" would set them."""
+    found: list[str] = []
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("expr"), str):
+                found.append(node["expr"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(json.loads(DASHBOARD.read_text()))
+    values = {"$__rate_interval": "30s", "$__range": "5m", "$model": ".+", "$version": ".+", "$lane": ".+"}
+    return [re.sub(r"\$__rate_interval|\$__range|\$model|\$version|\$lane", lambda m: values[m.group()], e)
+            for e in found]
+
+
+def test_every_process_of_up_is_scraped_by_a_real_prometheus_and_the_dashboard_queries_answer(
+    tmp_path: Path,
+) -> None:
+    """Metrics leave their processes: a real Prometheus, given the configuration `sluice up` writes,
+    scrapes every endpoint of its file-SD file, and each query of the Grafana dashboard parses
+    and evaluates there; the latency panels have data for both demo models."""
+    prometheus = shutil.which("prometheus")
+    assert prometheus, "this test runs a real Prometheus: apt-get install -y prometheus"
     up = start_up(tmp_path)
+    server = None
     try:
         with SluiceClient(base_url=up.api_url, api_key=up.demo_key()) as client:
-            jobs = [client.submit(model, {"text": "How do I reset my password?"}) for model in ("minilm", "intent")]
+            jobs = [client.submit(model, {"text": f"How do I reset my password? {i}"})
+                    for model in ("minilm", "intent") for i in range(5)]
             assert {client.wait(job["id"], timeout_s=60)["status"] for job in jobs} == {"succeeded"}
-        path = up.home / "prometheus" / "targets.json"
+        port = _free_port()
+        with (tmp_path / "prometheus.log").open("wb") as sink:
+            server = subprocess.Popen(
+                [prometheus, f"--config.file={up.home / 'prometheus' / 'prometheus.yml'}",
+                 f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                stdout=sink, stderr=subprocess.STDOUT)
+        api = f"http://127.0.0.1:{port}/api/v1"
 
-        def listed() -> dict[str, list[str]]:
-            by_process: dict[str, list[str]] = {}
-            for group in json.loads(path.read_text()) if path.exists() else []:
-                by_process.setdefault(group["labels"]["process"], []).extend(group["targets"])
-            return by_process
+        def healthy() -> dict[str, int]:
+            try:
+                targets = httpx.get(f"{api}/targets", timeout=2).json()["data"]["activeTargets"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                return {}
+            up_by_process: dict[str, int] = {}
+            for target in targets:
+                if target["health"] == "up":
+                    process = target["labels"]["process"]
+                    up_by_process[process] = up_by_process.get(process, 0) + 1
+            return up_by_process
 
-        wait_until(lambda: {"api", "flower", "scheduler", "celery", "worker"} <= set(listed())
-                   and len(listed()["worker"]) >= 2, timeout_s=30, what=f"every process in {path}")
-        scraped = {process: [httpx.get(f"http://{address}/metrics", timeout=5).text for address in addresses]
-                   for process, addresses in listed().items()}
-        assert all("sluice_api_requests_total" in text for text in scraped["api"])
-        assert all("sluice_desired_replicas" in text for text in scraped["scheduler"])
-        assert all("sluice_webhook_attempts_total" in text for text in scraped["celery"])
-        assert all("flower_" in text for text in scraped["flower"])
-        for model in ("minilm", "intent"):
-            served = [text for text in scraped["worker"] if f'sluice_worker_ready{{model="{model}"' in text]
-            assert served, f"no advertised worker serves {model}"
-            finished = sum(sample.value for text in served for family in text_string_to_metric_families(text)
-                           for sample in family.samples
-                           if sample.name == "sluice_jobs_finished_total" and sample.labels["model"] == model)
-            assert finished >= 1, model
+        def every_process_scraped() -> bool:
+            seen = healthy()
+            return {"api", "flower", "scheduler", "celery"} <= set(seen) and seen.get("worker", 0) >= 2
+
+        wait_until(every_process_scraped, timeout_s=60, what="Prometheus scraping every process",
+                   interval_s=0.5)
+        # Two scrapes of the workers after their batches, so that rate() has two points.
+        def answers(query: str) -> list[dict[str, object]]:
+            body = httpx.get(f"{api}/query", params={"query": query}, timeout=10).json()
+            assert body["status"] == "success", (query, body)
+            return list(body["data"]["result"])
+
+        wait_until(lambda: bool(answers('sum by (model) (rate(sluice_batch_size_count{model="intent"}[30s]))')),
+                   timeout_s=30, what="two scrapes of the workers' batches", interval_s=1.0)
+        queries = _dashboard_queries()
+        assert len(queries) >= 20
+        results = {query: answers(query) for query in queries}
+        latency = [q for q in queries if "sluice_queue_wait_seconds_bucket" in q or "sluice_model_seconds_bucket" in q]
+        assert latency
+        for query in latency:
+            models = {str(r["metric"]["model"]) for r in results[query]}
+            assert {"minilm", "intent"} <= models, (query, results[query])
     finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=10)
         up.terminate()

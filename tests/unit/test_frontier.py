@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from launch.bench_cli import standalone
+from launch.cli import app
 from scheduler.capacity_plan import DeviceSpec, parse_device, plan_device
 from scheduler.capacity_sim import CostModel
 from scheduler.frontier import (
@@ -240,12 +240,12 @@ def test_sluice_plan_prints_json_and_refuses_a_bad_device(tmp_path: Path) -> Non
     path = tmp_path / "frontier.json"
     path.write_text(json.dumps({"series": {"real": SERIES.to_dict(200.0)}}))
     runner = CliRunner()
-    result = runner.invoke(standalone(), ["plan", "--frontier", str(path), "--p99-budget-ms", "200", "--peak-rps",
+    result = runner.invoke(app, ["plan", "--frontier", str(path), "--p99-budget-ms", "200", "--peak-rps",
                                           "500", "--device", "cpu=0.10", "--device", "gpu=4:x2", "--json"])
     assert result.exit_code == 0, result.output
     devices = {row["device"]: row for row in json.loads(result.output)["devices"]}
     assert devices["cpu"]["replicas"] == 7 and devices["gpu"]["replicas"] == 3
     assert devices["gpu"]["per_replica_rps"] == 300
-    refused = runner.invoke(standalone(), ["plan", "--frontier", str(path), "--p99-budget-ms", "200", "--peak-rps",
+    refused = runner.invoke(app, ["plan", "--frontier", str(path), "--p99-budget-ms", "200", "--peak-rps",
                                            "500", "--device", "cpu"])
     assert refused.exit_code == 2 and "NAME=PRICE" in refused.output
