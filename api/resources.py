@@ -322,6 +322,12 @@ class RolloutResource(BaseModel):
     decisions: list[RolloutDecisionResource]
 
 
+class RolloutList(BaseModel):
+    """A model's rollouts, newest first (empty when it never had one)."""
+
+    items: list[RolloutResource]
+
+
 # --- stats ---------------------------------------------------------------------------------------
 
 

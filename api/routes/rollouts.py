@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from api.deps import AdminKey, StateDep, announce_routing
 from api.middleware import StrictJsonRoute
-from api.resources import ErrorResource, RolloutResource
+from api.resources import ErrorResource, RolloutList, RolloutResource
 from api.schemas import Name
 from sluice.errors import InvalidInput, InvalidPolicy
 from sluice.registry import rollouts
@@ -75,6 +75,22 @@ async def start_rollout(model: str, body: StartRollout, key: AdminKey, state: St
     await announce_routing(state, model)
     response.headers["Location"] = f"/v1/models/{model}/rollouts/current"
     return resource
+
+
+@router.get("/{model}/rollouts", response_model=RolloutList, responses=_ERRORS)
+async def list_rollouts(
+    model: str, _: AdminKey, state: StateDep,
+    limit: Annotated[int, Query(ge=1, le=100, description="How many of the latest rollouts")] = 20,
+    decisions: Annotated[int, Query(ge=0, le=1000, description="How many of each one's latest decisions")] = 20,
+) -> dict[str, Any]:
+    """The model's rollouts, newest first; an empty list when it never had one (a watcher such as
+    the dashboard polls this, where `current` would answer 404)."""
+    def read() -> dict[str, Any]:
+        with state.registry.session() as session:
+            return {"items": [_resource(session, row, decisions)
+                              for row in rollouts.recent_rollouts(session, model, limit=limit)]}
+
+    return await to_thread.run_sync(read)
 
 
 @router.get("/{model}/rollouts/current", response_model=RolloutResource, responses=_ERRORS)

@@ -42,7 +42,6 @@
     hold: false, // the pointer is on a chart: keep its tooltip, draw the next answer once it leaves
     pending: null,
     history: new Map(), // "model/version" -> the numbers seen while the page is open, for sparklines
-    rollouts: new Map(), // model -> {marker, value}: asked again only when the model changes
   };
 
   const $ = (id) => document.getElementById(id);
@@ -137,13 +136,13 @@
     const win = currentWindow();
     const m = encodeURIComponent(model.name);
     const versions = model.versions.filter((v) => v.state !== "retired");
-    const [queue, audit, ...perVersion] = await Promise.all([
+    const [queue, audit, rollout, ...perVersion] = await Promise.all([
       api(`/v1/models/${m}/queue`),
       api(`/v1/models/${m}/audit?limit=${AUDIT_ROWS}`),
+      rolloutOf(model),
       ...versions.map((v) => versionData(m, v, win)),
     ]);
     const entries = audit ? audit.entries : [];
-    const rollout = await rolloutOf(model, entries);
     return {
       models, model, queue, audit: entries, rollout, win,
       versions: versions.map((v, i) => ({ ...v, ...perVersion[i] })),
@@ -159,17 +158,10 @@
     return { stats, series };
   }
 
-  // A model that never had a rollout answers 404, which the browser reports as a failed load: ask
-  // again only when the model changed (a new audit row, a version's state) or one is running.
-  async function rolloutOf(model, audit) {
-    const marker = `${audit.length ? audit[0].id : 0}|${model.versions.map((v) => v.state).join(",")}`;
-    const known = state.rollouts.get(model.name);
-    if (known && known.marker === marker && !(known.value && known.value.state === "running")) {
-      return known.value;
-    }
-    const value = await api(`/v1/models/${encodeURIComponent(model.name)}/rollouts/current?decisions=${DECISION_ROWS}`);
-    state.rollouts.set(model.name, { marker, value });
-    return value;
+  // The latest rollout, running or finished; null when the model never had one.
+  async function rolloutOf(model) {
+    const listed = await api(`/v1/models/${encodeURIComponent(model.name)}/rollouts?limit=1&decisions=${DECISION_ROWS}`);
+    return listed && listed.items.length ? listed.items[0] : null;
   }
 
   // --- polling and the key ---------------------------------------------------------------------
@@ -610,7 +602,6 @@
       sessionStorage.removeItem(KEY_STORE);
       state.key = null;
       state.history.clear();
-      state.rollouts.clear();
       showLogin(null);
     });
     poll();

@@ -119,6 +119,12 @@ def running_rollouts(session: Session) -> list[Rollout]:
     return list(session.scalars(select(Rollout).where(Rollout.state == "running").order_by(Rollout.id)))
 
 
+def recent_rollouts(session: Session, model: str, *, limit: int) -> list[Rollout]:
+    """The model's latest `limit` rollouts, newest first."""
+    return list(session.scalars(select(Rollout).where(Rollout.model == model).order_by(Rollout.id.desc())
+                                .limit(limit)))
+
+
 def latest_rollout(session: Session, model: str) -> Rollout:
     row = session.scalars(select(Rollout).where(Rollout.model == model).order_by(Rollout.id.desc())).first()
     if row is None:

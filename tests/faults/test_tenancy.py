@@ -60,8 +60,10 @@ def test_another_tenants_job_answers_exactly_like_a_missing_one(
         ("DELETE", "/v1/jobs/{id}", {}),
     ]
     for method, template, options in probes:
-        foreign = other.request(method, template.format(id=job_id), **options)
-        absent = other.request(method, template.format(id=missing), **options)
+        # One request id for both: the API answers each request's id, the same one or a new one.
+        same = {"X-Request-Id": "probe"}
+        foreign = other.request(method, template.format(id=job_id), headers=same, **options)
+        absent = other.request(method, template.format(id=missing), headers=same, **options)
         assert foreign.status_code == 404, (method, template, foreign.text)
         body = foreign.json()
         assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}, body

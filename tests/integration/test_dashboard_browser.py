@@ -106,7 +106,8 @@ def test_the_data_endpoints_want_an_admin_key(
     anon: httpx.Client, demo: httpx.Client, admin: httpx.Client, register_synthetic: Callable[..., str],
 ) -> None:
     model = register_synthetic("dash-auth")
-    admin_only = [f"/v1/models/{model}/queue", f"/v1/models/{model}/audit", f"/v1/models/{model}/rollouts/current"]
+    admin_only = [f"/v1/models/{model}/queue", f"/v1/models/{model}/audit", f"/v1/models/{model}/rollouts",
+                  f"/v1/models/{model}/rollouts/current"]
     every = [*admin_only, "/v1/models", f"/v1/models/{model}/versions/v1/stats",
              f"/v1/models/{model}/versions/v1/stats/series"]
     for path in every:
@@ -228,6 +229,15 @@ def test_the_dashboard_draws_each_version_of_a_model_under_traffic(
     assert "jobs" in (tip.text_content() or "") and "p50" in (tip.text_content() or "")
     page.mouse.move(0, 0)
     page.wait_for_timeout(3500)
+    assert not errors, errors
+
+    # A model that never had a rollout: none is shown, and nothing fails to load on the way.
+    quiet = register_synthetic("dash-quiet")
+    assert admin.get(f"/v1/models/{quiet}/rollouts").json() == {"items": []}
+    page.evaluate("name => { location.hash = 'model=' + encodeURIComponent(name); }", quiet)
+    page.wait_for_selector(f'div.model[data-model="{quiet}"] section.version[data-version="v1"]', timeout=15_000)
+    page.wait_for_timeout(3500)
+    assert page.locator("table.decisions tbody tr").count() == 0
     assert not errors, errors
 
 

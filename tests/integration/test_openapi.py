@@ -33,6 +33,7 @@ RESOURCE_ROUTES = {
     ("post", "/v1/models/{model}/rollback", "200"): "RoutingChange",
     ("get", "/v1/models/{model}/versions/{version}/stats", "200"): "StatsResource",
     ("post", "/v1/models/{model}/rollouts", "201"): "RolloutResource",
+    ("get", "/v1/models/{model}/rollouts", "200"): "RolloutList",
     ("get", "/v1/models/{model}/rollouts/current", "200"): "RolloutResource",
     ("delete", "/v1/models/{model}/rollouts/current", "200"): "RolloutResource",
 }

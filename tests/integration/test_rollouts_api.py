@@ -310,16 +310,22 @@ def test_the_cli_starts_shows_and_aborts_a_rollout_through_the_api(
 def test_the_cli_prints_a_versions_stats(
     api: ApiServer, seeded: Seeded, demo: httpx.Client, register_synthetic: Callable[..., str]
 ) -> None:
-    model = register_synthetic("stcli")
-    env = {"SLUICE_URL": api.url, "SLUICE_API_KEY": seeded.demo_key}
+    model = register_synthetic("stcli", versions=("v1", "v2"))
+    env = {"SLUICE_URL": api.url, "SLUICE_API_KEY": seeded.demo_key, "COLUMNS": "160"}
     shown = CliRunner().invoke(app, ["stats", model, "v1", "--window-s", "60"], env=env)
     assert shown.exit_code == 0, shown.output
-    lines = shown.output.splitlines()
-    assert lines[0].startswith(f"{model} v1 over 60 s: 0 jobs, 0 errors")
-    assert [line.split()[0] for line in lines[2:5]] == ["queue", "model", "total"]
-    assert "batch size mean" in shown.output and "closed on size 0, age 0, drain 0" in shown.output
-    as_json = CliRunner().invoke(app, ["stats", model, "v1", "--json"], env=env)
+    assert f"{model} v1 over 60 s" in shown.output
+    rows = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:-1]]
+            for line in shown.output.splitlines() if line.count("│") >= 3}
+    assert rows["jobs"] == ["0"] and rows["errors"] == ["0 (0.00%)"]
+    assert rows["queue wait ms p50"] == ["-"] and rows["batches closed on"] == ["size 0, age 0, drain 0"]
+    # Without a version: every version not retired, side by side.
+    both = CliRunner().invoke(app, ["stats", model], env=env)
+    assert both.exit_code == 0, both.output
+    assert f"{model} v1, v2 over 300 s" in both.output
+    as_json = CliRunner().invoke(app, ["stats", model, "--json"], env=env)
     assert as_json.exit_code == 0, as_json.output
-    assert json.loads(as_json.output) == demo.get(f"/v1/models/{model}/versions/v1/stats").json()
+    assert json.loads(as_json.output) == {
+        version: demo.get(f"/v1/models/{model}/versions/{version}/stats").json() for version in ("v1", "v2")}
     unknown = CliRunner().invoke(app, ["stats", model, "v9"], env=env)
     assert unknown.exit_code == 1 and "no version 'v9'" in unknown.output
