@@ -30,7 +30,7 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+=-]{0,127}")
 
 _request_id: ContextVar[str | None] = ContextVar("sluice_request_id", default=None)
 
-_JSON_FIELDS = ("asctime", "levelname", "name", "message")
+_JSON_FIELDS = ("levelname", "name", "message")
 
 
 def new_request_id() -> str:
@@ -71,9 +71,9 @@ class RequestIdFilter(logging.Filter):
 def formatter(fmt: LogFormat, *, process: str) -> logging.Formatter:
     if fmt == "text":
         return logging.Formatter(f"%(asctime)s %(levelname)s {process} %(name)s: %(message)s")
-    return JsonFormatter(list(_JSON_FIELDS), rename_fields={"asctime": "time", "levelname": "level",
-                                                            "name": "logger"},
-                         static_fields={"process": process}, timestamp=False, json_ensure_ascii=False)
+    # `timestamp`: the record's time in ISO 8601, UTC, under "time".
+    return JsonFormatter(list(_JSON_FIELDS), rename_fields={"levelname": "level", "name": "logger"},
+                         static_fields={"process": process}, timestamp="time", json_ensure_ascii=False)
 
 
 def prepare_handler(handler: logging.Handler, *, fmt: LogFormat, process: str) -> None:
