@@ -137,6 +137,14 @@ class ServiceUnavailable(ApiError):
     status, code = 503, "service_unavailable"
 
 
+class NoServableVersion(ServiceUnavailable):
+    """The model has no version with routing weight in a serving state (DESIGN: 503): nothing can
+    run its jobs until an admin routes it. Its own code, so a client (and a test) can tell it
+    from a store that is down."""
+
+    code = "no_servable_version"
+
+
 class NotDurable(ServiceUnavailable):
     """Durable accept: the store did not confirm the job's fsync in time; the job was withdrawn."""
 

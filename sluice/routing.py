@@ -18,7 +18,7 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Literal
 
-from sluice.errors import Conflict, Forbidden, NotFound, NotServable, ServiceUnavailable
+from sluice.errors import Conflict, Forbidden, NoServableVersion, NotFound, NotServable, ServiceUnavailable
 from sluice.versions import PRIMARY_STATES, VersionState
 
 RouteReason = Literal["explicit", "pin", "weighted", "fallback"]
@@ -129,7 +129,7 @@ def route(
     )
     total = sum(w for _, w in candidates)
     if total <= 0:
-        raise ServiceUnavailable(f"model '{model}' has no version with routing weight")
+        raise NoServableVersion(f"model '{model}' has no version with routing weight")
     point = hash_unit(model, routing_key or tenant) * total
     running = 0.0
     chosen = info.versions[candidates[-1][0]]

@@ -304,9 +304,11 @@ def test_503_when_the_model_has_no_routing_weight(
 ) -> None:
     name = register_synthetic("noweight", weights={})
     with nothing_queued(name, ("v1",)):
-        assert_error(submit(demo, name, {"input": {"text": "x"}}), 503, "service_unavailable")
+        assert_error(submit(demo, name, {"input": {"text": "x"}}), 503, "no_servable_version")
         assert_error(demo.post(f"/v1/models/{name}/jobs:bulk", json={"inputs": [{"text": "x"}]}),
-                     503, "service_unavailable")
+                     503, "no_servable_version")
+        assert_error(demo.post("/v1/batches", json={"model": name, "inputs": [{"text": "x"}]}),
+                     503, "no_servable_version")
 
 
 # --- happy paths ------------------------------------------------------------------------------------

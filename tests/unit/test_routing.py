@@ -166,4 +166,4 @@ def test_no_servable_weighted_version_is_503(weights: dict[str, float], states: 
     snap = snapshot(weights, states=states)
     with pytest.raises(ServiceUnavailable) as raised:
         route(snap, model="m", tenant="t")
-    assert raised.value.status == 503
+    assert raised.value.status == 503 and raised.value.code == "no_servable_version"
