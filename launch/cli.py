@@ -121,7 +121,8 @@ def up(exit_after_demo: Annotated[bool, typer.Option(help="Stop after the demo (
             seeded = platform.start()
         with console.status("waiting for the API and warm workers…"):
             platform.wait_ready()
-        platform.write_scrape_targets()
+        # Writes the Prometheus targets file now, not a supervision tick later.
+        platform.supervise()
         console.print(f"[bold green]Sluice is up[/]  home: {_printable_home(platform.home)}")
         console.print(f"  API      {platform.api_url}   (docs: {platform.api_url}/docs)")
         console.print(f"  metrics  {platform.api_url}/metrics; every process: "
