@@ -57,6 +57,11 @@ class InferenceError(ModelError):
     """The model raised on a batch."""
 
 
+class WorkerFailed(SluiceError):
+    """One of a worker's own loops (running batches, heartbeats, refreshing what it holds) stopped:
+    the worker stops rather than hold jobs it can no longer run."""
+
+
 # --- rollouts -------------------------------------------------------------------------------
 
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 import redis.asyncio as aioredis
 
 from sluice.batcher import DEFAULT_BUCKET_BOUNDS, Batch, Item, MicroBatcher
-from sluice.errors import BrokerError, InferenceError
+from sluice.errors import BrokerError, InferenceError, WorkerFailed
 from sluice.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
 from sluice.jobs import JobStatus
 from sluice.keys import Lane
@@ -72,6 +72,9 @@ def consumer_name() -> str:
 
 
 # The batcher runs online items before any bulk one (sluice/batcher.py).
+# How long a stopping worker waits for its cancelled loops.
+LOOP_STOP_S = 2.0
+
 LANE_PRIORITY: dict[Lane, int] = {"online": 0, "bulk": 1}
 
 
@@ -168,6 +171,17 @@ class Worker:
         beat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
         refresh = asyncio.create_task(self._refresh_loop(), name="refresh")
         try:
+            # Only the reader ends on its own (on a stop request). Any other loop that ends has
+            # failed: a worker whose runner died would go on claiming jobs it never runs while its
+            # heartbeat says ready and its refreshes keep other workers off them. Fail instead:
+            # the process exits, its supervisor replaces it, and the entries it held are reclaimed.
+            await asyncio.wait((reader, runner, beat, refresh), return_when=asyncio.FIRST_COMPLETED)
+            for loop in (runner, beat, refresh):
+                if loop.done():
+                    log.error("worker %s: its %s loop stopped; the worker stops", self.name, loop.get_name(),
+                              exc_info=loop.exception() if not loop.cancelled() else None)
+                    raise WorkerFailed(f"the worker's {loop.get_name()} loop stopped") from (
+                        None if loop.cancelled() else loop.exception())
             await reader
             # Reading has stopped: everything held is flushed and finished within the grace period.
             self._ready.extend(part for batch in self.batcher.drain(self.clock()) for part in self._passes(batch))
@@ -177,11 +191,18 @@ class Worker:
             if self._writes:
                 await asyncio.wait_for(asyncio.gather(*self._writes), timeout=self.shutdown_grace_s)
         finally:
-            for task in (reader, runner, beat, refresh):
+            loops = (reader, runner, beat, refresh)
+            for task in loops:
                 task.cancel()
-            for task in (reader, runner, beat, refresh):
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            # Bounded: a loop cancelled inside a redis-py command can miss its cancellation (seen
+            # with a blocking XREADGROUP) and must not hold the worker's exit.
+            _, stuck = await asyncio.wait(loops, timeout=LOOP_STOP_S)
+            for task in loops:
+                if task.done() and not task.cancelled():
+                    task.exception()  # retrieved: a failed loop was reported above
+            if stuck:
+                log.warning("worker %s: %s did not stop within %.0fs", self.name,
+                            ", ".join(sorted(task.get_name() for task in stuck)), LOOP_STOP_S)
             self.state = WorkerState.stopped
             with contextlib.suppress(BrokerError):
                 await self.streams.leave()
