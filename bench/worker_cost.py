@@ -75,6 +75,9 @@ class TimedHandler:
     def warmup(self) -> None:
         self.inner.warmup()
 
+    def passes(self, inputs: Sequence[Mapping[str, Any]]) -> list[list[int]]:
+        return self.inner.passes(inputs)  # type: ignore[no-any-return]
+
     def run(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         started = time.thread_time()
         try:
