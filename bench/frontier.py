@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench.common import PassThroughHandler
 from scheduler.frontier import (
     CostFit,
     Rung,
@@ -146,22 +147,14 @@ class Options:
 # --- the handler, timed ---------------------------------------------------------------------------
 
 
-class RecordingHandler:
+class RecordingHandler(PassThroughHandler):
     """The handler the worker runs, timing every call (one forward pass: the worker hands a
     handler that plans passes one pass at a time) as (jobs, longest tokens, seconds)."""
 
     def __init__(self, inner: Any, tokens: Mapping[str, int]) -> None:
-        self.inner = inner
-        self.kind = inner.kind
-        self.length_buckets = inner.length_buckets
+        super().__init__(inner)
         self.tokens = tokens
         self.calls: list[tuple[int, int, float]] = []
-
-    def warmup(self) -> None:
-        self.inner.warmup()
-
-    def passes(self, inputs: Sequence[Mapping[str, Any]]) -> list[list[int]]:
-        return self.inner.passes(inputs)  # type: ignore[no-any-return]
 
     def run(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         started = time.perf_counter()

@@ -43,6 +43,7 @@ from typing import Any
 
 from bench.common import (
     CpuWindow,
+    PassThroughHandler,
     command_line,
     fmt,
     machine_info,
@@ -61,22 +62,14 @@ PATTERNS = ("single", "backlog")
 # --- the worker process --------------------------------------------------------------------------
 
 
-class TimedHandler:
+class TimedHandler(PassThroughHandler):
     """A handler that adds up the thread CPU time of its inner handler's `run`."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.kind = inner.kind
-        self.length_buckets = inner.length_buckets
+        super().__init__(inner)
         self.cpu_s = 0.0
         self.calls = 0
         self.items = 0
-
-    def warmup(self) -> None:
-        self.inner.warmup()
-
-    def passes(self, inputs: Sequence[Mapping[str, Any]]) -> list[list[int]]:
-        return self.inner.passes(inputs)  # type: ignore[no-any-return]
 
     def run(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         started = time.thread_time()

@@ -1,9 +1,6 @@
 """`sluice bench frontier` and `sluice plan`: the batching frontier of a model, and the replicas and
 cost it implies per device type. Everything past typer and rich (numpy, torch, the worker,
 matplotlib) is imported inside the commands, so registering them costs `sluice` nothing at start.
-
-Until launch/cli.py registers them, ``python -m launch.bench_cli bench frontier ...`` and
-``python -m launch.bench_cli plan ...`` run them the same way.
 """
 
 from __future__ import annotations
