@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -18,40 +17,6 @@ from sluice.settings import Settings
 from tests.support import ApiServer, WorkerProcess, fresh_database, serving, spawn_worker
 
 from ._support import PostgresServer, RedisServer
-
-_FIGURES: list[tuple[str, list[tuple[str, object]]]] = []
-
-
-# --- figures: what a fault test measured, shown in the terminal summary and in junit properties ---------
-
-
-@pytest.fixture
-def figure(request: pytest.FixtureRequest) -> Callable[[str, object], None]:
-    """Record one measured figure (name, value) of this test.
-
-    Written to the node's user_properties (so `--junitxml` carries them, in any junit family,
-    which `record_property` does not) and listed in the terminal summary.
-    """
-
-    def record(name: str, value: object) -> None:
-        request.node.user_properties.append((name, value))
-
-    return record
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.when == "call" and report.user_properties:
-        _FIGURES.append((report.nodeid, list(report.user_properties)))
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if not _FIGURES:
-        return
-    terminalreporter.section("fault test figures")
-    for nodeid, properties in _FIGURES:
-        terminalreporter.write_line(nodeid)
-        for name, value in properties:
-            terminalreporter.write_line(f"    {name} = {value}")
 
 
 @pytest.fixture

@@ -115,14 +115,19 @@ def test_every_process_of_up_is_scraped_by_a_real_prometheus_and_the_dashboard_q
 
         wait_until(every_process_scraped, timeout_s=60, what="Prometheus scraping every process",
                    interval_s=0.5)
-        # Two scrapes of the workers after their batches, so that rate() has two points.
         def answers(query: str) -> list[dict[str, object]]:
             body = httpx.get(f"{api}/query", params={"query": query}, timeout=10).json()
             assert body["status"] == "success", (query, body)
             return list(body["data"]["result"])
 
-        wait_until(lambda: bool(answers('sum by (model) (rate(sluice_batch_size_count{model="intent"}[30s]))')),
-                   timeout_s=30, what="two scrapes of the workers' batches", interval_s=1.0)
+        # rate() needs two scrapes after the batches, and each worker is its own target, scraped at
+        # its own offset: wait for both models' workers.
+        def models_with_two_scrapes() -> set[str]:
+            return {str(r["metric"]["model"])
+                    for r in answers("sum by (model) (rate(sluice_batch_size_count[30s]))")}
+
+        wait_until(lambda: {"minilm", "intent"} <= models_with_two_scrapes(),
+                   timeout_s=30, what="two scrapes of each model's workers", interval_s=1.0)
         queries = _dashboard_queries()
         assert len(queries) >= 20
         results = {query: answers(query) for query in queries}
