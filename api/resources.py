@@ -221,6 +221,9 @@ class VersionResource(BaseModel):
     max_replicas: int
     cache_ttl_s: int = Field(description="Seconds the response cache keeps an output; 0: no cache")
     last_error: str | None = Field(description="Why the version's last load failed, if it did")
+    handler: str | None = Field(default=None, description="Kind `handler`: the class serving the version")
+    input_schema: dict[str, Any] | None = Field(default=None, description="The declared JSON Schema of one input")
+    output_schema: dict[str, Any] | None = Field(default=None, description="The declared JSON Schema of one output")
     replicas: Replicas | None = None
 
 

@@ -13,6 +13,7 @@ from rich.console import Console
 from launch.api_client import KeyOption, UrlOption, api_client, api_errors
 from launch.batch_cli import batch_app
 from launch.bench_cli import bench_app, plan
+from launch.models_cli import models_app
 from sluice.errors import InvalidPolicy
 from sluice.logs import configure_logging
 from sluice.settings import Settings
@@ -221,25 +222,6 @@ def rollout_abort(model: str,
 
 
 @app.command()
-def models(url: UrlOption = None, key: KeyOption = None) -> None:
-    """The models by availability tier, with each version's state and replicas (through the API)."""
-    from sluice.versions import Tier
-
-    with api_errors(console), api_client(url, key) as client:
-        listed = client.models()
-    for tier in Tier:
-        members = [model for model in listed if model["tier"] == tier]
-        console.print(f"[bold]{tier}[/] tier: {', '.join(m['name'] for m in members) or '(none)'}")
-        for model in members:
-            for version in model["versions"]:
-                replicas = version.get("replicas")
-                scaled = (f"{replicas['live']} live of {replicas['desired']} desired: {replicas['reason']}"
-                          if replicas else "no scaling decision in the last minute")
-                console.print(f"  {model['name']} {version['version']} ({version['state']}, "
-                              f"{model['routing'].get(version['version'], 0):g} % of traffic): {scaled}")
-
-
-@app.command()
 def stats(model: str,
           version: Annotated[str | None, typer.Argument(help="Only this version (default: every one not retired)")]
           = None,
@@ -317,6 +299,7 @@ def simulate(
 
 
 app.add_typer(bench_app, name="bench")
+app.add_typer(models_app, name="models")
 app.command()(plan)
 
 

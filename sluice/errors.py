@@ -62,6 +62,11 @@ class WorkerFailed(SluiceError):
     the worker stops rather than hold jobs it can no longer run."""
 
 
+class HandlerHung(WorkerFailed):
+    """A batch ran past the per-batch timeout: its jobs failed, and the model's thread, which
+    cannot be stopped, is left to the process's exit."""
+
+
 # --- rollouts -------------------------------------------------------------------------------
 
 

@@ -1,25 +1,37 @@
 """Model kinds: the input schema each kind accepts and the cost hint the batcher groups by.
 
 The API validates every input here before anything is queued, so a worker never sees an input
-its handler cannot take. The cost hint approximates the WordPiece token count without loading a
-tokenizer (the API must stay light); the batcher only needs it to be monotone in length.
+its handler cannot take. The text kinds fix their schema; a `handler` or `torch-export` version
+declares its own as a JSON Schema, recorded at registration. The cost hint approximates the
+WordPiece token count without loading a tokenizer (the API must stay light); the batcher only
+needs it to be monotone in length. A handler's own `cost` replaces the hint in the worker.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from enum import StrEnum
 from typing import Any
 
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sluice.errors import InvalidInput
 
 
 class ModelKind(StrEnum):
+    # The bundled MiniLM (hand-written BERT) and the intent head over it.
     embedding = "embedding"
     classifier = "classifier"
     synthetic = "synthetic"
+    # A team's own models: Hugging Face directories, torch.export programs, handler classes.
+    hf_embedding = "hf-embedding"
+    hf_classifier = "hf-classifier"
+    torch_export = "torch-export"
+    handler = "handler"
 
 
 class _TextInput(BaseModel):
@@ -43,7 +55,12 @@ _SCHEMAS: dict[ModelKind, type[BaseModel]] = {
     ModelKind.embedding: _TextInput,
     ModelKind.classifier: _TextInput,
     ModelKind.synthetic: _SyntheticInput,
+    ModelKind.hf_embedding: _TextInput,
+    ModelKind.hf_classifier: _TextInput,
 }
+
+# Kinds whose versions declare their input and output schemas.
+SCHEMA_KINDS = frozenset({ModelKind.handler, ModelKind.torch_export})
 
 _WORDPIECE = re.compile(r"\w+|[^\w\s]")
 
@@ -54,10 +71,16 @@ def token_estimate(text: str) -> int:
     return 2 + sum(1 + len(p) // 8 for p in pieces)
 
 
-def validate_input(kind: ModelKind, payload: Any, *, max_text_chars: int) -> tuple[dict[str, Any], int]:
-    """Check one input against its kind; answer the canonical input and its cost hint."""
+def validate_input(kind: ModelKind, payload: Any, *, max_text_chars: int,
+                   schema: str | None = None) -> tuple[dict[str, Any], int]:
+    """Check one input against its kind (or, for a kind in SCHEMA_KINDS, against the version's
+    declared JSON Schema, ``schema``, canonical JSON); answer the canonical input and its cost hint."""
     if not isinstance(payload, dict):
         raise InvalidInput("'input' must be a JSON object")
+    if kind in SCHEMA_KINDS:
+        if schema is not None:
+            _check_declared(_validator(schema), payload)
+        return payload, 1
     try:
         parsed = _SCHEMAS[kind].model_validate(payload)
     except ValidationError as exc:
@@ -75,3 +98,38 @@ def validate_input(kind: ModelKind, payload: Any, *, max_text_chars: int) -> tup
             raise InvalidInput("input.text must not be blank")
         return canonical, token_estimate(text)
     return canonical, int(canonical["tokens"])
+
+
+def schema_text(schema: dict[str, Any]) -> str:
+    """A declared schema as the canonical JSON the validators are cached by."""
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+
+
+def check_declared_schema(schema: Any, *, what: str) -> dict[str, Any]:
+    """``schema`` if it is a valid JSON Schema (2020-12) for a JSON object; InvalidInput otherwise."""
+    if not isinstance(schema, dict):
+        raise InvalidInput(f"{what} must be a JSON Schema object")
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        raise InvalidInput(f"{what} is not a valid JSON Schema: {exc.message[:300]}") from None
+    if schema.get("type") != "object":
+        raise InvalidInput(f'{what} must describe a JSON object ("type": "object")')
+    return schema
+
+
+@functools.lru_cache(maxsize=256)
+def _validator(schema: str) -> Draft202012Validator:
+    return Draft202012Validator(json.loads(schema))
+
+
+def _check_declared(validator: Draft202012Validator, payload: dict[str, Any]) -> None:
+    error = next(iter(sorted(validator.iter_errors(payload), key=lambda e: list(e.absolute_path))), None)
+    if error is None:
+        return
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+    # Named by the rule it breaks, never by its value: the message must not echo user data.
+    rule = json.dumps(error.validator_value, separators=(",", ":"))
+    if len(rule) > 120:
+        rule = rule[:117] + "..."
+    raise InvalidInput(f"input{where}: does not satisfy the version's schema ({error.validator}: {rule})")

@@ -41,6 +41,8 @@ class VersionInfo:
     max_replicas: int = 4
     latency_budget_ms: float = 2000.0
     cache_ttl_s: int = 0  # > 0: the version's response cache keeps outputs this long
+    handler: str | None = None  # kind `handler`: "package.module:Class"
+    input_schema: str | None = None  # the declared JSON Schema of one input, canonical JSON
 
 
 @dataclass(frozen=True, slots=True)

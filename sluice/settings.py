@@ -62,6 +62,17 @@ class Settings(BaseSettings):
     # start-up calibration (this many measured rounds of each) finds it at least this much faster.
     int8_min_speedup: float = Field(default=1.15, ge=1.0)
     int8_calibration_rounds: int = Field(default=5, ge=1, le=50)
+    # A batch still running after this many seconds fails its jobs (`handler_timeout`) and the
+    # worker, whose model thread cannot be taken back, exits for a fresh one.
+    batch_timeout_s: float = Field(default=120.0, gt=0)
+
+    # Artifacts (sluice/artifact_store.py). `sluice models register` publishes to `artifact_store`
+    # (an fsspec URL: file://, s3://, gs://, ...; unset: HOME/artifacts); workers fetch remote
+    # artifacts into `artifact_cache_dir` (unset: HOME/cache/artifacts), keyed by content hash and
+    # verified before load. `artifact_ca_bundle` adds a CA to trust for https:// stores.
+    artifact_store: str | None = None
+    artifact_cache_dir: Path | None = None
+    artifact_ca_bundle: Path | None = None
     cpu_cores: int | None = None
 
     # Autoscaling (scheduler/autoscale.py). Worker slots shared by every version, one torch
@@ -143,6 +154,14 @@ class Settings(BaseSettings):
     @property
     def batch_storage(self) -> Path:
         return (self.batch_dir or self.home / "batches").resolve()
+
+    @property
+    def artifact_cache(self) -> Path:
+        return (self.artifact_cache_dir or self.home / "cache" / "artifacts").resolve()
+
+    @property
+    def artifact_store_url(self) -> str:
+        return self.artifact_store or (self.home / "artifacts").resolve().as_uri()
 
     def require_redis_url(self) -> str:
         if not self.redis_url:

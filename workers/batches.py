@@ -38,11 +38,11 @@ from sluice.batch_files import BatchFileError, Format, Row, count_rows, error_js
 from sluice.connections import translate_redis_errors
 from sluice.errors import InvalidInput
 from sluice.jobs import FINAL_STATES, JobRecord, JobStatus
-from sluice.kinds import ModelKind, validate_input
+from sluice.kinds import ModelKind, schema_text, validate_input
 from sluice.outbox import OutboxEntry
 from sluice.registry import batches as queries
 from sluice.registry.store import Registry
-from sluice.registry.tables import Model
+from sluice.registry.tables import Model, ModelVersion
 from sluice.streams import CANCEL_SCRIPT, queue_jobs
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class _Run:
     model: str
     version: str
     kind: ModelKind
+    input_schema: str | None
     input_path: Path
     input_format: Format
     text_field: str
@@ -171,8 +172,11 @@ class BatchFeeder:
                 queries.fail_unstarted(session, batch_id, now=self._now(),
                                        error=f"model '{row.model}' no longer exists")
                 return None
+            version = session.get(ModelVersion, (row.model, row.version))
+            declared = version.input_schema if version is not None else None
             run = _Run(id=row.id, tenant=row.tenant_id, model=row.model, version=row.version,
-                       kind=ModelKind(model.kind), input_path=Path(row.input_path),
+                       kind=ModelKind(model.kind), input_schema=None if declared is None else schema_text(declared),
+                       input_path=Path(row.input_path),
                        input_format=row.input_format,  # type: ignore[arg-type]
                        text_field=row.text_field, output_format=row.output_format,  # type: ignore[arg-type]
                        output_path=row.output_path, total=row.total, done=row.done, failed=row.failed,
@@ -244,7 +248,8 @@ class BatchFeeder:
         if row.error is not None:
             return _Slot(row.row, error=error_json("invalid_input", row.error))
         try:
-            canonical, cost = validate_input(run.kind, row.input, max_text_chars=self.max_text_chars)
+            canonical, cost = validate_input(run.kind, row.input, max_text_chars=self.max_text_chars,
+                                            schema=run.input_schema)
         except InvalidInput as exc:
             return _Slot(row.row, error=error_json(exc.code, exc.message))
         return _Slot(row.row, record=JobRecord(

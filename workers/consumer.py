@@ -29,17 +29,18 @@ import random
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 
 from sluice.batcher import DEFAULT_BUCKET_BOUNDS, Batch, Item, MicroBatcher
-from sluice.errors import BrokerError, InferenceError, WorkerFailed
+from sluice.errors import BrokerError, HandlerHung, InferenceError, WorkerFailed
 from sluice.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
 from sluice.jobs import JobStatus
 from sluice.keys import Lane
 from sluice.streams import Delivered, StreamConsumer
-from workers.execution import Outcome, run_isolating
+from workers.execution import Outcome, run_isolating, timed_out
 from workers.metrics import BatchMetrics
 from workers.models.handlers import ModelHandler
 from workers.results import Delivery, ResultWriter
@@ -111,6 +112,7 @@ class Worker:
         precision: str = "",
         int8_speedup: float | None = None,
         top_up: bool = False,
+        batch_timeout_s: float = 120.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.model = model
@@ -121,6 +123,7 @@ class Worker:
         self.claim_after_s = claim_after_s
         self.prefetch = prefetch_batches * max_batch_size
         self.shutdown_grace_s = shutdown_grace_s
+        self.batch_timeout_s = batch_timeout_s
         self.cold_start_s = cold_start_s
         self.precision = precision
         self.int8_speedup = int8_speedup
@@ -284,7 +287,8 @@ class Worker:
             entry = delivered.entry
             if claim.verdict == "run":
                 item = Item(
-                    id=delivered.entry_id, tenant=entry.tenant, cost=entry.cost, enqueued_at=entry.enqueued_at,
+                    id=delivered.entry_id, tenant=entry.tenant, cost=self._cost(claim.input, entry.cost),
+                    enqueued_at=entry.enqueued_at,
                     priority=LANE_PRIORITY[delivered.lane],
                     payload=Delivery(job_id=entry.job_id, lane=delivered.lane, input=claim.input,
                                      attempts=claim.attempts, shadow=entry.shadow, shadow_of=entry.shadow_of,
@@ -296,6 +300,13 @@ class Worker:
                 self._metrics.finished[JobStatus.expired].inc()
             elif claim.verdict == "dead":
                 self._metrics.finished[JobStatus.failed].inc()
+
+    def _cost(self, job_input: Mapping[str, Any], hint: int) -> int:
+        """The handler's own cost of an input where it declares one (a handler class's `cost`),
+        else the API's hint."""
+        cost_of = getattr(self.handler, "cost_of", None)
+        own = cost_of(job_input) if cost_of is not None else None
+        return hint if own is None else own
 
     # --- running ---------------------------------------------------------------------------------
 
@@ -315,7 +326,17 @@ class Worker:
             self._runner_idle = False
             started = self.clock()
             inputs = [item.payload.input for item in batch.items]
-            outcomes, model_s = await asyncio.to_thread(run_isolating, self.handler, inputs)
+            running = asyncio.ensure_future(asyncio.to_thread(run_isolating, self.handler, inputs))
+            try:
+                outcomes, model_s = await asyncio.wait_for(asyncio.shield(running), timeout=self.batch_timeout_s)
+            except TimeoutError:
+                # A thread cannot be stopped: fail this batch's jobs, then the worker, so a fresh
+                # process takes the rest instead of queueing behind a model that never answers.
+                log.error("worker %s: a batch of %d ran past the %.0f s per-batch timeout; its jobs fail "
+                          "(handler_timeout) and the worker exits", self.name, len(inputs), self.batch_timeout_s)
+                await self._complete(batch, timed_out(len(inputs), self.batch_timeout_s), started,
+                                     self.batch_timeout_s)
+                raise HandlerHung(f"a batch ran past the {self.batch_timeout_s:g} s per-batch timeout") from None
             task = asyncio.create_task(self._complete(batch, outcomes, started, model_s))
             self._writes.add(task)
             task.add_done_callback(self._writes.discard)

@@ -36,6 +36,8 @@ class Outcome:
     output: dict[str, Any] | None = None
     error: dict[str, str] | None = None
     fault: str | None = None
+    # The handler's own quality proxies of the output (a handler class's `quality`), if it has any.
+    proxies: dict[str, Any] | None = None
 
 
 def _error_body(exc: BaseException) -> dict[str, str]:
@@ -82,7 +84,18 @@ def _bisect(handler: ModelHandler, inputs: Sequence[Mapping[str, Any]]) -> list[
             return [_alone(exc, inputs[0])]
         middle = len(inputs) // 2
         return _bisect(handler, inputs[:middle]) + _bisect(handler, inputs[middle:])
-    return [Outcome(output=output) for output in outputs]
+    own_proxies = getattr(handler, "proxies", None)
+    if own_proxies is None:
+        return [Outcome(output=output) for output in outputs]
+    return [Outcome(output=output, proxies=own_proxies(output)) for output in outputs]
+
+
+def timed_out(size: int, timeout_s: float) -> list[Outcome]:
+    """The outcomes of a batch that ran past its timeout: each of its jobs failed, none retried
+    (the input may be what hangs the model)."""
+    error = {"code": "handler_timeout",
+             "message": f"the model ran past the {timeout_s:g} s per-batch timeout on a batch of {size}"}
+    return [Outcome(error=error) for _ in range(size)]
 
 
 def run_isolating(handler: ModelHandler, inputs: Sequence[Mapping[str, Any]]) -> tuple[list[Outcome], float]:

@@ -20,7 +20,7 @@ import uvloop
 
 from sluice import exposition
 from sluice.connections import connect
-from sluice.errors import EXIT_ARTIFACT_REFUSED, ArtifactError, SluiceError
+from sluice.errors import EXIT_ARTIFACT_REFUSED, ArtifactError, SluiceError, WorkerFailed
 from sluice.metrics import COLD_START, INT8_SPEEDUP, WORKER_INT8, WORKER_STATE
 from sluice.registry import queries
 from sluice.registry.store import Registry
@@ -29,6 +29,9 @@ from sluice.settings import Settings
 from sluice.shutdown import install_two_stage
 
 log = logging.getLogger(__name__)
+
+# The exit status of a worker whose own loop died (or whose model hung): its supervisor restarts it.
+EXIT_WORKER_FAILED = 1
 
 
 def _load_version(registry: Registry, model: str, version: str) -> tuple[str, ModelVersion]:
@@ -47,7 +50,7 @@ def run_worker(*, settings: Settings, model: str, version: str, threads: int | N
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         os.environ.setdefault("MKL_NUM_THREADS", str(threads))
     from workers.consumer import Worker
-    from workers.models.handlers import load_handler
+    from workers.models.handlers import Sources, load_handler
     from workers.models.precision import PrecisionChoice, PrecisionPolicy
 
     registry = Registry(url=settings.require_database_url(), pool_size=1)
@@ -56,7 +59,10 @@ def run_worker(*, settings: Settings, model: str, version: str, threads: int | N
         kind, row = _load_version(registry, model, version)
         handler = load_handler(kind=kind, artifact=row.artifact, sha256=row.sha256, device=device,
                                threads=threads, precision=PrecisionPolicy(
-                                   min_speedup=settings.int8_min_speedup, rounds=settings.int8_calibration_rounds))
+                                   min_speedup=settings.int8_min_speedup, rounds=settings.int8_calibration_rounds),
+                               sources=Sources(handler=row.handler, input_schema=row.input_schema,
+                                               output_schema=row.output_schema, cache_dir=settings.artifact_cache,
+                                               ca_bundle=settings.artifact_ca_bundle))
         handler.warmup()
     except ArtifactError as exc:
         log.error("version %s/%s refused: %s", model, version, exc)
@@ -91,7 +97,7 @@ def run_worker(*, settings: Settings, model: str, version: str, threads: int | N
             claim_after_s=settings.claim_after_s, max_deliveries=settings.max_deliveries,
             prefetch_batches=settings.worker_prefetch_batches, shutdown_grace_s=settings.shutdown_grace_s,
             cold_start_s=cold_start_s, precision=choice.precision if choice else "",
-            int8_speedup=choice.speedup if choice else None,
+            int8_speedup=choice.speedup if choice else None, batch_timeout_s=settings.batch_timeout_s,
         )
 
         def leave_now() -> None:
@@ -111,7 +117,13 @@ def run_worker(*, settings: Settings, model: str, version: str, threads: int | N
                 await exposition.withdraw_async(redis, target)
             await redis.aclose()
 
-    run_event_loop(main())
+    try:
+        run_event_loop(main())
+    except WorkerFailed:
+        log.exception("worker for %s/%s failed", model, version)
+        # A hung model thread would hold the interpreter's exit (it joins its threads) forever.
+        logging.shutdown()
+        os._exit(EXIT_WORKER_FAILED)
     return 0
 
 

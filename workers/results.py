@@ -86,7 +86,7 @@ class ResultWriter:
         output = _json(outcome.output)
         quality: dict[str, Any] = {}
         if outcome.error is None:
-            quality = proxies(outcome.output, encoded_size=len(output))
+            quality = {**proxies(outcome.output, encoded_size=len(output)), **(outcome.proxies or {})}
             primary = primaries.get(delivery.shadow_of or "")
             if primary is not None and outcome.output is not None:
                 agreed = agreement(primary, outcome.output)

@@ -24,7 +24,7 @@ from sluice.errors import Conflict, InvalidInput, JobExpired, PayloadTooLarge, S
 from sluice.idempotency import IdempotencyClaim
 from sluice.jobs import JobRecord, JobStatus, JobView, new_job_id
 from sluice.keys import Lane
-from sluice.kinds import ModelKind, validate_input
+from sluice.kinds import SCHEMA_KINDS, ModelKind, validate_input
 from sluice.logs import current_request_id
 from sluice.metrics import CACHE_LOOKUPS, JOBS_FINISHED, JOBS_REJECTED, JOBS_SUBMITTED
 from sluice.registry.queries import KeyInfo
@@ -120,14 +120,8 @@ async def _queue(
     snapshot = state.routing.current()
     info = snapshot.model(model)
     kind = ModelKind(info.kind)
-    validated = []
-    for index, payload in enumerate(inputs):
-        try:
-            validated.append(validate_input(kind, payload, max_text_chars=state.settings.max_text_chars))
-        except InvalidInput as exc:
-            JOBS_REJECTED.labels(model, exc.code).inc()
-            where = f"inputs[{index}]" if len(inputs) > 1 or isinstance(options, SubmitBulk) else "input"
-            raise InvalidInput(exc.message.replace("input", where, 1)) from None
+    # A kind that fixes its schema is checked before routing; a declared schema is the routed version's.
+    validated = [] if kind in SCHEMA_KINDS else _validated(state, model, kind, options, inputs, schema=None)
     try:
         callback_url = checked_callback(state, options.callback_url)
     except InvalidInput:
@@ -138,6 +132,8 @@ async def _queue(
     decision = route(snapshot, model=model, tenant=key.tenant, routing_key=options.routing_key,
                      version=options.version, blocked=state.breakers.blocked(model), admin=key.is_admin)
     version = decision.version
+    if kind in SCHEMA_KINDS:
+        validated = _validated(state, model, kind, options, inputs, schema=version.input_schema)
     # No await since `blocked`: a half-open version this job was routed to still has its slot free.
     probe = state.breakers.take_probe(model, version.version)
     now = time.time()
@@ -170,6 +166,20 @@ async def _queue(
         raise
     JOBS_SUBMITTED.labels(model, version.version, options.lane).inc(len(records))
     return records
+
+
+def _validated(state: AppState, model: str, kind: ModelKind, options: SubmitJob | SubmitBulk, inputs: list[Any],
+               *, schema: str | None) -> list[tuple[dict[str, Any], int]]:
+    validated = []
+    for index, payload in enumerate(inputs):
+        try:
+            validated.append(validate_input(kind, payload, max_text_chars=state.settings.max_text_chars,
+                                            schema=schema))
+        except InvalidInput as exc:
+            JOBS_REJECTED.labels(model, exc.code).inc()
+            where = f"inputs[{index}]" if len(inputs) > 1 or isinstance(options, SubmitBulk) else "input"
+            raise InvalidInput(exc.message.replace("input", where, 1)) from None
+    return validated
 
 
 async def _answer_cached(state: AppState, version: VersionInfo, records: list[JobRecord]) -> list[JobRecord]:

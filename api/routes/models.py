@@ -40,6 +40,15 @@ _TIER = ("The model's availability tier: the scheduler meets every `latency` mod
          "before a `batch` model gets more than nothing")
 
 
+_HANDLER = ("Kind `handler` only, and required there: the class serving the version, `package.module:Class`, "
+            "a subclass of `sluice.handler.Handler` importable in the workers' environment")
+
+_SCHEMA = ("Kinds `handler` and `torch-export`: the JSON Schema (2020-12) of {what}, a JSON object. The API "
+           "checks every input against the input schema before queueing it. Required for `torch-export` "
+           "(one property per tensor of the program, in order); for `handler`, `sluice models register` "
+           "records the class's own schemas")
+
+
 class CreateModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: Name
@@ -64,6 +73,9 @@ class RegisterVersion(BaseModel):
     min_replicas: int = Field(default=1, ge=0, le=64)
     max_replicas: int = Field(default=4, ge=1, le=256)
     cache_ttl_s: int = Field(default=0, ge=0, le=MAX_TTL_S, description=_CACHE_TTL)
+    handler: str | None = Field(default=None, max_length=200, description=_HANDLER)
+    input_schema: dict[str, Any] | None = Field(default=None, description=_SCHEMA.format(what="one input"))
+    output_schema: dict[str, Any] | None = Field(default=None, description=_SCHEMA.format(what="one output"))
 
 
 class UpdateVersion(BaseModel):
@@ -140,6 +152,7 @@ async def register_version(model: str, body: RegisterVersion, key: AdminKey, sta
                 actor=f"key:{key.key_id}", state=body.state, max_batch_size=body.batching.max_batch_size,
                 max_wait_ms=body.batching.max_wait_ms, isolate_tenants=body.batching.isolate_tenants,
                 min_replicas=body.min_replicas, max_replicas=body.max_replicas, cache_ttl_s=body.cache_ttl_s,
+                handler=body.handler, input_schema=body.input_schema, output_schema=body.output_schema,
             )
             return queries.version_resource(row)
 

@@ -15,7 +15,9 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from sluice.errors import BadRequest, Conflict, NotFound
+from sluice.errors import BadRequest, Conflict, InvalidInput, ModelError, NotFound
+from sluice.handler import check_spec
+from sluice.kinds import SCHEMA_KINDS, ModelKind, check_declared_schema, schema_text
 from sluice.registry.tables import (
     ApiKey,
     AuditEntry,
@@ -220,9 +222,14 @@ def register_version(
     min_replicas: int = 1,
     max_replicas: int = 4,
     cache_ttl_s: int = 0,
+    handler: str | None = None,
+    input_schema: dict[str, Any] | None = None,
+    output_schema: dict[str, Any] | None = None,
 ) -> ModelVersion:
-    if session.get(Model, model) is None:
+    model_row = session.get(Model, model)
+    if model_row is None:
         raise NotFound(f"model '{model}' does not exist")
+    _check_serving(ModelKind(model_row.kind), handler=handler, input_schema=input_schema, output_schema=output_schema)
     if session.get(ModelVersion, (model, version)) is not None:
         raise Conflict(f"model '{model}' already has a version '{version}'")
     if state not in tuple(VersionState):
@@ -234,12 +241,42 @@ def register_version(
         model=model, version=version, artifact=artifact, sha256=sha256.lower(), state=state,
         max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, isolate_tenants=isolate_tenants,
         min_replicas=min_replicas, max_replicas=max_replicas, cache_ttl_s=cache_ttl_s,
+        handler=handler, input_schema=input_schema, output_schema=output_schema,
     )
     session.add(row)
     session.flush()
-    _audit(session, actor=actor, action="version.register", model=model, before=None,
-           after={"version": version, "artifact": artifact, "sha256": sha256, "state": state}, reason=None)
+    after = {"version": version, "artifact": artifact, "sha256": sha256, "state": state}
+    if handler is not None:
+        after["handler"] = handler
+    _audit(session, actor=actor, action="version.register", model=model, before=None, after=after, reason=None)
     return row
+
+
+def _check_serving(kind: ModelKind, *, handler: str | None, input_schema: dict[str, Any] | None,
+                   output_schema: dict[str, Any] | None) -> None:
+    """What serves a version fits its model's kind: a handler class only for kind `handler` (and
+    required there), declared schemas only where the kind does not fix them (and required for
+    `torch-export`, whose tensors they describe)."""
+    if kind is ModelKind.handler:
+        if handler is None:
+            raise BadRequest("a version of a 'handler' model names its class: \"handler\": \"package.module:Class\"")
+        try:
+            check_spec(handler)
+        except ModelError as exc:
+            raise InvalidInput(str(exc)) from None
+    elif handler is not None:
+        raise BadRequest(f"'handler' is for models of kind 'handler'; this model is '{kind}'")
+    if kind in SCHEMA_KINDS:
+        if kind is ModelKind.torch_export and (input_schema is None or output_schema is None):
+            raise BadRequest("a 'torch-export' version declares input_schema and output_schema: the program's "
+                             "tensors, one property each, in order")
+        if input_schema is not None:
+            check_declared_schema(input_schema, what="input_schema")
+        if output_schema is not None:
+            check_declared_schema(output_schema, what="output_schema")
+    elif input_schema is not None or output_schema is not None:
+        raise BadRequest(f"kind '{kind}' fixes its schemas; input_schema and output_schema are for "
+                         f"{' and '.join(sorted(SCHEMA_KINDS))} models")
 
 
 def _check_cache_ttl(cache_ttl_s: int) -> None:
@@ -332,6 +369,9 @@ def version_resource(row: ModelVersion) -> dict[str, Any]:
         "max_replicas": row.max_replicas,
         "cache_ttl_s": row.cache_ttl_s,
         "last_error": row.last_error,
+        "handler": row.handler,
+        "input_schema": row.input_schema,
+        "output_schema": row.output_schema,
     }
 
 
@@ -358,6 +398,7 @@ def _version_info(row: ModelVersion) -> VersionInfo:
         max_batch_size=row.max_batch_size, max_wait_ms=row.max_wait_ms,
         isolate_tenants=row.isolate_tenants, min_replicas=row.min_replicas,
         max_replicas=row.max_replicas, latency_budget_ms=row.latency_budget_ms, cache_ttl_s=row.cache_ttl_s,
+        handler=row.handler, input_schema=None if row.input_schema is None else schema_text(row.input_schema),
     )
 
 

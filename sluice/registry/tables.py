@@ -98,6 +98,12 @@ class ModelVersion(Base):
     latency_budget_ms: Mapped[float] = mapped_column(Float, default=2000.0)
     # Seconds a result is answered again from the response cache; 0: no cache.
     cache_ttl_s: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Kind `handler`: the class serving the version ("package.module:Class", sluice.handler).
+    handler: Mapped[str | None] = mapped_column(String(200))
+    # JSON Schemas of one input and one output, where the kind does not fix them (handler,
+    # torch-export): the API checks inputs against the first before queueing.
+    input_schema: Mapped[dict[str, Any] | None] = mapped_column(JsonDoc)
+    output_schema: Mapped[dict[str, Any] | None] = mapped_column(JsonDoc)
     last_error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     updated_at: Mapped[datetime] = mapped_column(

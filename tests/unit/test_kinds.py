@@ -104,5 +104,11 @@ def test_token_estimate_is_monotone_in_length() -> None:
     assert costs[-1] > costs[1]
 
 
-def test_kinds_are_the_three_of_the_design() -> None:
-    assert {k.value for k in ModelKind} == {"embedding", "classifier", "synthetic"}
+def test_kinds_are_the_designs_three_and_a_teams_own_four() -> None:
+    assert {k.value for k in ModelKind} == {"embedding", "classifier", "synthetic", "hf-embedding", "hf-classifier",
+                                            "torch-export", "handler"}
+    # The Hugging Face kinds take text like the bundled ones; the other two declare their schemas.
+    for kind in (ModelKind.hf_embedding, ModelKind.hf_classifier):
+        assert validate_input(kind, {"text": "hello there"}, max_text_chars=LIMIT)[0] == {"text": "hello there"}
+        with pytest.raises(InvalidInput):
+            validate_input(kind, {"txt": "hello"}, max_text_chars=LIMIT)

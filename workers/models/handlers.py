@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -228,6 +229,47 @@ LOADERS: dict[ModelKind, Callable[[str, str | None, str, int | None, PrecisionPo
 }
 
 
+@dataclass(frozen=True, slots=True)
+class Sources:
+    """Where a version's artifact may come from and what its kind declares beside it."""
+
+    handler: str | None = None
+    input_schema: Mapping[str, Any] | None = None
+    output_schema: Mapping[str, Any] | None = None
+    # Remote artifacts (https://, s3://, a file:// store) are fetched here, keyed by content hash.
+    cache_dir: Path | None = None
+    ca_bundle: Path | None = None
+
+
+def _load_own(kind: ModelKind, artifact: str, sha256: str | None, device: str, threads: int | None,
+              sources: Sources) -> ModelHandler:
+    """A team's own model: a Hugging Face directory, an exported program, or a handler class,
+    each loaded from its verified artifact."""
+    if is_synthetic(artifact):
+        raise ArtifactError(f"kind {kind!r} cannot load synthetic artifact {artifact!r}")
+    path = resolve_and_verify(artifact, sha256, cache_dir=sources.cache_dir, ca_bundle=sources.ca_bundle)
+    _configure_torch(threads)
+    dev, _ = _device_and_dtype(device)
+    if kind is ModelKind.handler:
+        from workers.models.custom import load_user_handler
+
+        if not sources.handler:
+            raise ArtifactError("a version of kind 'handler' names no handler class")
+        return load_user_handler(sources.handler, path, device=dev, input_schema=sources.input_schema,
+                                 output_schema=sources.output_schema)
+    if kind is ModelKind.torch_export:
+        from workers.models.exported import load_exported
+
+        if sources.input_schema is None or sources.output_schema is None:
+            raise ArtifactError("a 'torch-export' version must declare input_schema and output_schema")
+        return load_exported(path, device=dev, input_schema=dict(sources.input_schema),
+                             output_schema=dict(sources.output_schema))
+    from workers.models.hf import load_hf_classifier, load_hf_embedding
+
+    loader = load_hf_embedding if kind is ModelKind.hf_embedding else load_hf_classifier
+    return loader(path, device=dev)
+
+
 def load_handler(
     *,
     kind: str,
@@ -236,19 +278,22 @@ def load_handler(
     device: str = "cpu",
     threads: int | None = None,
     precision: PrecisionPolicy | None = None,
+    sources: Sources | None = None,
 ) -> ModelHandler:
     """Resolve ``artifact``, verify its sha256, and build the handler for ``kind`` (what each
-    kind's artifact is: its loader in ``LOADERS``).
+    kind's artifact is: its loader in ``LOADERS``, or ``_load_own`` for a team's own models).
 
     ``?quantize=int8`` on an embedding or classifier artifact runs its MiniLM encoder in int8 on
     the CPU (the sha256 stays that of the unquantized file); ``?quantize=auto`` runs int8 only
     where ``precision`` says it pays on this host. The handler's ``precision`` is that choice.
 
     ``device`` is ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available; the CPU for int8). Raises
-    ArtifactError if the artifact is missing or malformed, ArtifactMismatch on a hash mismatch.
+    ArtifactError if the artifact is missing, malformed or refused, ArtifactMismatch on a hash mismatch.
     """
     try:
         model_kind = ModelKind(kind)
     except ValueError:
         raise ModelError(f"unknown model kind {kind!r}; expected one of {', '.join(ModelKind)}") from None
-    return LOADERS[model_kind](artifact, sha256, device, threads, precision or PrecisionPolicy())
+    if model_kind in LOADERS:
+        return LOADERS[model_kind](artifact, sha256, device, threads, precision or PrecisionPolicy())
+    return _load_own(model_kind, artifact, sha256, device, threads, sources or Sources())

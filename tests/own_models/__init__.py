@@ -1,0 +1,1 @@
+"""A team's own model, as a user would write it: a handler package the workers import."""
