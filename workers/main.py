@@ -108,22 +108,24 @@ def run_worker(*, settings: Settings, model: str, version: str, threads: int | N
         install_two_stage(worker.request_stop, force=leave_now, loop=asyncio.get_running_loop())
         WORKER_STATE.labels(model, version).set(1)
         advertising = asyncio.create_task(_advertise(redis, target))
+        failed = False
         try:
             await worker.run()
+        except WorkerFailed:
+            log.exception("worker for %s/%s failed", model, version)
+            failed = True
         finally:
             WORKER_STATE.labels(model, version).set(0)
             advertising.cancel()
             with contextlib.suppress(SluiceError):
                 await exposition.withdraw_async(redis, target)
             await redis.aclose()
+        if failed:
+            # Now, not after the loop: closing it joins the model's thread, which may hang forever.
+            logging.shutdown()
+            os._exit(EXIT_WORKER_FAILED)
 
-    try:
-        run_event_loop(main())
-    except WorkerFailed:
-        log.exception("worker for %s/%s failed", model, version)
-        # A hung model thread would hold the interpreter's exit (it joins its threads) forever.
-        logging.shutdown()
-        os._exit(EXIT_WORKER_FAILED)
+    run_event_loop(main())
     return 0
 
 

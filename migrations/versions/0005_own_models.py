@@ -31,6 +31,38 @@ def upgrade() -> None:
     op.add_column("model_versions", sa.Column("handler", sa.String(200), nullable=True))
     op.add_column("model_versions", sa.Column("input_schema", _JSON, nullable=True))
     op.add_column("model_versions", sa.Column("output_schema", _JSON, nullable=True))
+    _rehash_directories()
+
+
+def _rehash_directories() -> None:
+    """A directory artifact's sha256 was that of its model.safetensors alone; it is now that of a
+    manifest of every file. Versions whose directory is here and whose weights still match get
+    the manifest's hash, so their workers go on loading them, verifying every file from now on;
+    any other keeps its hash and is refused until re-registered."""
+    from sluice.artifacts import (
+        DIR_WEIGHTS_FILE,
+        artifact_sha256,
+        file_sha256,
+        is_remote,
+        is_synthetic,
+        resolve_artifact,
+    )
+    from sluice.errors import ArtifactError
+
+    bind = op.get_bind()
+    rows = bind.execute(sa.text("SELECT model, version, artifact, sha256 FROM model_versions")).all()
+    for model, version, artifact, sha256 in rows:
+        if is_synthetic(artifact) or is_remote(artifact):
+            continue
+        try:
+            path = resolve_artifact(artifact)
+            if not (path.is_dir() and file_sha256(path / DIR_WEIGHTS_FILE) == sha256):
+                continue
+            manifest = artifact_sha256(path)
+        except ArtifactError:
+            continue
+        bind.execute(sa.text("UPDATE model_versions SET sha256 = :sha256 WHERE model = :model AND version = :version"),
+                     {"sha256": manifest, "model": model, "version": version})
 
 
 def downgrade() -> None:

@@ -152,8 +152,8 @@ def test_a_worker_whose_model_is_busy_leaves_a_new_job_to_an_idle_one(
         time.sleep(0.01)
     # The idle worker is blocked on the streams (a loaded machine can still be starting it), so
     # the arrival goes to it rather than to the busy worker's next non-blocking read.
-    wait_until(lambda: _blocked_stream_readers(rds) > others_blocked, timeout_s=10, what="the idle worker's blocking read",
-               interval_s=0.01)
+    wait_until(lambda: _blocked_stream_readers(rds) > others_blocked, timeout_s=10,
+               what="the idle worker's blocking read", interval_s=0.01)
     [second] = bulk(demo, model, [{"text": "second"}])
 
     jobs = wait_jobs(demo, [first, second])

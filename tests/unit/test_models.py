@@ -19,8 +19,10 @@ from sluice.artifacts import (
     INTENT_HEAD_URI,
     MINILM_URI,
     artifact_sha256,
+    manifest_text,
     parse_synthetic,
     resolve_artifact,
+    text_sha256,
 )
 from sluice.errors import ArtifactError, ArtifactMismatch, InferenceError
 from workers.models.handlers import (
@@ -319,7 +321,9 @@ def test_resolve_artifact_forms(tmp_path: Path, model_dir: Path, head_path: Path
     assert resolve_artifact(f"file://{f}") == f
     assert resolve_artifact(str(f)) == f
     assert artifact_sha256(f) == ("ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad")
-    assert artifact_sha256(model_dir) == artifact_sha256(model_dir / "model.safetensors")
+    # A directory's sha256 covers every file in it (its manifest), not the weights alone.
+    assert artifact_sha256(model_dir) == text_sha256(manifest_text(model_dir)) != artifact_sha256(
+        model_dir / "model.safetensors")
     with pytest.raises(ArtifactError):
         resolve_artifact("synthetic:?fixed_s=1")
     with pytest.raises(ArtifactError):

