@@ -27,10 +27,11 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
 from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from sluice.errors import ArtifactError, InferenceError
 from sluice.kinds import ModelKind
-from workers.models.text_handlers import _WARMUP_BATCHES, texts_of
+from workers.models.text_handlers import WARMUP_BATCHES, texts_of
 
 WEIGHTS_FILE = "model.safetensors"
 _SAFE = {"local_files_only": True, "trust_remote_code": False}
@@ -96,6 +97,8 @@ def _max_length(model_dir: Path, config: Mapping[str, Any], tokenizer: Any) -> i
 def _load(model_dir: Path, config: Mapping[str, Any], auto: Any, device: str,
           *, unused: tuple[str, ...] = ()) -> tuple[Any, Any, int]:
     """Tokenizer, model and sequence limit; ``unused`` prefixes weights the handler never reads."""
+    # Its loading progress bar would land in the worker's JSON log as terminal escapes.
+    hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, **_SAFE)
         model, info = auto.from_pretrained(model_dir, use_safetensors=True, dtype=_dtype(device),
@@ -128,7 +131,7 @@ class _HfText:
         return [list(range(len(inputs)))]
 
     def warmup(self) -> None:
-        for batch in _WARMUP_BATCHES:
+        for batch in WARMUP_BATCHES:
             self.run([{"text": text} for text in batch])
 
     def run(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

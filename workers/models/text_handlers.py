@@ -21,7 +21,7 @@ from workers.models.synthetic import POISON_TEXT
 
 # Short, medium and long inputs, so warmup touches the kernels and allocator sizes that
 # differently padded batches will use.
-_WARMUP_BATCHES: tuple[tuple[str, ...], ...] = (
+WARMUP_BATCHES: tuple[tuple[str, ...], ...] = (
     ("hi",),
     ("where is my order?", "I would like to speak to a person about my account please") * 4,
     ("please help me understand why my card payment was declined at the store today " * 8,) * 2,
@@ -63,7 +63,7 @@ class EmbeddingHandler:
         self.precision = precision
 
     def warmup(self) -> None:
-        for batch in _WARMUP_BATCHES:
+        for batch in WARMUP_BATCHES:
             self.encoder.encode(batch)
 
     def passes(self, inputs: Sequence[Mapping[str, Any]]) -> list[list[int]]:
@@ -99,7 +99,7 @@ class ClassifierHandler:
         return torch.softmax(self.head(_encode(self.encoder, texts)), dim=-1)
 
     def warmup(self) -> None:
-        for batch in _WARMUP_BATCHES:
+        for batch in WARMUP_BATCHES:
             self.probabilities(list(batch))
 
     def passes(self, inputs: Sequence[Mapping[str, Any]]) -> list[list[int]]:
