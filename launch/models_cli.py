@@ -101,6 +101,9 @@ def register(
                "output": _schema_file(output_schema, "--output-schema")}
     if handler is not None:
         schemas = {**_handler_schemas(handler), **{k: v for k, v in schemas.items() if v is not None}}
+    if kind == ModelKind.torch_export and not (schemas["input"] and schemas["output"]):
+        raise typer.BadParameter("a torch-export version declares both schemas: its tensors, one property "
+                                 "each, in order", param_hint="--input-schema/--output-schema")
     if kind not in SCHEMA_KINDS and any(schemas.values()):
         raise typer.BadParameter(f"kind {kind} fixes its schemas", param_hint="--input-schema")
     from sluice.artifact_store import publish

@@ -18,6 +18,9 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from referencing import Registry, Resource
+from referencing.exceptions import Unresolvable as ReferencingError
+from referencing.jsonschema import DRAFT202012
 
 from sluice.errors import InvalidInput
 
@@ -115,7 +118,23 @@ def check_declared_schema(schema: Any, *, what: str) -> dict[str, Any]:
         raise InvalidInput(f"{what} is not a valid JSON Schema: {exc.message[:300]}") from None
     if schema.get("type") != "object":
         raise InvalidInput(f'{what} must describe a JSON object ("type": "object")')
+    # Every reference must resolve inside the schema: the API never fetches one while validating.
+    resolver = Registry().resolver_with_root(Resource.from_contents(schema, default_specification=DRAFT202012))
+    for ref in _refs(schema):
+        try:
+            resolver.lookup(ref)
+        except ReferencingError:
+            raise InvalidInput(f"{what}: $ref {ref[:100]!r} does not resolve within the schema") from None
     return schema
+
+
+def _refs(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        found = [node[k] for k in ("$ref", "$dynamicRef") if isinstance(node.get(k), str)]
+        return found + [ref for value in node.values() for ref in _refs(value)]
+    if isinstance(node, list):
+        return [ref for value in node for ref in _refs(value)]
+    return []
 
 
 @functools.lru_cache(maxsize=256)

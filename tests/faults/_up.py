@@ -181,8 +181,9 @@ class Up:
                 os.kill(pid, signal.SIGKILL)
 
 
-def start_up(tmp_path: Path, *, grace_s: float = 10.0) -> Up:
-    """Start `sluice up --no-demo` on a fresh home and free ports; answer once it is ready."""
+def start_up(tmp_path: Path, *, grace_s: float = 10.0, env_extra: dict[str, str] | None = None) -> Up:
+    """Start `sluice up --no-demo` on a fresh home and free ports, with `env_extra` in its
+    environment; answer once it is ready."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
     home, api_port, flower_port, output = tmp_path / "home", free_port(), free_port(), tmp_path / "up.out"
     env.update(
@@ -193,6 +194,7 @@ def start_up(tmp_path: Path, *, grace_s: float = 10.0) -> Up:
         SLUICE_SHUTDOWN_GRACE_S=str(grace_s),
         PYTHONPATH=str(REPO),
         PYTHONUNBUFFERED="1",
+        **(env_extra or {}),
     )
     with output.open("w") as sink:
         proc = subprocess.Popen(

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from sluice.errors import InvalidInput
-from sluice.kinds import ModelKind, token_estimate, validate_input
+from sluice.kinds import ModelKind, check_declared_schema, schema_text, token_estimate, validate_input
 
 TEXT_KINDS = [ModelKind.embedding, ModelKind.classifier]
 LIMIT = 100
@@ -112,3 +112,24 @@ def test_kinds_are_the_designs_three_and_a_teams_own_four() -> None:
         assert validate_input(kind, {"text": "hello there"}, max_text_chars=LIMIT)[0] == {"text": "hello there"}
         with pytest.raises(InvalidInput):
             validate_input(kind, {"txt": "hello"}, max_text_chars=LIMIT)
+
+
+@pytest.mark.parametrize(("schema", "message"), [
+    ([], "must be a JSON Schema object"),
+    ({"type": "array"}, "must describe a JSON object"),
+    ({"type": "object", "properties": {"a": {"pattern": "("}}}, "not a valid JSON Schema"),
+    ({"type": "object", "$ref": "https://example.com/schema.json"}, "does not resolve within the schema"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/gone"}}}, "does not resolve within the schema"),
+])
+def test_a_declared_schema_is_refused_unless_it_is_a_self_contained_object_schema(schema: Any, message: str) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        check_declared_schema(schema, what="input_schema")
+
+
+def test_a_declared_schema_may_refer_to_its_own_definitions() -> None:
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/word"}}, "required": ["a"],
+              "$defs": {"word": {"type": "string", "maxLength": 5}}}
+    text = schema_text(check_declared_schema(schema, what="input_schema"))
+    assert validate_input(ModelKind.handler, {"a": "short"}, max_text_chars=LIMIT, schema=text) == ({"a": "short"}, 1)
+    with pytest.raises(InvalidInput, match=r"input\.a: does not satisfy the version's schema \(maxLength: 5\)"):
+        validate_input(ModelKind.handler, {"a": "much too long"}, max_text_chars=LIMIT, schema=text)
