@@ -11,17 +11,20 @@ import socket
 import ssl
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from sluice.artifact_store import fetch, publish, store_uri
 from sluice.artifacts import MANIFEST_NAME, artifact_sha256, resolve_and_verify
 from sluice.errors import ArtifactError, ArtifactMismatch
+from tests.hf_models import build_tiny_encoder
+from tests.support import WorkerProcess, unique, wait_job
 
 FILES = {
     "config.json": b'{"hidden_size": 4}\n',
@@ -155,3 +158,27 @@ def test_an_unreachable_store_is_a_clear_error(tmp_path: Path, store: Store) -> 
     assert uri in str(info.value)
     with pytest.raises(ArtifactError, match="CA bundle"):
         fetch(uri, store.dir_sha256, cache_dir=tmp_path / "cache", ca_bundle=tmp_path / "missing.pem")
+
+
+@pytest.mark.slow
+def test_a_worker_serves_a_version_whose_artifact_is_on_an_https_store(
+    tmp_path: Path, store: Store, admin: httpx.Client, demo: httpx.Client,
+    start_worker: Callable[..., WorkerProcess], home: Path,
+) -> None:
+    """The whole path: published to the store, registered over REST with its https:// URI, fetched
+    by the worker into its cache (trusting the store's CA from its settings), verified, served."""
+    published = publish(build_tiny_encoder(tmp_path / "encoder"), f"file://{store.root}")
+    name = unique("https")
+    assert admin.post("/v1/models", json={"name": name, "kind": "hf-embedding"}).status_code == 201
+    registered = admin.post(f"/v1/models/{name}/versions", json={
+        "version": "v1", "artifact": store_uri(store.https_url, published.sha256), "sha256": published.sha256,
+        "state": "stable"})
+    assert registered.status_code == 201, registered.text
+    assert admin.put(f"/v1/models/{name}/routing", json={"weights": {"v1": 100}}).status_code == 200
+    start_worker(name, env={"SLUICE_ARTIFACT_CA_BUNDLE": str(store.cert)})
+    response = demo.post(f"/v1/models/{name}/jobs", json={"input": {"text": "fetched over https"}})
+    assert response.status_code == 202, response.text
+    job = wait_job(demo, response.json()["id"])
+    assert job["status"] == "succeeded" and job["output"]["dim"] > 0, job
+    cached = home / "cache" / "artifacts" / published.sha256
+    assert artifact_sha256(cached) == published.sha256

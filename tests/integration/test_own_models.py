@@ -14,6 +14,7 @@ import pytest
 
 from sluice.artifact_store import publish
 from sluice.handler import schemas_of
+from tests.exported_models import build_exported_program, linear_softmax
 from tests.hf_models import build_tiny_classifier, build_tiny_encoder
 from tests.own_models.scorer import TinyScorer, build_scorer
 from tests.support import WorkerProcess, unique, wait_job, wait_until
@@ -190,3 +191,26 @@ def test_a_changed_file_of_a_published_directory_refuses_its_version(
         start_worker(model)
     version = admin.get(f"/v1/models/{model}/versions/v1").json()
     assert "mismatch" in (version["last_error"] or ""), version
+
+
+def test_an_exported_program_is_served_in_batches_with_its_declared_schemas(
+    admin: httpx.Client, demo: httpx.Client, start_worker: Callable[..., WorkerProcess],
+    wait_jobs: Callable[..., Jobs], tmp_path: Path, store: str,
+) -> None:
+    import torch
+
+    model = _create(admin, "torch-export")
+    program, input_schema, output_schema = build_exported_program(tmp_path / "program", seed=3)
+    _register(admin, model, "v1", program, store, input_schema=input_schema, output_schema=output_schema)
+    _route(admin, model, {"v1": 100})
+    refused = demo.post(f"/v1/models/{model}/jobs", json={"input": {"features": [1.0, 2.0]}})
+    assert refused.status_code == 422 and "minItems" in refused.text, refused.text
+    start_worker(model)
+    rows = [[float(i), -1.0, 0.5 * i, 2.0] for i in range(20)]
+    jobs = wait_jobs(demo, _bulk(demo, model, [{"features": row} for row in rows]))
+    assert {job["status"] for job in jobs} == {"succeeded"}
+    assert max(job["batch"]["size"] for job in jobs) > 1
+    with torch.inference_mode():
+        expected = linear_softmax(3)(torch.tensor(rows)).tolist()
+    for job, want in zip(jobs, expected, strict=True):
+        assert job["output"]["probabilities"] == pytest.approx(want, abs=1e-6)
