@@ -98,7 +98,7 @@ def _load(model_dir: Path, config: Mapping[str, Any], auto: Any, device: str,
           *, unused: tuple[str, ...] = ()) -> tuple[Any, Any, int]:
     """Tokenizer, model and sequence limit; ``unused`` prefixes weights the handler never reads."""
     # Its loading progress bar would land in the worker's JSON log as terminal escapes.
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, **_SAFE)
         model, info = auto.from_pretrained(model_dir, use_safetensors=True, dtype=_dtype(device),
