@@ -111,11 +111,10 @@ def test_handwritten_fp32_matches_transformers(measured: Measured, figure: Calla
     assert measured.speed_ratio >= 1.0
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "int8 (per-tensor dynamic activation scales, ffn_out in fp32) measures min cosine ~0.991, mean ~0.996 "
-    "against fp32 on this mix; 0.999 for every text is not met (see workers/models/minilm.py)"))
 def test_int8_cosine_to_transformers_fp32(measured: Measured, figure: Callable[[str, object], None]) -> None:
-    # Both sides are unit vectors, so the row-wise dot product is the cosine.
+    # Both sides are unit vectors, so the row-wise dot product is the cosine. Measured: min 0.9992,
+    # mean 0.9996 (SmoothQuant smoothing calibrated at load, [CLS] on its own activation scale,
+    # ffn_out in fp32); per-tensor activation scales alone gave min 0.991, mean 0.996.
     cosines = (measured.int8 * measured.reference).sum(dim=-1)
     figure("min_cosine_int8", round(cosines.min().item(), 6))
     figure("mean_cosine_int8", round(cosines.mean().item(), 6))

@@ -33,7 +33,13 @@ from workers.models.handlers import (
     load_handler,
 )
 from workers.models.head import write_degraded_head
-from workers.models.minilm import DEFAULT_MAX_BATCH_TOKENS, MiniLMEncoder, plan_passes
+from workers.models.minilm import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    DynamicInt8Linear,
+    MiniLMEncoder,
+    plan_passes,
+    smoothing_factors,
+)
 from workers.models.train_intent import load_examples, split_examples
 
 pytestmark = pytest.mark.model
@@ -180,6 +186,33 @@ def test_encoder_is_dynamically_quantizable(encoder: MiniLMEncoder, model_dir: P
     # Only compatibility is checked here: torch's default x86 dynamic qconfig (per-tensor,
     # reduce_range) measured cosine 0.87-0.95 against fp32 on these texts.
     assert cosines.min().item() > 0.8
+
+
+def test_int8_linear_smoothing_and_first_token_scale() -> None:
+    # What the int8 encoder relies on: smoothing leaves x @ W.T unchanged up to int8 rounding and
+    # tames an outlier channel; [CLS]'s own scale keeps one large first token from coarsening
+    # every other token's.
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    x = torch.randn(3, 10, 64)
+    x[..., 5] *= 30.0  # an outlier channel
+    x[:, 0] *= 8.0  # a large first token
+    with torch.no_grad():
+        exact = linear(x)
+
+        def error(**options: Any) -> float:
+            out = DynamicInt8Linear(linear, reduce_range=False, **options)(x)
+            return float((out - exact).norm() / exact.norm())
+
+        plain = error()
+        smoothing = smoothing_factors(x.abs().amax(dim=(0, 1)), linear.weight)
+        smoothed = error(smoothing=smoothing)
+        both = error(smoothing=smoothing, first_token_scale=True)
+        single = DynamicInt8Linear(linear, reduce_range=False, smoothing=smoothing, first_token_scale=True)
+        assert single(x[:, :1]).shape == (3, 1, 48)  # one token: nothing to split
+        assert single(x[0]).shape == (10, 48)  # 2-D input: one scale, as the kernel gives it
+    assert both < smoothed < plain, (plain, smoothed, both)
+    assert both < 0.02
 
 
 def test_missing_model_dir_is_artifact_error(tmp_path: Path) -> None:
