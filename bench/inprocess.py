@@ -76,9 +76,9 @@ def load_encoder(threads: int) -> Any:
 
 
 def warmup(encoder: Any) -> None:
-    from workers.models.text_handlers import _WARMUP_BATCHES
+    from workers.models.text_handlers import WARMUP_BATCHES
 
-    for batch in _WARMUP_BATCHES:
+    for batch in WARMUP_BATCHES:
         encoder.encode(list(batch))
 
 
