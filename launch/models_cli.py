@@ -40,14 +40,16 @@ def models(ctx: typer.Context, url: UrlOption = None, key: KeyOption = None) -> 
         listed = client.models()
     for tier in Tier:
         members = [model for model in listed if model["tier"] == tier]
-        console.print(f"[bold]{tier}[/] tier: {', '.join(m['name'] for m in members) or '(none)'}")
+        # One line per tier and per version, however narrow the terminal: scripts read them.
+        console.print(f"[bold]{tier}[/] tier: {', '.join(m['name'] for m in members) or '(none)'}", soft_wrap=True)
         for model in members:
             for version in model["versions"]:
                 replicas = version.get("replicas")
                 scaled = (f"{replicas['live']} live of {replicas['desired']} desired: {replicas['reason']}"
                           if replicas else "no scaling decision in the last minute")
-                console.print(f"  {model['name']} {version['version']} ({version['state']}, "
-                              f"{model['routing'].get(version['version'], 0):g} % of traffic): {scaled}")
+                share = model["routing"].get(version["version"], 0)
+                console.print(f"  {model['name']} {version['version']} ({version['state']}, {share:g} % of traffic): "
+                              f"{scaled}", soft_wrap=True)
 
 
 def _schema_file(path: Path | None, option: str) -> dict[str, Any] | None:
