@@ -326,9 +326,9 @@ class Worker:
             self._runner_idle = False
             started = self.clock()
             inputs = [item.payload.input for item in batch.items]
-            running = asyncio.ensure_future(asyncio.to_thread(run_isolating, self.handler, inputs))
             try:
-                outcomes, model_s = await asyncio.wait_for(asyncio.shield(running), timeout=self.batch_timeout_s)
+                outcomes, model_s = await asyncio.wait_for(asyncio.to_thread(run_isolating, self.handler, inputs),
+                                                           timeout=self.batch_timeout_s)
             except TimeoutError:
                 # A thread cannot be stopped: fail this batch's jobs, then the worker, so a fresh
                 # process takes the rest instead of queueing behind a model that never answers.
