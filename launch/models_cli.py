@@ -117,7 +117,7 @@ def register(
     except ArtifactError as exc:
         console.print(f"[red]{exc}[/]")
         raise typer.Exit(1) from exc
-    console.print(f"published {path} as {published.uri} (sha256 {published.sha256})")
+    console.print(f"published {path} as {published.uri} (sha256 {published.sha256})", soft_wrap=True)
     body: dict[str, Any] = {"state": state}
     batching = {k: v for k, v in (("max_batch_size", max_batch_size), ("max_wait_ms", max_wait_ms)) if v is not None}
     if batching:
@@ -133,13 +133,21 @@ def register(
                 raise
             client.create_model(name, kind)
             console.print(f"created model {name} (kind {kind})")
+            first = True
         else:
             if existing["kind"] != kind:
                 console.print(f"[red]model {name} is of kind {existing['kind']}, not {kind}[/]")
                 raise typer.Exit(1)
+            first = not existing["versions"]
         client.create_version(name, version, artifact=published.uri, sha256=published.sha256, **body)
-    console.print(f"registered {name} {version} ({state}). Next: `sluice rollout start {name} {version}` "
-                  f"canaries it; `sluice models rollback {name}` takes traffic back to the previous weights.")
+    console.print(f"registered {name} {version} ({state}).", soft_wrap=True)
+    if first:
+        console.print(f"Next: PATCH …/models/{name}/versions/{version} {{\"state\": \"stable\"}} and PUT "
+                      f"…/models/{name}/routing {{\"weights\": {{\"{version}\": 100}}}} give it the traffic.",
+                      soft_wrap=True)
+    else:
+        console.print(f"Next: `sluice rollout start {name} {version}` canaries it; `sluice rollout abort {name}` "
+                      f"or `sluice models rollback {name}` takes the traffic back.", soft_wrap=True)
 
 
 @models_app.command("rollback")

@@ -50,6 +50,7 @@ def test_a_hugging_face_directory_is_published_by_its_manifest_and_registered_st
     status, output = register(name, "v1", "--kind", "hf-embedding", "--path", str(model_dir))
     assert status == 0, output
     assert f"created model {name} (kind hf-embedding)" in output and f"registered {name} v1 (staged)" in output
+    assert "give it the traffic" in output, output
     model = admin.get(f"/v1/models/{name}").json()
     [version] = model["versions"]
     assert (model["kind"], version["state"]) == ("hf-embedding", "staged")
