@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from enum import StrEnum
 from typing import Annotated, Any
 
 import typer
@@ -78,9 +79,17 @@ def worker(model: Annotated[str, typer.Option()], version: Annotated[str, typer.
     raise typer.Exit(run_worker(settings=settings, model=model, version=version, threads=threads, device=device))
 
 
+class Actuator(StrEnum):
+    """What carries out the scheduler's decisions; any other name is a usage error, not `none`."""
+
+    local = "local"
+    none = "none"
+
+
 @app.command()
-def scheduler(actuator: Annotated[str, typer.Option(help="local: supervise worker processes here; "
-                                                         "none: only export desired replicas")] = "local") -> None:
+def scheduler(actuator: Annotated[Actuator, typer.Option(help="local: supervise worker processes here; "
+                                                              "none: only export desired replicas")]
+              = Actuator.local) -> None:
     """Keep every servable version's worker pool at its desired size."""
     from scheduler.main import Scheduler, autoscaler, local_supervisor
     from sluice import exposition
@@ -92,7 +101,7 @@ def scheduler(actuator: Annotated[str, typer.Option(help="local: supervise worke
     supervisor = (
         local_supervisor(home=settings.home.resolve(), cores=settings.cpu_cores, slots=settings.worker_slots,
                          stop_grace_s=settings.shutdown_grace_s)
-        if actuator == "local" else None
+        if actuator is Actuator.local else None
     )
     # One connection for each of the scheduler's threads: the loop, the rollout controller and
     # the quality aggregator.
