@@ -6,23 +6,61 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from typing import Any
+
+import pytest
+import yaml
 
 from tests.support import REPO
+
+SECRETS = {"GRAFANA_ADMIN_PASSWORD": "a-grafana-password", "SLUICE_ADMIN_KEY": "an-admin-key-of-the-test-0123",
+           "FLOWER_PASSWORD": "a-flower-password"}
+APP_SERVICES = ("api", "worker-minilm", "worker-intent", "scheduler", "celery-worker")
 
 
 def _config(**env: str) -> subprocess.CompletedProcess[str]:
     compose = shutil.which("docker-compose")
     assert compose, "this test reads compose.yaml with Compose itself: apt-get install -y docker-compose"
-    environment = {k: v for k, v in os.environ.items() if k != "GRAFANA_ADMIN_PASSWORD"} | env
-    return subprocess.run([compose, "-f", str(REPO / "compose.yaml"), "config", "-q"], env=environment,
+    environment = {k: v for k, v in os.environ.items() if k not in SECRETS and not k.startswith("SLUICE_")} | env
+    return subprocess.run([compose, "-f", str(REPO / "compose.yaml"), "config"], env=environment,
                           capture_output=True, text=True, timeout=60, cwd=REPO)
 
 
-def test_compose_accepts_the_file_with_its_required_secrets_set() -> None:
-    done = _config(GRAFANA_ADMIN_PASSWORD="a-password-for-the-test")
+@pytest.fixture(scope="module")
+def services() -> dict[str, Any]:
+    done = _config(**SECRETS)
     assert done.returncode == 0, done.stderr
+    return dict(yaml.safe_load(done.stdout)["services"])
 
 
-def test_compose_refuses_to_start_grafana_without_an_admin_password() -> None:
-    done = _config()
-    assert done.returncode != 0 and "set GRAFANA_ADMIN_PASSWORD" in done.stderr, done.stderr
+@pytest.mark.parametrize("secret", sorted(SECRETS))
+def test_compose_refuses_to_start_without_each_required_secret(secret: str) -> None:
+    done = _config(**{k: v for k, v in SECRETS.items() if k != secret})
+    assert done.returncode != 0 and f"set {secret}" in done.stderr, done.stderr
+
+
+def test_every_published_port_listens_on_loopback_unless_the_api_is_opened(services: dict[str, Any]) -> None:
+    published = {name: service["ports"] for name, service in services.items() if service.get("ports")}
+    assert set(published) == {"api", "flower", "prometheus", "grafana"}
+    for name, ports in published.items():
+        assert all(str(port).startswith("127.0.0.1:") for port in ports), (name, ports)
+    opened = yaml.safe_load(_config(**SECRETS, SLUICE_API_BIND="0.0.0.0").stdout)["services"]["api"]["ports"]
+    assert [str(port) for port in opened] == ["0.0.0.0:8000:8000/tcp"]
+
+
+def test_the_registry_is_seeded_after_the_migration_and_before_anything_serves(services: dict[str, Any]) -> None:
+    assert services["seed"]["command"] == ["sluice", "seed"]
+    assert services["seed"]["depends_on"] == {"migrate": {"condition": "service_completed_successfully"}}
+    for name in APP_SERVICES:
+        assert services[name]["depends_on"]["seed"] == {"condition": "service_completed_successfully"}, name
+        environment = services[name]["environment"]
+        assert environment["SLUICE_BOOTSTRAP_ADMIN_KEY"] == SECRETS["SLUICE_ADMIN_KEY"], name
+
+
+def test_flower_asks_for_a_password_and_workers_get_a_thread_count(services: dict[str, Any]) -> None:
+    flower = services["flower"]
+    assert flower["environment"]["FLOWER_BASIC_AUTH"] == f"admin:{SECRETS['FLOWER_PASSWORD']}"
+    assert "SLUICE_REDIS_URL" in flower["environment"]
+    for name in ("worker-minilm", "worker-intent"):
+        command = services[name]["command"]
+        assert command[command.index("--threads") + 1] == "1", command
