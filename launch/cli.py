@@ -83,26 +83,39 @@ class Actuator(StrEnum):
     """What carries out the scheduler's decisions; any other name is a usage error, not `none`."""
 
     local = "local"
+    kubernetes = "kubernetes"
     none = "none"
 
 
 @app.command()
 def scheduler(actuator: Annotated[Actuator, typer.Option(help="local: supervise worker processes here; "
+                                                              "kubernetes: scale each version's Deployment; "
                                                               "none: only export desired replicas")]
               = Actuator.local) -> None:
     """Keep every servable version's worker pool at its desired size."""
+    from scheduler.main import Actuator as PoolActuator
     from scheduler.main import Scheduler, autoscaler, local_supervisor
     from sluice import exposition
+    from sluice.errors import ActuatorError
     from sluice.registry.store import Registry
 
     settings = Settings()
     configure_logging(settings.log_level, name="scheduler", fmt=settings.log_format)
+    supervisor: PoolActuator | None = None
+    if actuator is Actuator.local:
+        supervisor = local_supervisor(home=settings.home.resolve(), cores=settings.cpu_cores,
+                                      slots=settings.worker_slots, stop_grace_s=settings.shutdown_grace_s)
+    elif actuator is Actuator.kubernetes:
+        # Imported here: the official client is heavy and only this actuator needs it.
+        from scheduler.kubernetes import connect
+
+        try:
+            supervisor = connect(namespace=settings.kubernetes_namespace,
+                                 template=settings.kubernetes_worker_deployment)
+        except ActuatorError as exc:
+            console.print(f"[red]{exc}[/]")
+            raise typer.Exit(1) from exc
     endpoint = exposition.serve_metrics(host=settings.metrics_host, port=settings.metrics_port)
-    supervisor = (
-        local_supervisor(home=settings.home.resolve(), cores=settings.cpu_cores, slots=settings.worker_slots,
-                         stop_grace_s=settings.shutdown_grace_s)
-        if actuator is Actuator.local else None
-    )
     # One connection for each of the scheduler's threads: the loop, the rollout controller and
     # the quality aggregator.
     registry = Registry(url=settings.require_database_url(), pool_size=3)

@@ -3,7 +3,8 @@
 Every `scale_interval_s` (and on each routing event) it reads the registry and what Redis shows
 of each pool, asks the autoscaler (scheduler/scaling.py, deciding with scheduler/autoscale.py)
 for the replicas each version needs within the slot budget, and hands them to an actuator. With
-the `local` actuator it supervises worker processes on this machine; with `none` it only exports
+the `local` actuator it supervises worker processes on this machine; with `kubernetes` it sizes each
+version's Deployment (scheduler/kubernetes.py); with `none` it only exports
 the decisions (metrics, and the `replicas` of `GET /v1/models/{m}`) for KEDA/HPA or compose. The
 rollout controller (scheduler/rollout.py) and the quality aggregator (scheduler/quality.py) run
 beside it, each on a thread of its own.
@@ -17,8 +18,9 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
+from typing import Protocol
 
 import redis
 
@@ -28,7 +30,7 @@ from scheduler.rollout import run_controller
 from scheduler.scaling import Autoscaler, publish, read_pools, scaled_versions, worker_config
 from scheduler.supervisor import Supervisor, VersionKey
 from sluice import events, exposition
-from sluice.errors import BrokerError, SluiceError
+from sluice.errors import ActuatorError, BrokerError, SluiceError
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.routing import RoutingSnapshot
@@ -45,8 +47,22 @@ def worker_command(python: str = sys.executable) -> Callable[[str, str, int], li
     return build
 
 
+class Actuator(Protocol):
+    """What carries out the decisions: the local `Supervisor`, or `scheduler/kubernetes.py`'s, which
+    raises `ActuatorError` when its API fails."""
+
+    def live(self, key: VersionKey) -> int: ...
+
+    def set_desired(self, desired: Mapping[VersionKey, int], *, configs: Mapping[VersionKey, str] | None = None,
+                    ready_pids: Collection[int] = ()) -> None: ...
+
+    def reconcile(self) -> None: ...
+
+    def stop_all(self) -> None: ...
+
+
 class Scheduler:
-    def __init__(self, *, registry: Registry, redis_url: str, supervisor: Supervisor | None,
+    def __init__(self, *, registry: Registry, redis_url: str, supervisor: Actuator | None,
                  autoscaler: Autoscaler, refresh_s: float = 2.0,
                  scrape_target: exposition.ScrapeTarget | None = None) -> None:
         self.registry = registry
@@ -91,15 +107,19 @@ class Scheduler:
         def live(key: VersionKey) -> int:
             return self.supervisor.live(key) if self.supervisor else len(readings[key].beats)
 
-        decisions = self.autoscaler.decide(versions, readings, live=live, now=time.time())
-        if self.supervisor:
-            self.supervisor.set_desired(
-                {key: decision.replicas for key, decision in decisions.items()},
-                configs={key: worker_config(scaled.info) for key, scaled in versions.items()},
-                ready_pids={beat.pid for reading in readings.values() for beat in reading.ready})
+        try:
+            decisions = self.autoscaler.decide(versions, readings, live=live, now=time.time())
+            if self.supervisor:
+                self.supervisor.set_desired(
+                    {key: decision.replicas for key, decision in decisions.items()},
+                    configs={key: worker_config(scaled.info) for key, scaled in versions.items()},
+                    ready_pids={beat.pid for reading in readings.values() for beat in reading.ready})
+        except ActuatorError as exc:
+            log.warning("the actuator failed, keeping the current pools: %s", exc)
+            return
         try:
             publish(self._redis, decisions, readings, live=live)
-        except BrokerError as exc:
+        except (BrokerError, ActuatorError) as exc:
             log.warning("could not publish the scaling decisions: %s", exc)
 
     def _advertise(self) -> None:

@@ -67,6 +67,14 @@ class HandlerHung(WorkerFailed):
     cannot be stopped, is left to the process's exit."""
 
 
+# --- scheduler and actuators ----------------------------------------------------------------
+
+
+class ActuatorError(SluiceError):
+    """An actuator could not read or set a version's replicas (the Kubernetes API refused or was
+    unreachable): the scheduler keeps the pools as they are and tries again on its next tick."""
+
+
 # --- rollouts -------------------------------------------------------------------------------
 
 

@@ -83,6 +83,10 @@ class Settings(BaseSettings):
     scale_down_stabilization_s: float = Field(default=300.0, ge=0)
     scale_max_step_down: int = Field(default=1, ge=1)
     scale_interval_s: float = Field(default=2.0, gt=0)
+    # The kubernetes actuator (scheduler/kubernetes.py) scales the Deployment named by the template
+    # in this namespace; {model} and {version} are made DNS-1123 labels first (`v1.2` -> `v1-2`).
+    kubernetes_namespace: str = "sluice"
+    kubernetes_worker_deployment: str = "sluice-worker-{model}-{version}"
 
     # Circuit breaker per version (sluice.breaker): trip on this error rate over at least
     # `breaker_min_samples` jobs in the window, or on no live worker for the grace period.
@@ -142,6 +146,18 @@ class Settings(BaseSettings):
     def _valid_networks(cls, value: list[str]) -> list[str]:
         for cidr in value:
             ipaddress.ip_network(cidr, strict=False)
+        return value
+
+    @field_validator("kubernetes_worker_deployment")
+    @classmethod
+    def _names_each_version(cls, value: str) -> str:
+        # Without both fields every version would scale the same Deployment.
+        if "{model}" not in value or "{version}" not in value:
+            raise ValueError("SLUICE_KUBERNETES_WORKER_DEPLOYMENT must contain {model} and {version}")
+        try:
+            value.format(model="m", version="v")
+        except (KeyError, IndexError) as exc:
+            raise ValueError(f"SLUICE_KUBERNETES_WORKER_DEPLOYMENT has an unknown field: {exc}") from exc
         return value
 
     @field_validator("bootstrap_admin_key")

@@ -13,4 +13,4 @@ def test_an_unknown_scheduler_actuator_is_a_usage_error_not_a_silent_none() -> N
     done = CliRunner().invoke(app, ["scheduler", "--actuator", "kubernets"], env={"SLUICE_DATABASE_URL": ""})
     assert done.exit_code == 2, done.output
     said = " ".join(re.sub("[│╭╮╰╯─]", " ", done.output).split())  # as read, without rich's box
-    assert "'kubernets' is not one of 'local', 'none'" in said, said
+    assert "'kubernets' is not one of 'local', 'kubernetes', 'none'" in said, said
