@@ -4,8 +4,9 @@ The API serves `/metrics` on its own port. Workers, the scheduler and the Celery
 start a small HTTP server on `metrics_host:metrics_port` (port 0: one the kernel picks, so a
 machine runs many workers) and advertise its address in a sorted set (`keys.scrape_targets`),
 scored by the time of their last advertisement. Whatever runs the processes turns the live
-entries into its discovery: `sluice up` writes a Prometheus file-SD file; compose and Kubernetes
-use fixed ports and their own discovery instead.
+entries into its discovery: `sluice up` writes a Prometheus file-SD file; the API serves the same
+list for Prometheus' HTTP service discovery (`GET /metrics/targets`, what compose uses, where a
+worker pool's processes each pick a port); Kubernetes uses fixed ports and pod annotations.
 """
 
 from __future__ import annotations
@@ -100,6 +101,13 @@ async def withdraw_async(client: aioredis.Redis, target: ScrapeTarget) -> None:
 def live_targets(client: redis.Redis, *, now: float) -> list[ScrapeTarget]:
     with translate_redis_errors():
         members: list[bytes] = client.zrangebyscore(  # type: ignore[assignment]
+            keys.scrape_targets(), now - LIVE_WITHIN_S, "+inf")
+    return [ScrapeTarget.from_member(member) for member in members]
+
+
+async def live_targets_async(client: aioredis.Redis, *, now: float) -> list[ScrapeTarget]:
+    with translate_redis_errors():
+        members: list[bytes] = await client.zrangebyscore(  # type: ignore[assignment]
             keys.scrape_targets(), now - LIVE_WITHIN_S, "+inf")
     return [ScrapeTarget.from_member(member) for member in members]
 

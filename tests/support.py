@@ -81,8 +81,9 @@ def stop_process(proc: subprocess.Popen[bytes] | None, sig: int, timeout_s: floa
 
 
 @contextmanager
-def fresh_database(prefix: str, revision: str = "head") -> Iterator[str]:
-    """A database of its own in the shared Postgres, migrated to `revision`, dropped afterwards."""
+def fresh_database(prefix: str, revision: str | None = "head") -> Iterator[str]:
+    """A database of its own in the shared Postgres, migrated to `revision` (None: left empty),
+    dropped afterwards."""
     base = make_url(normalise_url(os.environ.get("SLUICE_TEST_DATABASE_URL", DEFAULT_DATABASE_URL)))
     name = f"{prefix}{secrets.token_hex(6)}"
     admin = create_engine(base, isolation_level="AUTOCOMMIT", poolclass=NullPool)
@@ -90,7 +91,8 @@ def fresh_database(prefix: str, revision: str = "head") -> Iterator[str]:
         conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
     url = base.set(database=name).render_as_string(hide_password=False)
     try:
-        upgrade(url, revision)
+        if revision is not None:
+            upgrade(url, revision)
         yield url
     finally:
         with admin.connect() as conn:

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api.deps import AppState, StateDep
 from api.queue_gauges import refresh_queue_gauges
+from sluice import exposition
 from sluice.errors import ApiError, SluiceError
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,14 @@ async def readyz(
     if detail and await _is_admin(state, credentials):
         body["detail"] = detail
     return JSONResponse(body, status_code=200 if ready else 503)
+
+
+@router.get("/metrics/targets", include_in_schema=False)
+async def metrics_targets(state: StateDep) -> JSONResponse:
+    """Prometheus HTTP service discovery: every live process that advertises its metrics endpoint
+    (workers, the scheduler, the Celery worker), in the file-SD form `sluice up` writes. Open like
+    `/metrics`: it names internal addresses, never user data."""
+    return JSONResponse(exposition.file_sd(await exposition.live_targets_async(state.broker.redis, now=time.time())))
 
 
 @router.get("/metrics", include_in_schema=False)

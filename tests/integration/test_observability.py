@@ -14,8 +14,8 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from sluice import exposition
-from tests.support import WorkerProcess
+from sluice import exposition, keys
+from tests.support import ApiServer, WorkerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -110,3 +110,24 @@ def test_stats_and_worker_histograms_agree_after_a_known_load(
     assert traced_lines and ids[0] in traced_lines[0]["job_ids"], lines[-3:]
     # A worker that stops withdraws its endpoint at once, not when its advertisement lapses.
     assert address not in {t.address for t in exposition.live_targets(rds, now=time.time())}
+
+
+def test_the_api_serves_the_advertised_endpoints_for_prometheus_http_discovery(
+    api: ApiServer, rds: redis.Redis,
+) -> None:
+    """What compose's Prometheus scrapes: every live advertisement, in file-SD form, without a key
+    (like /metrics); a withdrawn or lapsed one is gone."""
+    live = exposition.ScrapeTarget(address="pool-1:40001", process="worker", labels={"model": "m"})
+    lapsed = exposition.ScrapeTarget(address="pool-1:40002", process="worker")
+    exposition.advertise(rds, live, now=time.time())
+    rds.zadd(keys.scrape_targets(), {lapsed.to_member(): time.time() - exposition.LIVE_WITHIN_S - 1})
+    try:
+        groups = httpx.get(f"{api.url}/metrics/targets", timeout=10).json()
+        assert {"targets": ["pool-1:40001"], "labels": {"process": "worker", "model": "m"}} in groups
+        assert all("pool-1:40002" not in group["targets"] for group in groups)
+        exposition.withdraw(rds, live)
+        groups = httpx.get(f"{api.url}/metrics/targets", timeout=10).json()
+        assert all("pool-1:40001" not in group["targets"] for group in groups)
+    finally:
+        exposition.withdraw(rds, live)
+        exposition.withdraw(rds, lapsed)

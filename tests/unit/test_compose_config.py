@@ -15,7 +15,7 @@ from tests.support import REPO
 
 SECRETS = {"GRAFANA_ADMIN_PASSWORD": "a-grafana-password", "SLUICE_ADMIN_KEY": "an-admin-key-of-the-test-0123",
            "FLOWER_PASSWORD": "a-flower-password"}
-APP_SERVICES = ("api", "worker-minilm", "worker-intent", "scheduler", "celery-worker")
+APP_SERVICES = ("api", "worker-pool", "celery-worker")
 
 
 def _config(**env: str) -> subprocess.CompletedProcess[str]:
@@ -57,10 +57,29 @@ def test_the_registry_is_seeded_after_the_migration_and_before_anything_serves(s
         assert environment["SLUICE_BOOTSTRAP_ADMIN_KEY"] == SECRETS["SLUICE_ADMIN_KEY"], name
 
 
-def test_flower_asks_for_a_password_and_workers_get_a_thread_count(services: dict[str, Any]) -> None:
+def test_flower_asks_for_a_password(services: dict[str, Any]) -> None:
     flower = services["flower"]
     assert flower["environment"]["FLOWER_BASIC_AUTH"] == f"admin:{SECRETS['FLOWER_PASSWORD']}"
     assert "SLUICE_REDIS_URL" in flower["environment"]
-    for name in ("worker-minilm", "worker-intent"):
-        command = services[name]["command"]
-        assert command[command.index("--threads") + 1] == "1", command
+
+
+def test_workers_run_in_a_pool_the_scheduler_supervises_so_registering_a_version_is_enough(
+    services: dict[str, Any],
+) -> None:
+    assert services["worker-pool"]["command"] == ["sluice", "scheduler", "--actuator", "local"]
+    # Its processes pick their own metrics ports and are found through the API's discovery.
+    assert services["worker-pool"]["environment"]["SLUICE_METRICS_PORT"] == "0"
+    assert not [name for name, service in services.items() if "--actuator" in service.get("command", [])
+                and "none" in service["command"]]
+    assert not [name for name in services if name.startswith("worker-") and name != "worker-pool"]
+
+
+def test_prometheus_reads_the_apis_discovery_and_its_configuration_is_valid() -> None:
+    config = yaml.safe_load((REPO / "docker" / "prometheus.yml").read_text())
+    [discovered] = [job for job in config["scrape_configs"] if "http_sd_configs" in job]
+    assert discovered["http_sd_configs"] == [{"url": "http://api:8000/metrics/targets", "refresh_interval": "15s"}]
+    promtool = shutil.which("promtool")
+    assert promtool, "Debian's prometheus package ships promtool: apt-get install -y prometheus"
+    done = subprocess.run([promtool, "check", "config", str(REPO / "docker" / "prometheus.yml")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
