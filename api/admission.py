@@ -3,7 +3,8 @@ enqueue.
 
 Every refusal is a 429 with `Retry-After`. The shedding rule is a pure function of the backlog,
 the measured service rate and the latency budget, so the simulator and tests use it unchanged;
-the I/O around it (one Redis round trip, cached for a fraction of a second) lives in `Admission`.
+the I/O around it (one Redis round trip, cached for a fraction of a second, but read afresh
+for an admission near the budget, where other replicas' admissions matter) lives in `Admission`.
 Shedding runs first and in process; the quota and rate limit are checked and charged in the
 enqueue script itself (`sluice.quota`), so a job refused for any reason takes no rate tokens and
 concurrent submissions cannot overrun the quota.
@@ -47,6 +48,14 @@ def shed_retry_after(*, backlog: int, service_rate: float, budget_s: float) -> f
     return predicted - budget_s
 
 
+# Above this share of the budget, a cached load no longer admits on its own: the job waits for a
+# backlog read that began after it arrived. Below it, the cache (`load_cache_s`) serves, and what
+# other replicas admitted since it was read is unseen; each of them can admit at most this share
+# of the budget on a view like that, so two replicas cannot push the queue past the budget
+# between them, and every admission above it sees every other replica's written jobs.
+FRESH_ABOVE = 0.5
+
+
 @dataclass(frozen=True, slots=True)
 class _Load:
     backlog: int
@@ -68,7 +77,8 @@ class Admission:
         self.load_cache_s = load_cache_s
         self.clock = clock
         self._loads: dict[tuple[str, str], _Load] = {}
-        self._reading: dict[tuple[str, str], asyncio.Task[_Load]] = {}
+        # The read under way per version, and the time it began.
+        self._reading: dict[tuple[str, str], tuple[asyncio.Task[_Load], float]] = {}
         self._admitted: Counter[tuple[str, str]] = Counter()
         self._unwritten: Counter[tuple[str, str]] = Counter()
 
@@ -108,27 +118,37 @@ class Admission:
             if not queued:
                 self._admitted[(version.model, version.version)] -= count
 
-    async def load(self, model: str, version: str) -> _Load:
+    async def load(self, model: str, version: str, *, newer_than: float | None = None) -> _Load:
         """The version's load, read at most every `load_cache_s`. Submissions that find it stale
         while a read is under way wait for that read: each starting its own, a burst made one
-        backlog read per request instead of one per interval."""
-        now = self.clock()
+        backlog read per request instead of one per interval. With `newer_than`, only a read that
+        began at or after that time will do (one under way that began earlier is waited for, and
+        then another is read, shared by all who wait for it)."""
         key = (model, version)
-        cached = self._loads.get(key)
-        if cached is not None and now - cached.read_at < self.load_cache_s:
-            return cached
-        reading = self._reading.get(key)
-        if reading is None:
-            # The counts as the read begins, taken before the task first runs: what is admitted
-            # from here on may be missing from the backlog it reads.
-            reading = self._reading[key] = asyncio.create_task(
-                self._read(model, version, now, mark=self._admitted[key], unwritten=self._unwritten[key]))
-            reading.add_done_callback(partial(self._read_done, key))
-        # Shielded: a request that goes away must not cancel the read the others wait for.
-        return await asyncio.shield(reading)
+        while True:
+            now = self.clock()
+            cached = self._loads.get(key)
+            if (cached is not None and now - cached.read_at < self.load_cache_s
+                    and (newer_than is None or cached.read_at >= newer_than)):
+                return cached
+            under_way = self._reading.get(key)
+            if under_way is None:
+                # The counts as the read begins, taken before the task first runs: what is admitted
+                # from here on may be missing from the backlog it reads.
+                reading = asyncio.create_task(
+                    self._read(model, version, now, mark=self._admitted[key], unwritten=self._unwritten[key]))
+                self._reading[key] = (reading, now)
+                reading.add_done_callback(partial(self._read_done, key))
+                # Shielded: a request that goes away must not cancel the read the others wait for.
+                return await asyncio.shield(reading)
+            reading, began = under_way
+            if newer_than is None or began >= newer_than:
+                return await asyncio.shield(reading)
+            await asyncio.shield(reading)
 
     def _read_done(self, key: tuple[str, str], reading: asyncio.Task[_Load]) -> None:
-        del self._reading[key]
+        if self._reading.get(key, (None, 0.0))[0] is reading:
+            del self._reading[key]
         if not reading.cancelled():
             reading.exception()  # retrieved here: its waiters may all have gone
 
@@ -146,19 +166,37 @@ class Admission:
         with translate_redis_errors():
             return int(await self.redis.xlen(keys.stream(model, version, "online")))
 
+    def _backlog_with(self, key: tuple[str, str], load: _Load, count: int) -> int:
+        """The backlog `count` more jobs would join: the one read, this replica's admissions it
+        may not show, and the jobs themselves."""
+        return load.backlog + load.unwritten + self._admitted[key] - load.admitted_mark + count
+
+    def _predicted(self, key: tuple[str, str], load: _Load, count: int) -> float:
+        if load.service_rate <= 0:
+            return 0.0
+        return self._backlog_with(key, load, count) / load.service_rate
+
+    def _wait(self, key: tuple[str, str], load: _Load, count: int, budget_s: float) -> float | None:
+        return shed_retry_after(backlog=self._backlog_with(key, load, count), service_rate=load.service_rate,
+                                budget_s=budget_s)
+
     async def _shed(self, version: VersionInfo, count: int) -> None:
         key = (version.model, version.version)
+        budget_s = version.latency_budget_ms / 1000.0
+        arrived = self.clock()
         load = await self.load(*key)
+        wait = self._wait(key, load, count, budget_s)
+        if wait is None and load.read_at < arrived and self._predicted(key, load, count) > FRESH_ABOVE * budget_s:
+            # Near the budget, other replicas' admissions since the cached read matter: admit only
+            # on a backlog read that began after this submission arrived (FRESH_ABOVE).
+            load = await self.load(*key, newer_than=arrived)
+            wait = self._wait(key, load, count, budget_s)
         # No await from here to the count: concurrent requests that read the same snapshot each
         # see the others' admissions, so a burst cannot slip in on one stale backlog.
-        unseen = load.unwritten + self._admitted[key] - load.admitted_mark
-        wait = shed_retry_after(backlog=load.backlog + unseen + count, service_rate=load.service_rate,
-                                budget_s=version.latency_budget_ms / 1000.0)
         if wait is None:
             self._admitted[key] += count
             self._unwritten[key] += count
             return
-        budget_s = version.latency_budget_ms / 1000.0
         message = (f"version '{version.version}' of '{version.model}' is overloaded: the predicted queue wait "
                    f"exceeds its {version.latency_budget_ms:g} ms budget")
         if count / load.service_rate > budget_s:
