@@ -198,6 +198,18 @@ def test_names_are_dns_labels() -> None:
         "sluice-worker-intent-model-v1-2"
 
 
+@pytest.fixture
+def process_logging() -> Iterator[None]:
+    """The command configures this process's logging as a process of its own would (a handler on
+    the runner's captured stream, INFO): put it back, or later tests' output carries log lines."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+@pytest.mark.usefixtures("process_logging")
 @pytest.mark.parametrize("in_cluster", [True, False])
 def test_the_cli_accepts_the_kubernetes_actuator_and_chooses_its_configuration(
         in_cluster: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
