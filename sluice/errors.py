@@ -51,6 +51,8 @@ class ArtifactMismatch(ArtifactError):
 # How a worker process tells its supervisor that it refused its version's artifact: a restart
 # cannot help until an operator fixes the version, so the supervisor waits much longer.
 EXIT_ARTIFACT_REFUSED = 3
+# A worker whose own loop died, or whose model hung past the per-batch timeout: restarted at once.
+EXIT_WORKER_FAILED = 1
 
 
 class InferenceError(ModelError):

@@ -20,7 +20,7 @@ import uvloop
 
 from sluice import exposition
 from sluice.connections import connect
-from sluice.errors import EXIT_ARTIFACT_REFUSED, ArtifactError, SluiceError, WorkerFailed
+from sluice.errors import EXIT_ARTIFACT_REFUSED, EXIT_WORKER_FAILED, ArtifactError, SluiceError, WorkerFailed
 from sluice.metrics import COLD_START, INT8_SPEEDUP, WORKER_INT8, WORKER_STATE
 from sluice.registry import queries
 from sluice.registry.store import Registry
@@ -29,9 +29,6 @@ from sluice.settings import Settings
 from sluice.shutdown import install_two_stage
 
 log = logging.getLogger(__name__)
-
-# The exit status of a worker whose own loop died (or whose model hung): its supervisor restarts it.
-EXIT_WORKER_FAILED = 1
 
 
 def _load_version(registry: Registry, model: str, version: str) -> tuple[str, ModelVersion]:
