@@ -120,7 +120,7 @@ class EventHub:
                         self._dispatch(event)
             except asyncio.CancelledError:
                 raise
-            except (redis_errors.RedisError, OSError) as exc:
+            except (redis_errors.RedisError, redis_errors.RedisClusterException, OSError) as exc:
                 self.connected.clear()
                 if delay <= 0.1:
                     log.warning("event subscription lost: %s", exc)

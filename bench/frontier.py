@@ -239,10 +239,12 @@ class RealReplica:
                       shutdown_grace_s=self.settings.shutdown_grace_s)
 
     async def _queue(self, version: str, indices: Sequence[int], arrivals: Sequence[float]) -> list[str]:
-        from sluice.jobs import JobRecord, JobStatus, new_job_id
+        from sluice.jobs import JobRecord, JobStatus
+        from sluice.keys import new_job_id
         from sluice.streams import queue_jobs
 
-        records = [JobRecord(id=new_job_id(), tenant=TENANT, model=self.model, version=version, lane="online",
+        records = [JobRecord(id=new_job_id(self.model, version), tenant=TENANT, model=self.model, version=version,
+                             lane="online",
                              status=JobStatus.queued, input={"text": self.pool.texts[i]}, enqueued_at=at,
                              cost=self.pool.costs[i]) for i, at in zip(indices, arrivals, strict=True)]
         pipe = self.redis.pipeline(transaction=False)

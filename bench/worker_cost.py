@@ -216,13 +216,14 @@ class WorkerProcess:
 
 
 def records_for(texts: Sequence[str]) -> list[Any]:
-    from sluice.jobs import JobRecord, JobStatus, new_job_id
+    from sluice.jobs import JobRecord, JobStatus
+    from sluice.keys import new_job_id
     from sluice.kinds import token_estimate
 
     now = time.time()
     return [
         JobRecord(
-            id=new_job_id(),
+            id=new_job_id(MODEL, VERSION),
             tenant="demo",
             model=MODEL,
             version=VERSION,

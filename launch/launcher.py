@@ -29,7 +29,7 @@ from launch.embedded import EmbeddedStores, start_embedded
 from launch.seed import DEMO_VERSIONS, Seeded, seed
 from sluice import exposition, heartbeats
 from sluice.client import SluiceClient
-from sluice.connections import connect
+from sluice.connections import connect, connect_sync
 from sluice.errors import SluiceError
 from sluice.heartbeats import WorkerState
 from sluice.migrate import upgrade
@@ -244,8 +244,7 @@ class Platform:
         where they advertise their ephemeral ports."""
         assert self.stores is not None
         if self._targets_client is None:
-            self._targets_client = redis.Redis.from_url(self.stores.redis_url, socket_timeout=2.0,
-                                                        socket_connect_timeout=2.0)
+            self._targets_client = connect_sync(self.stores.redis_url, socket_timeout_s=2.0)
         host = self.settings.api_host
         fixed = [exposition.ScrapeTarget(address=f"{host}:{self.settings.api_port}", process="api"),
                  exposition.ScrapeTarget(address=f"{host}:{self.settings.flower_port}", process="flower")]

@@ -30,6 +30,7 @@ from scheduler.rollout import run_controller
 from scheduler.scaling import Autoscaler, publish, read_pools, scaled_versions, worker_config
 from scheduler.supervisor import Supervisor, VersionKey
 from sluice import events, exposition
+from sluice.connections import connect_sync
 from sluice.errors import ActuatorError, BrokerError, SluiceError
 from sluice.registry import queries
 from sluice.registry.store import Registry
@@ -72,7 +73,7 @@ class Scheduler:
         self.refresh_s = refresh_s
         self.stopping = threading.Event()
         self._wake = threading.Event()
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
+        self._redis = connect_sync(redis_url)
         self._snapshot: RoutingSnapshot | None = None
         self.scrape_target = scrape_target
         self._advertised_at = 0.0
@@ -132,7 +133,7 @@ class Scheduler:
         """Wake the loop on routing events so a new version gets workers at once."""
         while not self.stopping.is_set():
             try:
-                client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=2)
+                client = connect_sync(self.redis_url, socket_timeout_s=None)
                 pubsub = client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
                 pubsub.subscribe(events.channel(client))
                 while not self.stopping.is_set():

@@ -8,23 +8,30 @@ and passed in.
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
 
-from sluice import events, keys
+from sluice import events, keys, quota
 from sluice.connections import translate_redis_errors
 from sluice.durability import fsynced, wait_fsynced
-from sluice.errors import Conflict, NotDurable, NotFound
-from sluice.idempotency import LEASE_S, RELEASE_SCRIPT, IdempotencyClaim, IdempotencyRecord
+from sluice.errors import BrokerError, Conflict, NotDurable, NotFound
+from sluice.idempotency import COMPLETE_SCRIPT, LEASE_S, RELEASE_SCRIPT, IdempotencyClaim, IdempotencyRecord
 from sluice.jobs import JobRecord, JobStatus, JobView
-from sluice.quota import Refusal, TenantLimits
-from sluice.response_cache import SUBMIT_SCRIPT, submit_call
+from sluice.quota import ADMIT_SCRIPT, Refusal, TenantLimits, admit_call
 from sluice.samples import Sample, read_samples
-from sluice.streams import CANCEL_SCRIPT, ENQUEUE_SCRIPT, WITHDRAW_SCRIPT, enqueue_call, enqueue_verdict
+from sluice.streams import CANCEL_SCRIPT, QUEUE_SCRIPT, WITHDRAW_SCRIPT, free_places, queue_call
+
+log = logging.getLogger(__name__)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class Broker:
@@ -38,65 +45,112 @@ class Broker:
         self.idempotency_lease_s = idempotency_lease_s
         # Set: durable accept (sluice.durability), waiting up to this long for the fsync.
         self.durable_timeout_ms = durable_timeout_ms
+        self._admit = redis.register_script(ADMIT_SCRIPT)
         self._cancel = redis.register_script(CANCEL_SCRIPT)
-        self._enqueue = redis.register_script(ENQUEUE_SCRIPT)
+        self._complete = redis.register_script(COMPLETE_SCRIPT)
+        self._queue = redis.register_script(QUEUE_SCRIPT)
         self._release = redis.register_script(RELEASE_SCRIPT)
-        self._submit = redis.register_script(SUBMIT_SCRIPT)
         self._withdraw = redis.register_script(WITHDRAW_SCRIPT)
 
     async def enqueue(self, records: Sequence[JobRecord], *, limits: TenantLimits,
                       idempotency: IdempotencyClaim | None = None) -> Refusal | None:
-        """Queue one submission's jobs (records and stream entries) if the tenant's quota and rate
-        allow, charging both and completing the Idempotency-Key in the same atomic script; answer
-        the refusal otherwise, with nothing written. See `streams.ENQUEUE_SCRIPT`. Jobs answered from
-        the response cache (`cache_hit`, in input order among the others) are written final in the
-        same step, and only if the rest pass; they take no quota place and no rate token
-        (`response_cache.SUBMIT_SCRIPT`).
+        """Queue one submission's jobs if the tenant's quota and rate allow, and complete its
+        Idempotency-Key; answer the refusal otherwise, with nothing written. Jobs answered from the
+        response cache (`cache_hit`, in input order among the others) are written final in the same
+        step as the others, and take no quota place and no rate token.
 
-        In durable mode the same round trip waits for the fsync; unconfirmed, the queued jobs are
-        withdrawn and NotDurable (503) raised.
+        Three round trips, each atomic in one slot: admission charges the tenant
+        (`quota.ADMIT_SCRIPT`), `streams.QUEUE_SCRIPT` writes the jobs, `COMPLETE_SCRIPT` the key.
+        Should writing fail, the places are given back. In durable mode the write waits for the
+        fsync; unconfirmed, the queued jobs are withdrawn and NotDurable (503) raised.
         """
         queued = [record for record in records if not record.cache_hit]
-        script, call = (self._enqueue, enqueue_call) if len(queued) == len(records) else (self._submit, submit_call)
-        script_keys, args = call(records, limits=limits, now=time.time(), result_ttl_s=self.result_ttl_s,
-                                 idempotency=idempotency, idempotency_ttl_s=self.idempotency_ttl_s)
+        marker, redis_key = (idempotency.marker, idempotency.redis_key) if idempotency else (None, None)
+        admit_keys, admit_args = admit_call(queued, limits=limits, now=time.time(), result_ttl_s=self.result_ttl_s,
+                                            marker=marker, redis_key=redis_key, lease_s=self.idempotency_lease_s)
         with translate_redis_errors():
-            if self.durable_timeout_ms is None:
-                reply, fsync = await script(keys=script_keys, args=args), None
-            else:
-                # A context: loading the script can fail before execute() would release the connection.
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    await script(keys=script_keys, args=args, client=pipe)
-                    wait_fsynced(pipe, self.durable_timeout_ms)
-                    reply, fsync = await pipe.execute(raise_on_error=False)
-                if isinstance(reply, Exception):
-                    raise reply
-        verdict, value = enqueue_verdict(reply)
+            if any(record.callback_url for record in records):
+                # Before the jobs: a relay must know the outbox before it can hold an entry.
+                first = records[0]
+                await self.redis.sadd(keys.WEBHOOK_OUTBOXES, keys.outbox(first.model, first.version))
+            verdict, value = quota.verdict(await self._admit(keys=admit_keys, args=admit_args))
         if verdict == "lost":
             raise Conflict("this request held its Idempotency-Key too long and another request took it; "
                            "retry to get that request's answer", headers={"Retry-After": "1"})
-        if verdict == "ok":
-            if self.durable_timeout_ms is not None and not fsynced(fsync):
-                await self._withdraw_unconfirmed(queued, [r.id for r in records], limits.tenant, idempotency, fsync)
-            return None
-        return Refusal(verdict, queued=int(value)) if verdict == "quota" else Refusal(verdict, wait_s=value)
+        if verdict != "ok":
+            return Refusal(verdict, queued=int(value)) if verdict == "quota" else Refusal(verdict, wait_s=value)
+        script_keys, args = queue_call(records, result_ttl_s=self.result_ttl_s)
+        try:
+            fsync = await self._write(script_keys, args)
+        except BaseException:
+            await self._give_back(limits.tenant, [record.id for record in queued])
+            raise
+        answers = [record.id for record in records]
+        if self.durable_timeout_ms is not None and not fsynced(fsync):
+            await self._withdraw_unconfirmed(queued, limits.tenant, idempotency, answers, fsync)
+        if idempotency is not None:
+            await self._complete_key(idempotency, answers)
+        return None
 
-    async def _withdraw_unconfirmed(self, records: Sequence[JobRecord], answers: list[str], tenant: str,
-                                    idempotency: IdempotencyClaim | None, reply: object) -> None:
+    async def _write(self, script_keys: list[str], args: list[str]) -> object:
+        """Run QUEUE_SCRIPT; in durable mode followed, on the same connection, by the wait for its
+        fsync, whose reply is answered (None otherwise)."""
+        with translate_redis_errors():
+            if self.durable_timeout_ms is None:
+                await self._queue(keys=script_keys, args=args)
+                return None
+            for attempt in (1, 2):
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.evalsha(self._queue.sha, len(script_keys), *script_keys, *args)
+                wait_fsynced(pipe, self.durable_timeout_ms, near=script_keys[0])
+                reply, fsync = await pipe.execute(raise_on_error=False)
+                if isinstance(reply, redis_errors.NoScriptError) and attempt == 1:
+                    # A pipeline does not load scripts: load it (on every node) and go again.
+                    await self.redis.script_load(QUEUE_SCRIPT)
+                    continue
+                if isinstance(reply, Exception):
+                    raise reply
+                return fsync
+        raise AssertionError("unreachable")
+
+    async def _give_back(self, tenant: str, job_ids: list[str]) -> None:
+        """The places a submission took and did not use (its write failed). Best effort: a place
+        not given back frees itself (`sluice.quota`)."""
+        if not job_ids:
+            return
+        try:
+            with translate_redis_errors():
+                await self.redis.zrem(keys.queued_jobs(tenant), *job_ids)
+        except BrokerError as exc:
+            log.warning("could not give back %d quota place(s) of a failed submission: %s", len(job_ids), exc)
+
+    async def _complete_key(self, claim: IdempotencyClaim, answers: list[str]) -> None:
+        with translate_redis_errors():
+            done = await self._complete(keys=[claim.redis_key],
+                                        args=[claim.marker, claim.completed(answers), str(self.idempotency_ttl_s)])
+        if not done:
+            # Admission renewed the lease milliseconds ago: only a write slower than the lease gets here.
+            log.warning("an Idempotency-Key lapsed while its jobs were written; a retry with it queues them again")
+
+    async def _withdraw_unconfirmed(self, records: Sequence[JobRecord], tenant: str,
+                                    idempotency: IdempotencyClaim | None, answers: list[str], reply: object) -> None:
         """Undo the queueing of jobs whose fsync was not confirmed, so a 503 leaves nothing behind.
 
         A job a worker took in the meantime cannot be withdrawn: it runs, and a client that
         submits again may have it run twice (at least once, as everywhere else); with an
-        Idempotency-Key and every job started, a retry replays them instead. Cache hits (in
-        `answers`, the ids the key replays, not in `records`) are final already and stay.
+        Idempotency-Key and every job started, the key is completed and a retry replays them.
+        Cache hits (in `answers`, not in `records`) are final already and stay.
         """
-        script_keys, completed = [keys.queued_jobs(tenant)], ""
-        if idempotency is not None:
-            script_keys.append(idempotency.redis_key)
-            completed = idempotency.completed(answers)
-        script_keys += [keys.job(r.id) for r in records]
         with translate_redis_errors():
-            started = int(await self._withdraw(keys=script_keys, args=[completed]))
+            withdrawn = [_text(job_id) for job_id in
+                         await self._withdraw(keys=[keys.job(r.id) for r in records])] if records else []
+            await self._give_back(tenant, withdrawn)
+            started = len(records) - len(withdrawn)
+            if idempotency is not None:
+                if withdrawn:
+                    await self._release(keys=[idempotency.redis_key], args=[idempotency.marker])
+                else:
+                    await self._complete_key(idempotency, answers)
         why = reply if isinstance(reply, Exception) else f"WAITAOF answered {reply!r}"
         outcome = (f"{started} job(s) a worker had already started will run, the rest were withdrawn" if started
                    else "nothing was queued")
@@ -152,15 +206,18 @@ class Broker:
                                   "reason": data["reason"]}
         return decisions
 
-    async def cancel(self, job_id: str, tenant: str) -> str | None:
+    async def cancel(self, record: JobRecord) -> str | None:
         """Cancel a queued job; answer None when done, else the state that prevents it."""
+        outbox = keys.outbox(record.model, record.version)
         with translate_redis_errors():
-            outcome = await self._cancel(keys=[keys.job(job_id), keys.queued_jobs(tenant), keys.WEBHOOK_OUTBOX],
-                                         args=[repr(time.time())])
-        state = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
-        if state != "ok":
-            return state
-        await self.publish(events.JobChanged(id=job_id, status=JobStatus.cancelled))
+            if record.callback_url:
+                await self.redis.sadd(keys.WEBHOOK_OUTBOXES, outbox)
+            outcome = await self._cancel(keys=[keys.job(record.id), outbox], args=[repr(time.time())])
+            state = _text(outcome)
+            if state != "ok":
+                return state
+            await free_places(self.redis, [(record.tenant, record.id)])
+        await self.publish(events.JobChanged(id=record.id, status=JobStatus.cancelled))
         return None
 
     # --- Idempotency-Key ---------------------------------------------------------------------------

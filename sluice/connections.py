@@ -1,17 +1,27 @@
 """Redis connections: how a client is built, and how its errors become Sluice errors.
 
 Connections are built by the caller and passed in; nothing here keeps a client of its own.
+
+A URL with the scheme `redis+cluster://` (or `rediss+cluster://`) names any node of a Redis
+Cluster (or Valkey cluster): the client is then redis-py's cluster client, which learns the slot
+map from that node and follows MOVED and ASK. It answers the same commands the code uses, each
+script's keys in one slot (`sluice.keys`), so it is handed out typed as the plain client.
+`Settings.redis_cluster` (`SLUICE_REDIS_CLUSTER=1`) turns a plain URL into a cluster one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any, cast
 
+import redis
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
 from sluice.errors import BrokerError, BrokerUnavailable
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 
 @contextmanager
@@ -19,13 +29,41 @@ def translate_redis_errors(what: str = "Redis") -> Iterator[None]:
     """Map redis-py's exceptions onto the Sluice tree at the boundary."""
     try:
         yield
-    except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+    except (redis_errors.ConnectionError, redis_errors.TimeoutError, redis_errors.ClusterDownError,
+            redis_errors.RedisClusterException, OSError) as exc:
+        # RedisClusterException (not a RedisError): the cluster client found no node to ask.
         raise BrokerUnavailable(f"{what} is unreachable: {exc}") from exc
     except redis_errors.RedisError as exc:
         raise BrokerError(f"{what} failed: {exc}") from exc
 
 
+def cluster_url(url: str) -> str | None:
+    """The plain URL of a cluster node when `url` has a cluster scheme; None for a single server."""
+    scheme, sep, rest = url.partition("://")
+    plain = CLUSTER_SCHEMES.get(scheme.lower())
+    return f"{plain}{sep}{rest}" if plain and sep else None
+
+
+def as_cluster_url(url: str) -> str:
+    """`url` with the cluster scheme (what `SLUICE_REDIS_CLUSTER=1` does to a plain URL)."""
+    if cluster_url(url) is not None:
+        return url
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}+cluster{sep}{rest}"
+
+
+def is_cluster(client: Any) -> bool:
+    return isinstance(client, (aioredis.RedisCluster, redis.RedisCluster))
+
+
 def connect(url: str, *, max_connections: int = 64, socket_timeout_s: float = 5.0) -> aioredis.Redis:
+    node_url = cluster_url(url)
+    if node_url is not None:
+        # No max_connections: a cluster node's pool raises at its limit instead of waiting, which
+        # would turn a busy moment into 503s; its pool grows with the requests in flight instead.
+        cluster = aioredis.RedisCluster.from_url(
+            node_url, socket_timeout=socket_timeout_s, socket_connect_timeout=2.0, health_check_interval=15)
+        return cast(aioredis.Redis, cluster)
     # A blocking pool makes a burst of requests wait for a free connection; the default pool
     # raises "Too many connections", which would turn a busy moment into 503s.
     pool = aioredis.BlockingConnectionPool.from_url(
@@ -38,3 +76,13 @@ def connect(url: str, *, max_connections: int = 64, socket_timeout_s: float = 5.
         retry_on_timeout=False,
     )
     return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() disconnects it
+
+
+def connect_sync(url: str, *, socket_timeout_s: float | None = 5.0, **options: Any) -> redis.Redis:
+    """The synchronous client of `url` (Celery tasks, the scheduler), a cluster client likewise."""
+    node_url = cluster_url(url)
+    if node_url is not None:
+        cluster = redis.RedisCluster.from_url(node_url, socket_timeout=socket_timeout_s,
+                                              socket_connect_timeout=2.0, **options)
+        return cast(redis.Redis, cluster)
+    return redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=2.0, **options)

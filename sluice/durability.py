@@ -21,6 +21,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
+from redis.asyncio.cluster import ClusterPipeline
 
 from sluice.connections import translate_redis_errors
 from sluice.errors import BrokerError, BrokerUnavailable
@@ -32,9 +33,15 @@ class DurabilityUnsupported(BrokerError):
     """The store cannot confirm an fsync: durable accept cannot be promised on it."""
 
 
-def wait_fsynced(pipe: Any, timeout_ms: int) -> None:
-    """Add the wait for the local AOF fsync of everything before it to a pipeline, as its last command."""
-    pipe.execute_command("WAITAOF", 1, 0, timeout_ms)
+def wait_fsynced(pipe: Any, timeout_ms: int, *, near: str) -> None:
+    """Add the wait for the local AOF fsync of everything before it to a pipeline, as its last
+    command. WAITAOF names no key: on a cluster it is sent to the node that holds `near` (a key
+    the pipeline wrote), so that it runs on the connection that wrote it."""
+    if isinstance(pipe, ClusterPipeline):
+        node = pipe.cluster_client.get_node_from_key(near)
+        pipe.execute_command("WAITAOF", 1, 0, timeout_ms, target_nodes=node)
+    else:
+        pipe.execute_command("WAITAOF", 1, 0, timeout_ms)
 
 
 def fsynced(reply: object) -> bool:
@@ -62,7 +69,9 @@ async def require_durable_store(client: aioredis.Redis, *, timeout_ms: int) -> N
                     "SLUICE_DURABLE_ACCEPT needs a store that confirms fsyncs (WAITAOF: Redis >= 7.2 or "
                     f"Valkey, with appendonly yes); this one answered: {exc}"
                 ) from exc
-            if not fsynced(reply):
+            # A cluster client asks every node, and answers each node's reply.
+            replies = list(reply.values()) if isinstance(reply, dict) else [reply]
+            if not all(fsynced(each) for each in replies):
                 raise DurabilityUnsupported(f"SLUICE_DURABLE_ACCEPT: the store did not confirm an fsync ({reply!r})")
             try:
                 policy = await client.config_get("appendfsync")

@@ -78,8 +78,10 @@ def parse(data: bytes | str) -> Event | None:
 
 
 def channel(redis: aioredis.Redis | Any) -> str:
-    """The events channel of the database this client talks to (sync or asyncio client)."""
-    return keys.events_channel(int(redis.connection_pool.connection_kwargs.get("db", 0)))
+    """The events channel of the database this client talks to (sync or asyncio client; a cluster
+    has database 0 only)."""
+    pool = getattr(redis, "connection_pool", None)
+    return keys.events_channel(0 if pool is None else int(pool.connection_kwargs.get("db", 0)))
 
 
 async def publish(redis: aioredis.Redis, event: Sent) -> None:

@@ -2,10 +2,13 @@
 
 Claimed with SET NX before anything is queued (ids still unknown) on a short lease (`LEASE_S`),
 so a key claimed by an API that died is free again within seconds, not after the key's TTL.
-Completed with the ids by the enqueue script (`sluice.streams.ENQUEUE_SCRIPT`), in the same
-atomic step that queues the jobs and only while the in-progress marker is still the claimer's
-own: a request that outlived its lease, and whose key another request took meanwhile, queues
-nothing. Released (if still its own) when the request fails, so a retry of it runs again.
+Checked (still the claimer's own) and its lease renewed by the admission script
+(`sluice.quota.ADMIT_SCRIPT`), in the tenant's slot, before the jobs are written: a request that
+outlived its lease, and whose key another request took meanwhile, queues nothing. Completed with
+the ids once the jobs are written (`COMPLETE_SCRIPT`), so a replayed id always names a written
+job; an API that dies between the two leaves the key to lapse, and the client's retry queues the
+submission again (at least once, never lost). Released (if still its own) when the request fails,
+so a retry of it runs again.
 """
 
 from __future__ import annotations
@@ -22,6 +25,14 @@ LEASE_S = 5.0
 RELEASE_SCRIPT = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
+"""
+
+# KEYS[1] the key's record; ARGV: the in-progress marker, the completed record, its TTL (s). Completes
+# the key only if it is still that marker; answers 1 if it did.
+COMPLETE_SCRIPT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+return 1
 """
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import secrets
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -49,11 +48,6 @@ SHADOW_TENANT = "_shadow"
 # The fields a job's owner reads back as they were stored: JSON already, copied into the resource
 # rather than parsed and printed again (`JobView`), in the order the resource has them.
 _COPIED_FIELDS = (OUTPUT_FIELD, "error", "metadata")
-
-
-def new_job_id() -> str:
-    # 128 bits from the OS CSPRNG: ids are unguessable, so knowing one is no way into another.
-    return "job_" + secrets.token_urlsafe(16)
 
 
 def _ms(start: float | None, end: float | None) -> float | None:

@@ -1,11 +1,21 @@
 """The Redis key layout: the wire contract between the API, the workers and the scheduler.
 
-Every key of one model version carries the hash tag `{model:version}`, so all of a version's
-keys land in one Redis Cluster slot and no command ever spans two versions.
+Every script touches keys of one Redis Cluster slot only (docs/ARCHITECTURE.md, "Redis Cluster").
+Every key of one model version carries the hash tag `{model:version}`, so all of a version's keys
+land in one slot. A job id carries a four-character code that hashes to its version's slot
+(`slot_code`), and a job's record is tagged with that code: the record, the version's streams and
+its webhook outbox share a slot, so the scripts that move a job between states stay atomic on a
+cluster. A tenant's admission records share the tag `{tenant}`; webhook deliveries share
+`{webhooks}`.
 """
 
 from __future__ import annotations
 
+import itertools
+import secrets
+import string
+from binascii import crc_hqx
+from functools import lru_cache
 from typing import Literal
 
 Lane = Literal["online", "bulk"]
@@ -24,6 +34,52 @@ def tag(model: str, version: str) -> str:
     return f"{{{model}:{version}}}"
 
 
+# --- slots ------------------------------------------------------------------------------------------
+
+SLOTS = 16384
+_CODE_ALPHABET = string.digits + string.ascii_lowercase
+_CODE_LENGTH = 4
+# A job id of the current shape: "job_" + code + "." + token. The token (`secrets.token_urlsafe`)
+# never holds a dot, so an id without one at this place is an id from before codes existed.
+_CODE_END = len("job_") + _CODE_LENGTH
+
+
+def slot(hash_tag: str) -> int:
+    """The Redis Cluster slot of a key whose hash tag is `hash_tag` (CRC16/XMODEM mod 16384)."""
+    return crc_hqx(hash_tag.encode(), 0) % SLOTS
+
+
+@lru_cache(maxsize=4096)
+def slot_code(slot_number: int) -> str:
+    """The first four-character code over 0-9a-z, in order, that hashes to `slot_number`.
+
+    A search of about 16384 CRCs on average (milliseconds), cached: the 1.7 million codes cover
+    every slot (tests/unit/test_keys.py checks all of them).
+    """
+    for chars in itertools.product(_CODE_ALPHABET, repeat=_CODE_LENGTH):
+        code = "".join(chars)
+        if slot(code) == slot_number:
+            return code
+    raise ValueError(f"no code hashes to slot {slot_number}")
+
+
+def version_code(model: str, version: str) -> str:
+    """The code of the version's slot, which its job ids carry."""
+    return slot_code(slot(f"{model}:{version}"))
+
+
+def new_job_id(model: str, version: str) -> str:
+    # 128 bits from the OS CSPRNG: ids are unguessable, so knowing one is no way into another.
+    return f"job_{version_code(model, version)}.{secrets.token_urlsafe(16)}"
+
+
+def job_code(job_id: str) -> str | None:
+    """The slot code a job id carries; None for an id made before codes existed."""
+    if len(job_id) > _CODE_END and job_id[_CODE_END] == "." and job_id.startswith("job_"):
+        return job_id[len("job_"):_CODE_END]
+    return None
+
+
 def stream(model: str, version: str, lane: Lane) -> str:
     return f"sluice:{tag(model, version)}:{lane}"
 
@@ -33,11 +89,13 @@ def dead_stream(model: str, version: str) -> str:
 
 
 def job(job_id: str) -> str:
-    return f"sluice:job:{{{job_id}}}"
+    code = job_code(job_id)
+    return f"sluice:job:{{{job_id}}}" if code is None else f"sluice:job:{{{code}}}:{job_id}"
 
 
 def idempotency(tenant: str, key: str) -> str:
-    return f"sluice:idem:{tenant}:{key}"
+    """Tagged with the tenant: the key is checked and completed beside its quota and rate."""
+    return f"sluice:idem:{{{tenant}}}:{key}"
 
 
 def cache(model: str, version: str, digest: str) -> str:
@@ -84,15 +142,25 @@ def live_workers(model: str, version: str) -> str:
 
 # --- webhooks ------------------------------------------------------------------------------------
 
-# Stream of {delivery, job} written by the scripts that make a job final (sluice.jobs); the relay
-# group turns each entry into a Celery task (workers/outbox.py).
+
+def outbox(model: str, version: str) -> str:
+    """Stream of {delivery, job} written by the scripts that make a job of the version final
+    (sluice.outbox); the relay group turns each entry into a Celery task (workers/outbox.py)."""
+    return f"sluice:{tag(model, version)}:webhooks"
+
+
+# The outbox of batch callbacks (and of jobs from before per-version outboxes), read by every relay.
 WEBHOOK_OUTBOX = "sluice:webhooks:outbox"
+# Set of the version outboxes that may hold entries, which every relay reads: the API adds one
+# before it queues or cancels a job with a callback, a worker when it starts.
+WEBHOOK_OUTBOXES = "sluice:webhooks:outboxes"
 RELAY_GROUP = "relay"
 # Sorted set: delivery id -> when its next attempt is due (or its running attempt's lease ends);
-# beat re-sends the ones long overdue, whose Celery message was lost.
-WEBHOOK_DUE = "sluice:webhooks:due"
+# beat re-sends the ones long overdue, whose Celery message was lost. In the deliveries' slot.
+WEBHOOK_DUE = "sluice:{webhooks}:due"
 
 
 def delivery(delivery_id: str) -> str:
-    """One webhook delivery's state: status, attempts, last answer, lease of the running attempt."""
-    return f"sluice:delivery:{{{delivery_id}}}"
+    """One webhook delivery's state: status, attempts, last answer, lease of the running attempt.
+    Every delivery shares the due set's slot, so one script updates both."""
+    return f"sluice:delivery:{{webhooks}}:{delivery_id}"

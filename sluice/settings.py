@@ -14,12 +14,16 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from sluice.connections import as_cluster_url
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="ignore")
 
     # Unset means "start the embedded store" under `home` (sluice up only).
     redis_url: str | None = None
+    # Treat redis_url as any node of a Redis Cluster (as the `redis+cluster://` scheme does).
+    redis_cluster: bool = False
     database_url: str | None = None
     home: Path = Path(".sluice")
 
@@ -182,7 +186,7 @@ class Settings(BaseSettings):
     def require_redis_url(self) -> str:
         if not self.redis_url:
             raise ValueError("SLUICE_REDIS_URL is not set (only `sluice up` starts an embedded store)")
-        return self.redis_url
+        return as_cluster_url(self.redis_url) if self.redis_cluster else self.redis_url
 
     def require_database_url(self) -> str:
         if not self.database_url:

@@ -7,7 +7,10 @@ dead-lettering and acknowledging, and the Lua scripts behind the transitions. Th
 fields are `sluice.jobs`'; the heartbeat is `sluice.heartbeats`'.
 
 Transitions run in small scripts so that a cancel racing a worker, or a job delivered twice, still
-ends with exactly one final record: a final state is never overwritten.
+ends with exactly one final record: a final state is never overwritten. Each script touches the
+keys of one version's slot only (its streams, its outbox, its jobs' records: `sluice.keys`), so
+they run unchanged on a Redis Cluster; what spans slots (a tenant's quota places, shadow copies to
+another version) is written beside them, in a second round trip (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -15,18 +18,16 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any
 
 import redis.asyncio as aioredis
 
 from sluice import events, heartbeats, keys, samples
 from sluice.connections import translate_redis_errors
 from sluice.errors import BrokerError
-from sluice.idempotency import IdempotencyClaim
-from sluice.jobs import JobRecord
+from sluice.jobs import SHADOW_TENANT, JobRecord
 from sluice.keys import Lane
 from sluice.outbox import QUEUE_WEBHOOK
-from sluice.quota import TENANT_LUA, TenantLimits, frees_at
 from sluice.redact import scrub
 
 DEAD_LETTER_MAXLEN = 100_000
@@ -44,8 +45,8 @@ local function ack_and_drop(ids_by_lane, group)
 end
 """
 
-# KEYS: the webhook outbox, the version's dead-letter stream, its online and bulk streams, then per
-# entry its job hash and its tenant's queued set. ARGV: now, worker, max_deliveries, the events
+# KEYS: the version's webhook outbox, its dead-letter stream, its online and bulk streams, then per
+# entry its job hash. ARGV: now, worker, max_deliveries, the events
 # channel, the group, the dead letters' cap, then per entry its lane (1 online, 2 bulk), entry id
 # and job id. Per entry: queued/running -> running, announced, and the input handed back ({'run',
 # input, attempts}). A job already final answers its state ({state}), a vanished one {'missing'};
@@ -54,11 +55,10 @@ end
 # is acknowledged and deleted in the same step, so claiming a read is one round trip.
 CLAIM_SCRIPT = QUEUE_WEBHOOK + events.JOB_CHANGED_LUA + ACK_AND_DROP_LUA + """
 local now, worker, max_deliveries, channel = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
-local function claim(job, queued)
+local function claim(job)
   local s = redis.call('HGET', job, 'status')
   if not s then return {'missing'} end
   if s ~= 'queued' and s ~= 'running' then return {s} end
-  if s == 'queued' then redis.call('ZREM', queued, redis.call('HGET', job, 'id')) end
   local deadline = tonumber(redis.call('HGET', job, 'deadline') or '')
   if deadline and tonumber(now) > deadline then
     redis.call('HSET', job, 'status', 'expired', 'finished_at', now,
@@ -80,10 +80,10 @@ local function claim(job, queued)
   return {'run', redis.call('HGET', job, 'input'), tostring(attempts + 1)}
 end
 local replies, settled = {}, {{}, {}}
-for e = 1, (#KEYS - 4) / 2 do
+for e = 1, #KEYS - 4 do
   local a = 3 * e + 4
   local lane, entry, id = tonumber(ARGV[a]), ARGV[a + 1], ARGV[a + 2]
-  local reply = claim(KEYS[2 * e + 3], KEYS[2 * e + 4])
+  local reply = claim(KEYS[e + 4])
   if reply[1] == 'run' then
     job_changed(channel, id, 'running')
   else
@@ -101,20 +101,19 @@ ack_and_drop(settled, ARGV[5])
 return replies
 """
 
-# KEYS: the webhook outbox, the version's samples stream, its online and bulk streams, then per job
-# its hash, followed by its shadow copy's hash and stream when it carries one, then the hashes of
-# the faulted jobs. ARGV: ttl_s, the events channel, the group, the samples' cap, started_at,
-# finished_at, model_ms, batch_size, close_reason, the number of jobs; per job its id, lane (1
-# online, 2 bulk), entry id, status, output or '', error or '', '1' to announce it or '', then
-# three field lists, each its number of fields and the fields (`_flat`): its sample, its copy's
-# record and its copy's stream entry (both empty without a copy); then one message per faulted job.
+# KEYS: the version's webhook outbox, its samples stream, its online and bulk streams, then per job
+# its hash, then the hashes of the faulted jobs. ARGV: ttl_s, the events channel, the group, the
+# samples' cap, started_at, finished_at, model_ms, batch_size, close_reason, the number of jobs; per
+# job its id, lane (1 online, 2 bulk), entry id, status, output or '', error or '', '1' to announce
+# it or '', then its sample (its number of fields and the fields, `_flat`); then one message per
+# faulted job.
 # A whole batch in one atomic step: each outcome is written once (a job already final is left as
-# it is), and only the write that wins adds the job's webhook, event, sample and shadow copy, so a
-# job processed twice has one of each; a success whose record names a response-cache key (set at
-# submission, `sluice.response_cache`) stores its output there. Then every job's entry is
-# acknowledged and deleted: never before its outcome is stored. A faulted job gets no outcome and
-# keeps its entry; its message is noted for its dead letter. Answers, per job, 1 where this write
-# won, else 0.
+# it is), and only the write that wins adds the job's webhook, event and sample, so a job
+# processed twice has one of each (and the worker queues a shadow copy only for a write that won);
+# a success whose record names a response-cache key (set at submission, `sluice.response_cache`, a
+# key of the version's slot) stores its output there. Then every job's entry is acknowledged and
+# deleted: never before its outcome is stored. A faulted job gets no outcome and keeps its entry;
+# its message is noted for its dead letter. Answers, per job, 1 where this write won, else 0.
 FINISH_SCRIPT = QUEUE_WEBHOOK + events.JOB_CHANGED_LUA + ACK_AND_DROP_LUA + """
 local ttl, channel = tonumber(ARGV[1]), ARGV[2]
 local k, a = 5, 11
@@ -123,10 +122,7 @@ for j = 1, tonumber(ARGV[10]) do
   local job, id, lane, entry, status = KEYS[k], ARGV[a], tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 3]
   local output, err, announce = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
   local sample = a + 8
-  local record = sample + 2 * tonumber(ARGV[a + 7]) + 1
-  local copied = tonumber(ARGV[record - 1]) > 0
-  local entry_fields = record + 2 * tonumber(ARGV[record - 1]) + 1
-  a = entry_fields + 2 * tonumber(ARGV[entry_fields - 1])
+  a = sample + 2 * tonumber(ARGV[a + 7])
   local s = redis.call('HGET', job, 'status')
   won[j] = 0
   if s == 'queued' or s == 'running' then
@@ -141,15 +137,10 @@ for j = 1, tonumber(ARGV[10]) do
     queue_webhook(job, KEYS[1])
     redis.call('EXPIRE', job, ttl)
     if announce ~= '' then job_changed(channel, id, status) end
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, sample, record - 2))
-    if copied then
-      redis.call('HSET', KEYS[k + 1], unpack(ARGV, record, entry_fields - 2))
-      redis.call('EXPIRE', KEYS[k + 1], ttl)
-      redis.call('XADD', KEYS[k + 2], '*', unpack(ARGV, entry_fields, a - 1))
-    end
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, sample, a - 1))
     won[j] = 1
   end
-  if copied then k = k + 3 else k = k + 1 end
+  k = k + 1
   table.insert(acks[lane], entry)
 end
 ack_and_drop(acks, ARGV[3])
@@ -183,41 +174,30 @@ end
 return lost
 """
 
-# KEYS[1] job hash, KEYS[2] the tenant's queued set, KEYS[3] the webhook outbox; ARGV: now.
-# Only a queued job can be cancelled: answers 'ok', or the state that prevents it (an already
-# cancelled job included).
+# KEYS[1] job hash, KEYS[2] its version's webhook outbox; ARGV: now. Only a queued job can be
+# cancelled: answers 'ok', or the state that prevents it (an already cancelled job included). Its
+# quota place is freed by the caller (another slot).
 CANCEL_SCRIPT = QUEUE_WEBHOOK + """
 local s = redis.call('HGET', KEYS[1], 'status')
 if not s then return 'missing' end
 if s ~= 'queued' then return s end
-redis.call('ZREM', KEYS[2], redis.call('HGET', KEYS[1], 'id'))
 redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[1])
-queue_webhook(KEYS[1], KEYS[3])
+queue_webhook(KEYS[1], KEYS[2])
 return 'ok'
 """
 
-# KEYS[1] the tenant's queued-jobs set, KEYS[2] the Idempotency-Key when ARGV[1] is the completed
-# record ENQUEUE_SCRIPT wrote there (else ''), then the jobs' hashes. Undoes ENQUEUE_SCRIPT for
-# the jobs still queued (durable accept, when the fsync was not confirmed): each record and its
-# place in the quota go; the entry stays, and a worker settles it as `missing`. The key is freed
-# for a retry unless every job had been started (a retry with it then replays them). Answers how
-# many had been started.
+# KEYS: the jobs' hashes, of one version. Undoes QUEUE_SCRIPT for the jobs still queued (durable
+# accept, when the fsync was not confirmed): their records go; the entries stay, and a worker
+# settles them as `missing`. Answers the ids withdrawn, whose quota places the caller frees.
 WITHDRAW_SCRIPT = """
-local first = 2
-if ARGV[1] ~= '' then first = 3 end
-local started = 0
-for k = first, #KEYS do
+local withdrawn = {}
+for k = 1, #KEYS do
   if redis.call('HGET', KEYS[k], 'status') == 'queued' then
-    redis.call('ZREM', KEYS[1], redis.call('HGET', KEYS[k], 'id'))
+    withdrawn[#withdrawn + 1] = redis.call('HGET', KEYS[k], 'id')
     redis.call('DEL', KEYS[k])
-  else
-    started = started + 1
   end
 end
-if first == 3 and started < #KEYS - 2 and redis.call('GET', KEYS[2]) == ARGV[1] then
-  redis.call('DEL', KEYS[2])
-end
-return started
+return withdrawn
 """
 
 
@@ -310,58 +290,50 @@ class Finished:
     error: bytes | str
     sample: samples.Sample
     announce: bool = True  # publish the final state (a shadow copy's is nobody's to wait for)
-    copy: JobRecord | None = None  # a shadow copy, queued only if this write wins
+    copy: JobRecord | None = None  # a shadow copy, queued (`queue_copies`) only if this write wins
 
 
-# KEYS[1] the lane stream, KEYS[2] the tenant's queued set, KEYS[3] its rate bucket, then the
-# Idempotency-Key record if ARGV[6] is not '', then one job hash per job. ARGV: now, max_queued,
-# rate/s, burst, result_ttl_s, the key's in-progress marker or '', its completed record,
-# idempotency_ttl_s; the record fields every job shares (their number, then name, value pairs),
-# the entry fields every job shares (likewise); then per job: id, when its quota place frees
-# (`quota.frees_at`), the number of its own record fields and the fields, the number of its own
-# entry fields and the fields. (The jobs of one submission differ in little more than id and
-# input: sent once, the shared fields cut a bulk submission's arguments by two thirds.)
-# Checks, then charges, in this order: the key is still this request's claim ({'lost'}), the
-# quota ({'quota', queued jobs}), the rate ({'rate', seconds to wait}); then writes every record,
-# entry and quota place, and completes the key: {'ok'}. A refusal writes nothing.
-ENQUEUE_SCRIPT = TENANT_LUA + """
-local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[5])
-local first = 4
-if ARGV[6] ~= '' then
-  if redis.call('GET', KEYS[4]) ~= ARGV[6] then return {'lost'} end
-  first = 5
-end
-local count = #KEYS - first + 1
-local queued = queued_jobs(KEYS[2], ARGV[1])
-if queued + count > tonumber(ARGV[2]) then return {'quota', queued} end
-local wait = take_tokens(KEYS[3], tonumber(ARGV[3]), tonumber(ARGV[4]), now, count)
-if wait then return {'rate', tostring(wait)} end
-local n = tonumber(ARGV[9])
-local record = {unpack(ARGV, 10, 9 + 2 * n)}
-local i = 10 + 2 * n
+# KEYS[1] the lane stream, KEYS[2] the version's webhook outbox, then one job hash per queued job,
+# then one per job answered from the response cache. ARGV: result_ttl_s, the number of queued
+# jobs; the record fields every queued job shares (their number, then name, value pairs), the entry
+# fields every one shares (likewise); then per queued job the number of its own record fields and
+# the fields, the number of its own entry fields and the fields; then per answered job its record
+# (the number of fields, then the fields). (The jobs of one submission differ in little more than
+# id and input: sent once, the shared fields cut a bulk submission's arguments by two thirds.)
+# Writes every record, then its entry, in one atomic step: a worker that reads an entry always
+# finds its job, and a submission is queued whole or not at all. The answered jobs are written
+# final with their webhooks queued, as the other scripts that make a job final do; no job-final
+# event: nobody can be waiting on a job whose id has not been answered yet. The tenant's admission
+# (quota, rate, Idempotency-Key) is checked and charged before, in its own slot (`sluice.quota`).
+QUEUE_SCRIPT = QUEUE_WEBHOOK + """
+local ttl, count = tonumber(ARGV[1]), tonumber(ARGV[2])
+local n = tonumber(ARGV[3])
+local record = {unpack(ARGV, 4, 3 + 2 * n)}
+local i = 4 + 2 * n
 local m = tonumber(ARGV[i])
 local entry = {unpack(ARGV, i + 1, i + 2 * m)}
 i = i + 1 + 2 * m
-for k = first, #KEYS do
-  local id, frees_at, own = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
-  redis.call('HSET', KEYS[k], unpack(ARGV, i + 3, i + 2 + 2 * own))
+for k = 3, 2 + count do
+  local own = tonumber(ARGV[i])
+  redis.call('HSET', KEYS[k], unpack(ARGV, i + 1, i + 2 * own))
   if n > 0 then redis.call('HSET', KEYS[k], unpack(record)) end
   redis.call('EXPIRE', KEYS[k], ttl)
-  i = i + 3 + 2 * own
+  i = i + 1 + 2 * own
   own = tonumber(ARGV[i])
   local fields = {unpack(ARGV, i + 1, i + 2 * own)}
   for _, part in ipairs(entry) do fields[#fields + 1] = part end
   redis.call('XADD', KEYS[1], '*', unpack(fields))
   i = i + 1 + 2 * own
-  redis.call('ZADD', KEYS[2], frees_at, id)
 end
-redis.call('EXPIRE', KEYS[2], ttl)
-if first == 5 then redis.call('SET', KEYS[4], ARGV[7], 'EX', ARGV[8]) end
-return {'ok'}
+for h = 3 + count, #KEYS do
+  local own = tonumber(ARGV[i])
+  redis.call('HSET', KEYS[h], unpack(ARGV, i + 1, i + 2 * own))
+  redis.call('EXPIRE', KEYS[h], ttl)
+  queue_webhook(KEYS[h], KEYS[2])
+  i = i + 1 + 2 * own
+end
+return 1
 """
-
-EnqueueVerdict = Literal["ok", "lost", "quota", "rate"]
-
 
 def queue_jobs(pipe: Any, records: Sequence[JobRecord], *, result_ttl_s: int) -> None:
     """Add the commands that queue `records` to a pipeline, unchecked and outside any quota (jobs
@@ -377,6 +349,33 @@ def queue_jobs(pipe: Any, records: Sequence[JobRecord], *, result_ttl_s: int) ->
         pipe.xadd(keys.stream(record.model, record.version, record.lane), StreamEntry.of(record).to_fields())  # type: ignore[arg-type]
 
 
+async def free_places(redis: aioredis.Redis, jobs: Sequence[tuple[str, str]]) -> None:
+    """Free the quota places of (tenant, job id) pairs whose jobs left `queued` (started,
+    settled or cancelled): a tenant's places live in its own slot, not the job's, so this follows
+    the script that moved the job, in a second round trip. Freeing a place twice, or one never
+    taken, does nothing; a place this never frees (its process died in between) frees itself at
+    its score (`sluice.quota`)."""
+    by_tenant: dict[str, list[str]] = {}
+    for tenant, job_id in jobs:
+        if tenant != SHADOW_TENANT:
+            by_tenant.setdefault(tenant, []).append(job_id)
+    if not by_tenant:
+        return
+    pipe = redis.pipeline(transaction=False)
+    for tenant, job_ids in by_tenant.items():
+        pipe.zrem(keys.queued_jobs(tenant), *job_ids)
+    await pipe.execute()
+
+
+async def queue_copies(redis: aioredis.Redis, copies: Sequence[JobRecord], *, result_ttl_s: int) -> None:
+    """Queue shadow copies, once their primaries' outcomes are stored. A copy goes to another
+    version, another slot: a worker that dies between the two round trips loses the copies of
+    that batch (shadow traffic is a sample; the primaries are stored)."""
+    pipe = redis.pipeline(transaction=False)
+    queue_jobs(pipe, copies, result_ttl_s=result_ttl_s)
+    await pipe.execute()
+
+
 def _flat(fields: Mapping[str, str]) -> list[str]:
     return [str(len(fields)), *(part for pair in fields.items() for part in pair)]
 
@@ -390,39 +389,32 @@ def _shared(rows: Sequence[Mapping[str, str]]) -> tuple[dict[str, str], list[dic
     return shared, [{name: value for name, value in row.items() if name not in shared} for row in rows]
 
 
-def enqueue_call(records: Sequence[JobRecord], *, limits: TenantLimits, now: float, result_ttl_s: int,
-                 idempotency: IdempotencyClaim | None, idempotency_ttl_s: int,
-                 answers: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
-    """KEYS and ARGV of ENQUEUE_SCRIPT for one submission: one tenant's jobs, for one lane of one
-    version (so the stream and the tenant's keys are the same for all). `answers`: the job ids the
-    Idempotency-Key replays, when the submission made more jobs than these (cache hits)."""
+def queue_call(records: Sequence[JobRecord], *, result_ttl_s: int) -> tuple[list[str], list[str]]:
+    """KEYS and ARGV of QUEUE_SCRIPT for one submission: one tenant's jobs, for one lane of one
+    version (so the stream and the outbox are the same for all), those answered from the response
+    cache (`cache_hit`) among them."""
     first = records[0]
     if any((r.tenant, r.model, r.version, r.lane) != (first.tenant, first.model, first.version, first.lane)
            for r in records):
         raise ValueError("one submission queues one tenant's jobs on one lane of one version")
+    queued = [record for record in records if not record.cache_hit]
+    hits = [record for record in records if record.cache_hit]
     script_keys = [keys.stream(first.model, first.version, first.lane),  # type: ignore[arg-type]
-                   keys.queued_jobs(limits.tenant), keys.rate_bucket(limits.tenant)]
-    args = [repr(now), str(limits.max_queued), repr(limits.rate_per_s), str(limits.burst), str(result_ttl_s)]
-    if idempotency is None:
-        args += ["", "", ""]
+                   keys.outbox(first.model, first.version)]
+    args = [str(result_ttl_s), str(len(queued))]
+    if queued:
+        shared_record, own_records = _shared([record.to_redis() for record in queued])
+        shared_entry, own_entries = _shared([StreamEntry.of(record).to_fields() for record in queued])
+        args += [*_flat(shared_record), *_flat(shared_entry)]
+        for record, own_record, own_entry in zip(queued, own_records, own_entries, strict=True):
+            script_keys.append(keys.job(record.id))
+            args += [*_flat(own_record), *_flat(own_entry)]
     else:
-        script_keys.append(idempotency.redis_key)
-        job_ids = [r.id for r in records] if answers is None else list(answers)
-        args += [idempotency.marker, idempotency.completed(job_ids), str(idempotency_ttl_s)]
-    shared_record, own_records = _shared([record.to_redis() for record in records])
-    shared_entry, own_entries = _shared([StreamEntry.of(record).to_fields() for record in records])
-    args += [*_flat(shared_record), *_flat(shared_entry)]
-    for record, own_record, own_entry in zip(records, own_records, own_entries, strict=True):
-        script_keys.append(keys.job(record.id))
-        args += [record.id, repr(frees_at(record, result_ttl_s=result_ttl_s)), *_flat(own_record), *_flat(own_entry)]
+        args += ["0", "0"]
+    for hit in hits:
+        script_keys.append(keys.job(hit.id))
+        args += _flat(hit.to_redis())
     return script_keys, args
-
-
-def enqueue_verdict(reply: list[Any]) -> tuple[EnqueueVerdict, float]:
-    """ENQUEUE_SCRIPT's verdict, with the tenant's queued jobs (`quota`) or the seconds until its
-    tokens are there (`rate`)."""
-    verdict = cast(EnqueueVerdict, _text(reply[0]))
-    return verdict, float(_text(reply[1]) or 0) if len(reply) > 1 else 0.0
 
 
 def _lane_streams(model: str, version: str) -> list[str]:
@@ -437,10 +429,10 @@ def _lane_number(lane: Lane) -> str:
 def claim_call(model: str, version: str, delivered: Sequence[Delivered], *, now: float, worker: str,
                max_deliveries: int, channel: str) -> tuple[list[str], list[str]]:
     """KEYS and ARGV of CLAIM_SCRIPT for entries of one version."""
-    script_keys = [keys.WEBHOOK_OUTBOX, keys.dead_stream(model, version), *_lane_streams(model, version)]
+    script_keys = [keys.outbox(model, version), keys.dead_stream(model, version), *_lane_streams(model, version)]
     args = [repr(now), worker, str(max_deliveries), channel, keys.GROUP, str(DEAD_LETTER_MAXLEN)]
     for item in delivered:
-        script_keys += [keys.job(item.entry.job_id), keys.queued_jobs(item.entry.tenant)]
+        script_keys.append(keys.job(item.entry.job_id))
         args += [_lane_number(item.lane), item.entry_id, item.entry.job_id]
     return script_keys, args
 
@@ -463,7 +455,7 @@ def finish_call(model: str, version: str, jobs: Sequence[Finished], *, faults: S
                 close_reason: str) -> tuple[list[str], list[bytes | str]]:
     """KEYS and ARGV of FINISH_SCRIPT for one batch of one version; `faults` are (job id, message)
     of the jobs whose run faulted."""
-    script_keys = [keys.WEBHOOK_OUTBOX, keys.stats(model, version), *_lane_streams(model, version)]
+    script_keys = [keys.outbox(model, version), keys.stats(model, version), *_lane_streams(model, version)]
     args: list[bytes | str] = [
         str(result_ttl_s), channel, keys.GROUP, str(samples.SAMPLES_MAXLEN), repr(started), repr(finished),
         repr(model_ms), str(batch_size), close_reason, str(len(jobs)),
@@ -472,12 +464,6 @@ def finish_call(model: str, version: str, jobs: Sequence[Finished], *, faults: S
         script_keys.append(keys.job(job.job_id))
         args += [job.job_id, _lane_number(job.lane), job.entry_id, job.status, job.output, job.error,
                  "1" if job.announce else "", *_flat(job.sample.to_fields())]
-        if job.copy is None:
-            args += ["0", "0"]
-        else:
-            script_keys += [keys.job(job.copy.id),
-                            keys.stream(job.copy.model, job.copy.version, job.copy.lane)]  # type: ignore[arg-type]
-            args += [*_flat(job.copy.to_redis()), *_flat(StreamEntry.of(job.copy).to_fields())]
     for job_id, message in faults:
         script_keys.append(keys.job(job_id))
         args.append(scrub(message)[:500])
@@ -513,7 +499,10 @@ class StreamConsumer:
         self._refresh = redis.register_script(REFRESH_SCRIPT)
 
     async def ensure_groups(self) -> None:
-        """Create the consumer group on both lanes (and the streams) if missing."""
+        """Create the consumer group on both lanes (and the streams) if missing, and make the
+        version's webhook outbox known to the relays."""
+        with translate_redis_errors():
+            await self.redis.sadd(keys.WEBHOOK_OUTBOXES, keys.outbox(self.model, self.version))
         for stream_name in self.streams.values():
             try:
                 with translate_redis_errors():
@@ -557,6 +546,7 @@ class StreamConsumer:
         # the server whether it knows it (SCRIPT EXISTS), one more round trip every time.
         with translate_redis_errors():
             reply = await self._claim(keys=script_keys, args=args)
+            await free_places(self.redis, [(item.entry.tenant, item.entry.job_id) for item in delivered])
         return parse_claims(reply)
 
     async def finish(self, jobs: Sequence[Finished], *, faults: Sequence[tuple[str, str]], started: float,
@@ -568,8 +558,11 @@ class StreamConsumer:
                                         result_ttl_s=self.result_ttl_s, started=started, finished=finished,
                                         model_ms=model_ms, batch_size=batch_size, close_reason=close_reason)
         with translate_redis_errors():
-            reply = await self._finish(keys=script_keys, args=args)
-        return [bool(won) for won in reply]
+            won = [bool(each) for each in await self._finish(keys=script_keys, args=args)]
+            copies = [job.copy for job, wins in zip(jobs, won, strict=True) if wins and job.copy is not None]
+            if copies:
+                await queue_copies(self.redis, copies, result_ttl_s=self.result_ttl_s)
+        return won
 
     def ack(self, pipe: Any, entries: Iterable[tuple[Lane, str]]) -> None:
         """Acknowledge and delete: XLEN then equals the backlog the scheduler and admission read."""

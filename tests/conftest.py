@@ -27,6 +27,7 @@ from sqlalchemy import text
 
 from launch.seed import Seeded, seed
 from sluice import keys
+from sluice.connections import cluster_url, connect_sync
 from sluice.registry.store import Registry
 from sluice.settings import Settings
 from tests.support import (
@@ -95,8 +96,17 @@ def database_url() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    """SLUICE_TEST_REDIS_URL on a DB index of this session's own, flushed at session start."""
-    parts = urlsplit(os.environ.get("SLUICE_TEST_REDIS_URL", DEFAULT_REDIS_URL))
+    """SLUICE_TEST_REDIS_URL on a DB index of this session's own, flushed at session start.
+
+    A cluster URL (`redis+cluster://`, tests/test_cluster.py runs part of the suite so) has one
+    database: the session must have the cluster to itself, and flushes all of it."""
+    configured = os.environ.get("SLUICE_TEST_REDIS_URL", DEFAULT_REDIS_URL)
+    if cluster_url(configured) is not None:
+        with connect_sync(configured) as cluster:
+            cluster.flushall()
+        yield configured
+        return
+    parts = urlsplit(configured)
     base = redis.Redis.from_url(urlunsplit(parts))
     base_db = int(parts.path.strip("/") or 0)
     token = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
@@ -126,7 +136,7 @@ def redis_url() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def rds(redis_url: str) -> Iterator[redis.Redis]:
     """A plain synchronous client for assertions on the wire contract (str replies)."""
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client = connect_sync(redis_url, decode_responses=True)
     yield client
     client.close()
 
@@ -149,7 +159,7 @@ def feeder(settings: Settings) -> Iterator[Callable[..., BatchFeeder]]:
             "max_running": 8, "lease_s": 30.0, "checkpoint_s": 0.2, "result_ttl_s": 600,
             "max_text_chars": settings.max_text_chars, **overrides,
         }
-        made.append(BatchFeeder(redis=redis.Redis.from_url(settings.require_redis_url()),
+        made.append(BatchFeeder(redis=connect_sync(settings.require_redis_url()),
                                 registry=Registry(url=settings.require_database_url(), pool_size=4), **options))
         return made[-1]
 

@@ -35,7 +35,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 from sluice import events, keys
-from sluice.jobs import JobRecord, JobStatus, new_job_id
+from sluice.jobs import JobRecord, JobStatus
+from sluice.keys import new_job_id
 from sluice.kinds import token_estimate
 from sluice.migrate import upgrade
 from sluice.registry.store import normalise_url
@@ -330,7 +331,7 @@ async def queue_in_redis(redis: aioredis.Redis, model: str, inputs: list[dict[st
                          tenant: str = "demo", shadow: str | None = None) -> list[str]:
     """Queue jobs as the API does (record, then stream entry), without the API; answer their ids."""
     now = time.time()
-    records = [JobRecord(id=new_job_id(), tenant=tenant, model=model, version=version, lane="online",
+    records = [JobRecord(id=new_job_id(model, version), tenant=tenant, model=model, version=version, lane="online",
                          status=JobStatus.queued, input=given, enqueued_at=now, cost=token_estimate(given["text"]),
                          shadow=shadow) for given in inputs]
     pipe = redis.pipeline(transaction=False)
@@ -340,12 +341,13 @@ async def queue_in_redis(redis: aioredis.Redis, model: str, inputs: list[dict[st
 
 
 def claim_one(rds: redis.Redis, model: str, job_id: str, tenant: str, *, worker: str = "worker-x") -> list[Any]:
-    """What a worker's claim does to one job (StreamConsumer.claim, with a made-up entry id):
-    its verdict, `[verdict, ...]`."""
+    """What a worker's claim does to one job (StreamConsumer.claim, with a made-up entry id): the
+    claim script, then its quota place freed (`streams.free_places`); its verdict, `[verdict, ...]`."""
     delivered = Delivered("online", "0-1", StreamEntry(job_id=job_id, tenant=tenant, cost=1, enqueued_at=time.time()))
     script_keys, args = claim_call(model, "v1", [delivered], now=time.time(), worker=worker, max_deliveries=3,
                                    channel=events.channel(rds))
     [verdict] = rds.eval(CLAIM_SCRIPT, len(script_keys), *script_keys, *args)  # type: ignore[misc]
+    rds.zrem(keys.queued_jobs(tenant), job_id)
     return verdict  # type: ignore[no-any-return]
 
 

@@ -51,8 +51,9 @@ log = logging.getLogger(__name__)
 CHUNK_ROWS = 128
 
 
-def job_id(batch_id: str, row: int) -> str:
-    return f"job_{batch_id.removeprefix('bat_')}_{row}"
+def job_id(batch_id: str, row: int, *, model: str, version: str) -> str:
+    """A row's job id: the same for every feeder of the batch, in its version's slot (`sluice.keys`)."""
+    return f"job_{keys.version_code(model, version)}.{batch_id.removeprefix('bat_')}_{row}"
 
 
 def callback_delivery_id(batch_id: str) -> str:
@@ -253,14 +254,16 @@ class BatchFeeder:
         except InvalidInput as exc:
             return _Slot(row.row, error=error_json(exc.code, exc.message))
         return _Slot(row.row, record=JobRecord(
-            id=job_id(run.id, row.row), tenant=run.tenant, model=run.model, version=run.version, lane="bulk",
+            id=job_id(run.id, row.row, model=run.model, version=run.version), tenant=run.tenant, model=run.model,
+            version=run.version, lane="bulk",
             status=JobStatus.queued, input=canonical, cost=cost, enqueued_at=self.clock(),
             metadata={"batch": run.id, "row": row.row}, request_id=run.id))
 
     def _queue(self, records: list[JobRecord]) -> None:
         if not records:
             return
-        # One transaction: a record without its stream entry would wait forever.
+        # One transaction (the records and the stream share the version's slot): a record without
+        # its stream entry would wait forever.
         with translate_redis_errors():
             pipe = self.redis.pipeline(transaction=True)
             queue_jobs(pipe, records, result_ttl_s=self.result_ttl_s)
@@ -325,8 +328,8 @@ class BatchFeeder:
         with translate_redis_errors():
             for slot in run.window:
                 if slot.record is not None:
-                    self._cancel(keys=[keys.job(slot.record.id), keys.queued_jobs(run.tenant), keys.WEBHOOK_OUTBOX],
-                                 args=[now])
+                    # A batch's jobs take no quota places (`queue_jobs`): there is none to free.
+                    self._cancel(keys=[keys.job(slot.record.id), keys.outbox(run.model, run.version)], args=[now])
 
     def _checkpoint(self, run: _Run, owner: str, out: Any) -> None:
         out.flush()

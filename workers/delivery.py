@@ -25,7 +25,7 @@ import httpx
 import redis as redis_sync
 
 from sluice import keys
-from sluice.connections import translate_redis_errors
+from sluice.connections import connect_sync, translate_redis_errors
 from sluice.errors import SluiceError
 from sluice.jobs import JobRecord
 from sluice.metrics import WEBHOOK_ATTEMPTS
@@ -174,8 +174,7 @@ class Deliverer:
     def from_settings(cls, settings: Settings) -> Deliverer:
         timeout = httpx.Timeout(settings.webhook_timeout_s)
         return cls(
-            redis=redis_sync.Redis.from_url(settings.require_redis_url(), socket_timeout=5.0,
-                                            socket_connect_timeout=2.0, health_check_interval=15),
+            redis=connect_sync(settings.require_redis_url(), health_check_interval=15),
             registry=Registry(url=settings.require_database_url(), pool_size=2),
             # No keep-alive: connections are made to a pinned address, and one verified for one
             # host name must not carry a request for another name that resolves there too. No

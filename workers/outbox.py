@@ -1,12 +1,17 @@
 """The webhook relay: outbox stream entries in, Celery tasks out.
 
-The scripts that make a job final append `{delivery, job}` to `keys.WEBHOOK_OUTBOX` in the same
-atomic step (`sluice.outbox`). The relay reads that stream with the `relay` consumer group,
-publishes one `deliver_webhook` task per entry with the delivery id as the task id, and only then
+The scripts that make a job final append `{delivery, job}` to their version's outbox
+(`keys.outbox`) in the same atomic step (`sluice.outbox`); batch callbacks go to the shared one
+(`keys.WEBHOOK_OUTBOX`). The relay reads every outbox named in `keys.WEBHOOK_OUTBOXES` (rereading
+the set every few seconds) and the shared one, each with the `relay` consumer group, publishes
+one `deliver_webhook` task per entry with the delivery id as the task id, and only then
 acknowledges the entry, so a relay that dies in between leaves the entry pending and another
 relay takes it over with XAUTOCLAIM. Such an entry may be published twice; the task is a no-op
 for a delivery that is done or already running (workers/delivery.py). Publishing is a plain callable,
 so the relay runs and is tested without Celery.
+
+The outboxes live in different slots, so the relay reads them one command each (pipelined), not
+with one blocking XREADGROUP over all: with nothing to relay it sleeps `idle_s` between reads.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ class OutboxRelay:
         name: str | None = None,
         claim_after_s: float = 30.0,
         batch_size: int = 100,
-        block_ms: int = 1000,
+        idle_s: float = 0.05,
+        discover_s: float = 2.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.redis = redis
@@ -54,13 +60,16 @@ class OutboxRelay:
         self.name = name or relay_name()
         self.claim_after_s = claim_after_s
         self.batch_size = batch_size
-        self.block_ms = block_ms
+        self.idle_s = idle_s
+        self.discover_s = discover_s
         self.clock = clock
         self.relayed = 0
         # A threading.Event: the Celery worker stops the relay from its own thread.
         self._stopping = threading.Event()
         self._last_claim = 0.0
-        # Entries this consumer read but could not publish are re-read from its own pending list.
+        self._last_discovery = -discover_s
+        self._outboxes: list[str] = []
+        # Entries this consumer read but could not publish are re-read from its own pending lists.
         self._own_pending = True
 
     def request_stop(self) -> None:
@@ -78,7 +87,7 @@ class OutboxRelay:
                 backoff = 0.1
             except Exception as exc:
                 # A relay that stopped would silently stop every webhook: log, back off, go on.
-                # (A Redis that lost its data also lost the group: make it again.)
+                # (A Redis that lost its data also lost the groups: make them again.)
                 grouped = False
                 if backoff <= 0.1:
                     log.warning("relay %s: %s; retrying with backoff", self.name, exc,
@@ -87,34 +96,46 @@ class OutboxRelay:
                 backoff = min(backoff * 2, 5.0)
 
     async def ensure_group(self) -> None:
-        try:
-            with translate_redis_errors():
-                await self.redis.xgroup_create(keys.WEBHOOK_OUTBOX, keys.RELAY_GROUP, id="0", mkstream=True)
-        except BrokerError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        """Learn the outboxes (`keys.WEBHOOK_OUTBOXES`, and the shared one) and make the relay
+        group on each."""
+        self._last_discovery = self.clock()
+        with translate_redis_errors():
+            named = await self.redis.smembers(keys.WEBHOOK_OUTBOXES)
+        outboxes = [keys.WEBHOOK_OUTBOX, *sorted(_text(name) for name in named)]
+        for outbox in outboxes:
+            try:
+                with translate_redis_errors():
+                    await self.redis.xgroup_create(outbox, keys.RELAY_GROUP, id="0", mkstream=True)
+            except BrokerError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        self._outboxes = outboxes
 
     async def relay_once(self, *, block: bool = True) -> int:
-        """Publish one batch of entries (waiting up to block_ms for new ones); answer how many."""
-        entries: list[Entry] = []
+        """Publish one batch of entries (sleeping idle_s first when there are none); answer how many."""
+        if self.clock() - self._last_discovery >= self.discover_s:
+            await self.ensure_group()
+        entries: list[tuple[str, Entry]] = []
         if self.clock() - self._last_claim >= self.claim_after_s / 2:
             entries = await self._reclaim()
         if not entries and self._own_pending:
-            entries = await self._read("0", block=None)
+            entries = await self._read("0")
             self._own_pending = bool(entries)
         if not entries:
-            entries = await self._read(">", block=self.block_ms if block else None)
+            entries = await self._read(">")
         if not entries:
+            if block:
+                await asyncio.sleep(self.idle_s)
             return 0
-        published: list[bytes] = []
+        published: list[tuple[str, bytes]] = []
         try:
-            for entry_id, fields in entries:
+            for outbox, (entry_id, fields) in entries:
                 entry = OutboxEntry.from_fields(fields)
                 if entry is not None:
                     await asyncio.to_thread(self.publish, entry.delivery_id, entry.job_id)
                 else:
                     log.warning("relay %s: dropping malformed outbox entry %s", self.name, entry_id.decode())
-                published.append(entry_id)
+                published.append((outbox, entry_id))
         except BaseException:
             self._own_pending = True
             raise
@@ -123,35 +144,49 @@ class OutboxRelay:
         self.relayed += len(published)
         return len(published)
 
-    async def _read(self, start: str, *, block: int | None) -> list[Entry]:
+    async def _read(self, start: str) -> list[tuple[str, Entry]]:
         with translate_redis_errors():
-            reply: list[Any] = await self.redis.xreadgroup(  # type: ignore[assignment]
-                keys.RELAY_GROUP, self.name, {keys.WEBHOOK_OUTBOX: start}, count=self.batch_size, block=block)
-        return [(entry_id, fields) for _, messages in reply or [] for entry_id, fields in messages if fields]
+            pipe = self.redis.pipeline(transaction=False)
+            for outbox in self._outboxes:
+                pipe.xreadgroup(keys.RELAY_GROUP, self.name, {outbox: start}, count=self.batch_size)
+            replies: list[Any] = await pipe.execute()
+        return [(outbox, (entry_id, fields))
+                for outbox, reply in zip(self._outboxes, replies, strict=True)
+                for _, messages in reply or [] for entry_id, fields in messages if fields]
 
-    async def _reclaim(self) -> list[Entry]:
+    async def _reclaim(self) -> list[tuple[str, Entry]]:
         """Take over what a dead relay read and never acknowledged; forget long-gone relays."""
         self._last_claim = self.clock()
         idle_ms = int(self.claim_after_s * 1000)
-        with translate_redis_errors():
-            reply = await self.redis.xautoclaim(keys.WEBHOOK_OUTBOX, keys.RELAY_GROUP, self.name,
-                                                min_idle_time=idle_ms, start_id="0-0", count=self.batch_size)
-            consumers = await self.redis.xinfo_consumers(keys.WEBHOOK_OUTBOX, keys.RELAY_GROUP)
-            for consumer in consumers:
-                name = consumer["name"].decode() if isinstance(consumer["name"], bytes) else consumer["name"]
-                if name != self.name and consumer["pending"] == 0 and consumer["idle"] > 20 * idle_ms:
-                    await self.redis.xgroup_delconsumer(keys.WEBHOOK_OUTBOX, keys.RELAY_GROUP, name)
-        found = [(entry_id, fields) for entry_id, fields in reply[1] if fields]
+        found: list[tuple[str, Entry]] = []
+        for outbox in self._outboxes:
+            with translate_redis_errors():
+                reply = await self.redis.xautoclaim(outbox, keys.RELAY_GROUP, self.name, min_idle_time=idle_ms,
+                                                    start_id="0-0", count=self.batch_size)
+                consumers = await self.redis.xinfo_consumers(outbox, keys.RELAY_GROUP)
+                for consumer in consumers:
+                    name = _text(consumer["name"])
+                    if name != self.name and consumer["pending"] == 0 and consumer["idle"] > 20 * idle_ms:
+                        await self.redis.xgroup_delconsumer(outbox, keys.RELAY_GROUP, name)
+            found += [(outbox, (entry_id, fields)) for entry_id, fields in reply[1] if fields]
         if found:
             log.info("relay %s took over %d outbox entries", self.name, len(found))
         return found
 
-    async def _ack(self, entry_ids: Sequence[bytes]) -> None:
-        if not entry_ids:
+    async def _ack(self, entries: Sequence[tuple[str, bytes]]) -> None:
+        if not entries:
             return
+        by_outbox: dict[str, list[bytes]] = {}
+        for outbox, entry_id in entries:
+            by_outbox.setdefault(outbox, []).append(entry_id)
         with translate_redis_errors():
             pipe = self.redis.pipeline(transaction=False)
-            pipe.xack(keys.WEBHOOK_OUTBOX, keys.RELAY_GROUP, *entry_ids)
-            # Acknowledged entries are deleted, so XLEN of the outbox is what is still to relay.
-            pipe.xdel(keys.WEBHOOK_OUTBOX, *entry_ids)
+            for outbox, entry_ids in by_outbox.items():
+                pipe.xack(outbox, keys.RELAY_GROUP, *entry_ids)
+                # Acknowledged entries are deleted, so XLEN of an outbox is what is still to relay.
+                pipe.xdel(outbox, *entry_ids)
             await pipe.execute()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

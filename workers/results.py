@@ -22,7 +22,7 @@ import orjson
 from sluice import keys
 from sluice.batcher import Batch, Item
 from sluice.connections import translate_redis_errors
-from sluice.jobs import OUTPUT_FIELD, SHADOW_TENANT, JobRecord, JobStatus, new_job_id
+from sluice.jobs import OUTPUT_FIELD, SHADOW_TENANT, JobRecord, JobStatus
 from sluice.metrics import SHADOW_COPIES
 from sluice.quality import agreement, proxies
 from sluice.samples import Sample
@@ -118,9 +118,10 @@ class ResultWriter:
         return {job_id: orjson.loads(raw) for job_id, raw in zip(wanted, replies, strict=True) if raw}
 
     def _shadow_copy(self, delivery: Delivery, cost: int, now: float) -> JobRecord:
-        """The copy of a job for its shadow version, queued by FINISH_SCRIPT if the job's write wins."""
+        """The copy of a job for its shadow version, queued once the job's write wins (`StreamConsumer.finish`)."""
+        shadow = str(delivery.shadow)
         return JobRecord(
-            id=new_job_id(), tenant=SHADOW_TENANT, model=self.model, version=str(delivery.shadow),
+            id=keys.new_job_id(self.model, shadow), tenant=SHADOW_TENANT, model=self.model, version=shadow,
             lane="bulk", status=JobStatus.queued, input=delivery.input, cost=cost, enqueued_at=now,
             shadow_of=delivery.job_id, request_id=delivery.request_id,
         )

@@ -28,12 +28,11 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-import redis as redis_sync
 from celery import Celery, Task, bootsteps, signals
 from kombu.exceptions import KombuError
 
 from sluice import exposition
-from sluice.connections import connect
+from sluice.connections import connect, connect_sync
 from sluice.errors import BrokerError, BrokerUnavailable
 from sluice.logs import prepare_handler
 from sluice.registry.batches import to_dispatch
@@ -124,8 +123,8 @@ class _Runtime:
         with self._lock:
             if self._feeder is None:
                 self._feeder = BatchFeeder(
-                    redis=redis_sync.Redis.from_url(settings.require_redis_url(), socket_timeout=10.0,
-                                                    socket_connect_timeout=2.0, health_check_interval=15),
+                    redis=connect_sync(settings.require_redis_url(), socket_timeout_s=10.0,
+                                       health_check_interval=15),
                     registry=Registry(url=settings.require_database_url(), pool_size=4),
                     storage=settings.batch_storage, batch_root=settings.batch_root,
                     max_in_flight=settings.batch_max_in_flight, max_running=settings.batch_max_running,
@@ -201,8 +200,7 @@ def _metrics_step(runtime: _Runtime) -> type[bootsteps.StartStopStep]:
             settings = runtime.settings
             endpoint = exposition.serve_metrics(host=settings.metrics_host, port=settings.metrics_port)
             target = exposition.ScrapeTarget(address=endpoint.address, process="celery")
-            client = redis_sync.Redis.from_url(settings.require_redis_url(), socket_timeout=5.0,
-                                               socket_connect_timeout=2.0)
+            client = connect_sync(settings.require_redis_url())
 
             def advertise() -> None:
                 try:

@@ -19,10 +19,10 @@ from api.deps import AppState, CurrentKey, StateDep, checked_callback
 from api.middleware import StrictJsonRoute
 from api.resources import BulkAccepted, ErrorResource, JobResource
 from api.responses import JsonResponse
-from sluice import response_cache
+from sluice import keys, response_cache
 from sluice.errors import Conflict, InvalidInput, JobExpired, PayloadTooLarge, ServiceUnavailable, TooManyRequests
 from sluice.idempotency import IdempotencyClaim
-from sluice.jobs import JobRecord, JobStatus, JobView, new_job_id
+from sluice.jobs import JobRecord, JobStatus, JobView
 from sluice.keys import Lane
 from sluice.kinds import SCHEMA_KINDS, ModelKind, validate_input
 from sluice.logs import current_request_id
@@ -140,7 +140,7 @@ async def _queue(
     request_id = current_request_id()
     records = []
     for canonical, cost in validated:
-        job_id = new_job_id()
+        job_id = keys.new_job_id(model, version.version)
         records.append(JobRecord(
             id=job_id, tenant=key.tenant, model=model, version=version.version,
             lane=options.lane, status=JobStatus.queued, input=canonical, cost=cost, enqueued_at=now,
@@ -310,7 +310,7 @@ async def job_events(job_id: str, key: CurrentKey, state: StateDep) -> Streaming
 @router.delete("/jobs/{job_id}", response_model=JobResource, response_model_exclude_unset=True)
 async def cancel_job(job_id: str, key: CurrentKey, state: StateDep) -> dict[str, Any]:
     record = await state.broker.get_for_tenant(job_id, key.tenant)
-    blocking = await state.broker.cancel(job_id, key.tenant)
+    blocking = await state.broker.cancel(record)
     if blocking is not None:
         raise Conflict(f"job '{job_id}' is {blocking}; only a queued job can be cancelled")
     JOBS_FINISHED.labels(record.model, record.version, JobStatus.cancelled.value).inc()

@@ -21,7 +21,8 @@ import redis
 
 from sluice import keys
 from sluice.heartbeats import live_since
-from sluice.jobs import JobRecord, JobStatus, new_job_id
+from sluice.jobs import JobRecord, JobStatus
+from sluice.keys import new_job_id
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.streams import queue_jobs
@@ -79,8 +80,8 @@ def scheduler(database_url: str, redis_url: str, home: Path, *, slots: int) -> I
 
 def queue(client: redis.Redis, model: str, count: int, tenants: tuple[str, ...] = ("demo",)) -> list[str]:
     now = time.time()
-    records = [JobRecord(id=new_job_id(), tenant=tenants[i % len(tenants)], model=model, version=VERSION, lane="online",
-                         status=JobStatus.queued, input={"text": f"burst {i}"}, enqueued_at=now, cost=2)
+    records = [JobRecord(id=new_job_id(model, VERSION), tenant=tenants[i % len(tenants)], model=model, version=VERSION,
+                         lane="online", status=JobStatus.queued, input={"text": f"burst {i}"}, enqueued_at=now, cost=2)
                for i in range(count)]
     pipe = client.pipeline(transaction=False)
     queue_jobs(pipe, records, result_ttl_s=600)

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from sluice import keys
-from sluice.jobs import new_job_id
+from sluice.keys import new_job_id
 
 ID_PATTERN = re.compile(r"^job_[A-Za-z0-9_-]{22,}$")
 # Headers that legitimately differ between two answers (sizes differ with the id's length only).
@@ -50,7 +50,7 @@ def test_another_tenants_job_answers_exactly_like_a_missing_one(
     two_tenants: tuple[str, httpx.Client, httpx.Client, str], rds: redis.Redis,
 ) -> None:
     _, owner, other, job_id = two_tenants
-    missing = new_job_id()
+    missing = new_job_id("minilm", "v1")
     assert owner.get(f"/v1/jobs/{job_id}").status_code == 200  # it exists, for its owner
 
     probes: list[tuple[str, str, dict[str, Any]]] = [
@@ -113,7 +113,7 @@ def test_job_ids_are_unguessable(
                                json={"inputs": [{"text": f"id {batch} {i}"} for i in range(500)]})
         assert response.status_code == 202, response.text
         ids += response.json()["ids"]
-    generated = [new_job_id() for _ in range(1000)]
+    generated = [new_job_id("minilm", "v1") for _ in range(1000)]
     for sample in (ids, generated):
         assert len(sample) == 1000
         bad = [i for i in sample if not ID_PATTERN.match(i)]

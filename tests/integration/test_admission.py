@@ -19,7 +19,8 @@ from sluice import connections, heartbeats, keys
 from sluice.broker import Broker
 from sluice.errors import TooManyRequests
 from sluice.heartbeats import Heartbeat, WorkerState
-from sluice.jobs import JobRecord, JobStatus, new_job_id
+from sluice.jobs import JobRecord, JobStatus
+from sluice.keys import new_job_id
 from sluice.quota import TenantLimits
 from sluice.routing import VersionInfo
 from sluice.settings import Settings
@@ -143,7 +144,7 @@ def test_the_enqueue_script_writes_every_record_and_entry_as_their_codecs_say(rd
     model = unique("enqueue")
     now = time.time()
     tenant = unique("acme")
-    records = [JobRecord(id=new_job_id(), tenant=tenant, model=model, version="v1", lane="bulk",
+    records = [JobRecord(id=new_job_id(model, "v1"), tenant=tenant, model=model, version="v1", lane="bulk",
                          status=JobStatus.queued, input={"text": f"text {i}"}, cost=10 + i % 2, enqueued_at=now,
                          callback_url="https://example.com/hook", deadline=now + 60, metadata={"batch": 7},
                          shadow="v2" if i % 3 == 0 else None)

@@ -232,7 +232,7 @@ def test_a_feeder_that_takes_over_writes_every_row_exactly_once(
     with output.open("ab") as handle:
         handle.write(b'{"row": 99999, "status": "succ')
     progress = demo.get(f"/v1/batches/{batch['id']}").json()
-    assert rds.exists(keys.job(job_id(batch["id"], progress["done"]))) or progress["done"] < 400
+    assert rds.exists(keys.job(job_id(batch["id"], progress["done"], model=synth, version="v1"))) or progress["done"] < 400
 
     assert feeder().run(batch["id"]) == "succeeded"
     rows = _rows(demo.get(f"/v1/batches/{batch['id']}/output").content)
@@ -240,7 +240,7 @@ def test_a_feeder_that_takes_over_writes_every_row_exactly_once(
     assert all(row["status"] == "succeeded" for row in rows)
     assert demo.get(f"/v1/batches/{batch['id']}").json()["done"] == 400
     # Written lines' jobs are deleted: a million-row batch holds only its window in Redis.
-    assert not rds.exists(keys.job(job_id(batch["id"], 0)))
+    assert not rds.exists(keys.job(job_id(batch["id"], 0, model=synth, version="v1")))
 
 
 def _wait_for(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:

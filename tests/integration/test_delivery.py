@@ -17,7 +17,8 @@ import redis
 
 from launch.seed import Seeded
 from sluice import keys
-from sluice.jobs import JobRecord, JobStatus, new_job_id
+from sluice.jobs import JobRecord, JobStatus
+from sluice.keys import new_job_id
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.webhooks import allowed_networks, verify
@@ -73,12 +74,12 @@ def deliveries(rds: redis.Redis) -> Iterator[list[str]]:
 def final_job(rds: redis.Redis, callback_url: str, deliveries: list[str]) -> tuple[str, str]:
     """A succeeded job of the demo tenant, written straight to Redis; answer (job, delivery) ids."""
     now = time.time()
-    record = JobRecord(id=new_job_id(), tenant="demo", model="direct", version="v1", lane="online",
+    record = JobRecord(id=new_job_id("direct", "v1"), tenant="demo", model="direct", version="v1", lane="online",
                        status=JobStatus.succeeded, input={"text": "x"}, enqueued_at=now,
                        output={"echo": "x"}, callback_url=callback_url)
     rds.hset(keys.job(record.id), mapping=record.to_redis())  # type: ignore[arg-type]
     rds.expire(keys.job(record.id), 600)
-    delivery_id = f"dlv_{new_job_id()}"
+    delivery_id = f"dlv_{new_job_id('direct', 'v1')}"
     deliveries.append(delivery_id)
     return record.id, delivery_id
 

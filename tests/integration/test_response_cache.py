@@ -182,11 +182,11 @@ def test_a_hit_with_a_callback_url_queues_its_webhook(cached: str, demo: httpx.C
     job = _hit(demo, cached, "call me back", callback_url="https://hooks.example.com/cache")
     delivery = rds.hget(keys.job(job["id"]), "delivery_id")
     assert delivery
-    queued = [(entry_id, fields) for entry_id, fields in rds.xrange(keys.WEBHOOK_OUTBOX)  # type: ignore[union-attr]
+    queued = [(entry_id, fields) for entry_id, fields in rds.xrange(keys.outbox(cached, "v1"))  # type: ignore[union-attr]
               if fields.get("job") == job["id"]]
     assert [fields["delivery"] for _, fields in queued] == [delivery]
     # Nobody is there to receive it: the entry goes before a relay of a later test could send it.
-    rds.xdel(keys.WEBHOOK_OUTBOX, *(entry_id for entry_id, _ in queued))
+    rds.xdel(keys.outbox(cached, "v1"), *(entry_id for entry_id, _ in queued))
 
 
 def _lookups(anon: httpx.Client, model: str) -> dict[str, float]:

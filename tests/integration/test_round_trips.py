@@ -2,7 +2,9 @@
 
 Each round trip costs the worker a send, a wait and a parse; on small batches they are most of its
 CPU outside the model (bench/worker_cost.py). Claiming a read (with settling the entries that will
-not run) and storing a batch (outcomes, samples, events, shadow copies, faults, acks) are one each.
+not run) is two: the claim script in the version's slot, then the quota places freed in the
+tenants' slots. Storing a batch (outcomes, samples, events, faults, acks) is one, and one more
+when it queues shadow copies (another version's slot).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ async def test_claiming_a_read_and_storing_its_batch_are_one_round_trip_each(cou
     delivered = await streams.read(["online"], count=100, block_ms=None)
 
     claims, trips = await round_trips(streams.claim(delivered, now=time.time()))
-    assert trips == 1
+    assert trips == 2
     verdicts = {d.entry.job_id: c.verdict for d, c in zip(delivered, claims, strict=True)}
     assert verdicts == {**{job_id: "run" for job_id in plain + copied}, cancelled: "cancelled"}
     run = [(d, c) for d, c in zip(delivered, claims, strict=True) if c.verdict == "run"]
@@ -106,7 +108,7 @@ async def test_claiming_a_read_and_storing_its_batch_are_one_round_trip_each(cou
     won, trips = await round_trips(
         writer.store(batch, outcomes, started=time.time(), finished=time.time(), model_ms=1.0)
     )
-    assert trips == 1
+    assert trips == 2
     assert won == [True, True, False, True, True, True]
     statuses = [await counted.hget(keys.job(job_id), "status") for job_id in plain + copied]
     assert statuses == [b"succeeded", b"failed", b"running", b"succeeded", b"succeeded", b"succeeded"]

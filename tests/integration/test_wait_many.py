@@ -20,7 +20,8 @@ from api.events import EventHub
 from launch.seed import Seeded
 from sluice import events
 from sluice.connections import connect
-from sluice.jobs import MAX_WAIT_IDS, new_job_id
+from sluice.jobs import MAX_WAIT_IDS
+from sluice.keys import new_job_id
 from sluice.settings import Settings
 from tests.support import ApiServer, serving
 
@@ -53,12 +54,12 @@ async def test_one_watch_for_many_jobs_wakes_only_on_a_final_state(redis_url: st
     redis = connect(redis_url)
     hub = EventHub(redis=redis, on_control=lambda _: None)
     listening = asyncio.create_task(hub.run())
-    a, b, c = new_job_id(), new_job_id(), new_job_id()
+    a, b, c = new_job_id("minilm", "v1"), new_job_id("minilm", "v1"), new_job_id("minilm", "v1")
     try:
         await asyncio.wait_for(hub.connected.wait(), timeout=10)
         watch = hub.watch_final([a, b, c])
         await events.publish(redis, events.JobChanged(id=a, status="running"))
-        await events.publish(redis, events.JobChanged(id=new_job_id(), status="succeeded"))
+        await events.publish(redis, events.JobChanged(id=new_job_id("minilm", "v1"), status="succeeded"))
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(watch.event.wait(), timeout=0.5)
         await events.publish(redis, events.JobChanged(id=b, status="failed"))
@@ -162,7 +163,7 @@ def test_another_tenants_unknown_and_malformed_ids_are_not_found_and_answered_at
     _, other = new_tenant("waitmany")
     [theirs] = queued(other, 1)
     [mine] = queued(demo, 1)
-    unknown, malformed = new_job_id(), "not-a-job"
+    unknown, malformed = new_job_id("minilm", "v1"), "not-a-job"
     started = time.monotonic()
     body = _wait(demo, [theirs, mine, unknown, malformed], wait=20)
     assert time.monotonic() - started < 5
@@ -183,7 +184,7 @@ def test_an_id_listed_twice_is_answered_once(demo: httpx.Client, queued: Submit)
 
 
 def test_at_most_256_ids(demo: httpx.Client) -> None:
-    ids = [new_job_id() for _ in range(MAX_WAIT_IDS + 1)]
+    ids = [new_job_id("minilm", "v1") for _ in range(MAX_WAIT_IDS + 1)]
     assert MAX_WAIT_IDS == 256
     assert len(_wait(demo, ids[:MAX_WAIT_IDS])["not_found"]) == MAX_WAIT_IDS
     over = demo.get("/v1/jobs", params={"ids": ",".join(ids)})
@@ -195,7 +196,7 @@ def test_at_most_256_ids(demo: httpx.Client) -> None:
 
 
 def test_the_wait_needs_a_key(anon: httpx.Client) -> None:
-    assert anon.get("/v1/jobs", params={"ids": new_job_id()}).status_code == 401
+    assert anon.get("/v1/jobs", params={"ids": new_job_id("minilm", "v1")}).status_code == 401
 
 
 @pytest.fixture

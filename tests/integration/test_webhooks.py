@@ -32,7 +32,8 @@ from launch.seed import Seeded
 from sluice import keys
 from sluice.connections import connect
 from sluice.errors import BrokerUnavailable
-from sluice.jobs import JobRecord, JobStatus, new_job_id
+from sluice.jobs import JobRecord, JobStatus
+from sluice.keys import new_job_id
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.settings import Settings
@@ -176,14 +177,21 @@ def finished(tenant: Tenant, job_id: str) -> dict[str, Any]:
 # --- the relay on its own (before the Celery worker exists) -----------------------------------------
 
 
-def _outbox_pending(rds: redis.Redis) -> int:
-    return int(rds.xpending(keys.WEBHOOK_OUTBOX, keys.RELAY_GROUP)["pending"])  # type: ignore[index]
+def _outbox_pending(rds: redis.Redis, outbox: str = keys.WEBHOOK_OUTBOX) -> int:
+    return int(rds.xpending(outbox, keys.RELAY_GROUP)["pending"])  # type: ignore[index]
+
+
+def _has_relay_group(rds: redis.Redis, outbox: str) -> bool:
+    """A relay reads the outbox: it found it in `keys.WEBHOOK_OUTBOXES` (a worker of its version
+    put it there) and made its group."""
+    return bool(rds.exists(outbox)) and any(g["name"] == keys.RELAY_GROUP for g in rds.xinfo_groups(outbox))  # type: ignore[union-attr]
 
 
 async def test_the_relay_acks_only_what_it_published_and_republishes_the_rest(
     redis_url: str, rds: redis.Redis
 ) -> None:
-    rds.delete(keys.WEBHOOK_OUTBOX)
+    # Only the shared outbox: version outboxes other tests left entries on are not this relay's to read.
+    rds.delete(keys.WEBHOOK_OUTBOX, keys.WEBHOOK_OUTBOXES)
     published: list[tuple[str, str]] = []
     broken = True
 
@@ -210,7 +218,8 @@ async def test_the_relay_acks_only_what_it_published_and_republishes_the_rest(
 
 
 async def test_a_live_relay_takes_over_what_a_dead_one_left_pending(redis_url: str, rds: redis.Redis) -> None:
-    rds.delete(keys.WEBHOOK_OUTBOX)
+    # Only the shared outbox: version outboxes other tests left entries on are not this relay's to read.
+    rds.delete(keys.WEBHOOK_OUTBOX, keys.WEBHOOK_OUTBOXES)
     published: list[str] = []
     client = connect(redis_url, max_connections=2)
     try:
@@ -370,7 +379,7 @@ def test_a_job_finished_twice_has_one_delivery_id_and_one_delivery(
 def _final_job_with_callback(rds: redis.Redis, tenant: Tenant, model: str, callback_url: str) -> tuple[str, str]:
     """A succeeded job written straight to Redis, finished by FINISH_SCRIPT; answer (job, delivery) ids."""
     now = time.time()
-    record = JobRecord(id=new_job_id(), tenant=tenant.id, model=model, version="v1", lane="online",
+    record = JobRecord(id=new_job_id(model, "v1"), tenant=tenant.id, model=model, version="v1", lane="online",
                        status=JobStatus.running, input={"text": "x"}, enqueued_at=now, callback_url=callback_url)
     rds.hset(keys.job(record.id), mapping=record.to_redis())  # type: ignore[arg-type]
     assert rds.eval(FINISH_SCRIPT, *finish_one_call(rds, model, record.id, '{"echo":"x"}')) == [1]
@@ -411,19 +420,21 @@ def test_the_celery_relay_takes_over_an_entry_left_by_a_dead_relay(
 ) -> None:
     url = receiver.plan("/orphan", 200)
     now = time.time()
-    record = JobRecord(id=new_job_id(), tenant=tenant.id, model=model, version="v1", lane="online",
+    record = JobRecord(id=new_job_id(model, "v1"), tenant=tenant.id, model=model, version="v1", lane="online",
                        status=JobStatus.running, input={"text": "x"}, enqueued_at=now, callback_url=url)
     rds.hset(keys.job(record.id), mapping=record.to_redis())  # type: ignore[arg-type]
+    outbox = keys.outbox(model, "v1")
+    wait_until(lambda: _has_relay_group(rds, outbox), timeout_s=10, what="the live relay reading the version's outbox")
     # Finish it and, in the same transaction, let a relay that then dies read the outbox entry,
     # so the live relay never sees it as new.
     pipe = rds.pipeline(transaction=True)
     pipe.eval(FINISH_SCRIPT, *finish_one_call(rds, model, record.id, '{"echo":"x"}'))
-    pipe.xreadgroup(keys.RELAY_GROUP, "relay-dead", {keys.WEBHOOK_OUTBOX: ">"}, count=100)
+    pipe.xreadgroup(keys.RELAY_GROUP, "relay-dead", {outbox: ">"}, count=100)
     finished_ok, read = pipe.execute()
     assert finished_ok == [1] and read, read
     [request] = receiver.wait_for("/orphan", 1, timeout_s=CLAIM_AFTER_S * 10)
     assert request.headers["sluice-delivery"] == rds.hget(keys.job(record.id), "delivery_id")
-    wait_until(lambda: _outbox_pending(rds) == 0, timeout_s=10, what="the outbox entry acknowledged")
+    wait_until(lambda: _outbox_pending(rds, outbox) == 0, timeout_s=10, what="the outbox entry acknowledged")
 
 
 def test_a_cancelled_job_gets_its_webhook(
@@ -449,7 +460,7 @@ def test_a_job_ended_by_the_claim_script_gets_its_webhook(
     """A worker claiming a job past its deadline, or delivered max_deliveries times already."""
     path = f"/claimed-{how}"
     now = time.time()
-    record = JobRecord(id=new_job_id(), tenant=tenant.id, model=model, version="v1", lane="online",
+    record = JobRecord(id=new_job_id(model, "v1"), tenant=tenant.id, model=model, version="v1", lane="online",
                        status=JobStatus.queued, input={"text": "x"}, enqueued_at=now - 10,
                        callback_url=receiver.plan(path, 200), deadline=now - 1 if how == "deadline" else None,
                        attempts=3 if how == "deliveries" else 0)

@@ -1,0 +1,75 @@
+"""A Redis Cluster of the test's own: three masters of the machine's `redis-server`, on free local
+ports, each owning a third of the slots (no replicas: the tests are about slots, not failover).
+
+Built the way an operator would without `redis-cli --cluster create`: ADDSLOTSRANGE on each node,
+then CLUSTER MEET, then wait until every node reports `cluster_state:ok` and knows every slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from sluice.keys import SLOTS
+from tests.faults._support import RedisServer
+from tests.support import wait_until
+
+# Append-only, fsynced every second, as `sluice up` ships; each node keeps its own nodes.conf.
+CLUSTER_NODE = {"cluster-enabled": "yes", "cluster-config-file": "nodes.conf", "cluster-node-timeout": "5000",
+                "appendonly": "yes", "appendfsync": "everysec", "save": ""}
+
+
+@dataclass
+class LocalCluster:
+    directory: Path
+    masters: int = 3
+    nodes: list[RedisServer] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """Any node names the cluster: the client learns the rest from it."""
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}/0"
+
+    def start(self) -> None:
+        for n in range(self.masters):
+            directory = self.directory / f"node{n}"
+            directory.mkdir(parents=True, exist_ok=True)
+            node = RedisServer(directory=directory, persistence=dict(CLUSTER_NODE))
+            node.start()
+            self.nodes.append(node)
+        share = SLOTS // self.masters
+        for n, node in enumerate(self.nodes):
+            last = SLOTS - 1 if n == self.masters - 1 else (n + 1) * share - 1
+            with self._client(node) as client:
+                client.execute_command("CLUSTER", "ADDSLOTSRANGE", n * share, last)
+        with self._client(self.nodes[0]) as first:
+            for node in self.nodes[1:]:
+                first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+        wait_until(self.ready, timeout_s=30, what="the local Redis Cluster to agree on its slots")
+
+    def ready(self) -> bool:
+        for node in self.nodes:
+            with self._client(node) as client:
+                info = client.execute_command("CLUSTER", "INFO")
+                text = info.decode() if isinstance(info, bytes) else str(info)
+                if "cluster_state:ok" not in text or f"cluster_known_nodes:{self.masters}" not in text:
+                    return False
+        return True
+
+    def client(self) -> redis.RedisCluster:
+        return redis.RedisCluster(host="127.0.0.1", port=self.nodes[0].port, decode_responses=True)
+
+    def flush(self) -> None:
+        for node in self.nodes:
+            with self._client(node) as client:
+                client.flushall()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    @staticmethod
+    def _client(node: RedisServer) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=5)
