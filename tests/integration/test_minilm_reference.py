@@ -25,14 +25,16 @@ from transformers import AutoModel, AutoTokenizer
 
 from bench.common import skewed_texts
 from sluice.artifacts import MINILM_URI, resolve_artifact
-from workers.models.minilm import MiniLMEncoder
+from workers.models.minilm import MiniLMEncoder, needs_reduce_range
 
 pytestmark = pytest.mark.model
 
 MAX_SEQ_LENGTH = 256
 BATCH = 32
 ROUNDS = 2
-INT8_MIN_COSINE = 0.999
+# With AVX512-VNNI the activations are 8-bit; without, the kernel could overflow them and they are
+# 7-bit (`needs_reduce_range`), which the encoder's docstring measures at min 0.997-0.998.
+INT8_MIN_COSINE = 0.997 if needs_reduce_range() else 0.999
 
 Encode = Callable[[Sequence[str]], torch.Tensor]
 

@@ -37,6 +37,7 @@ from workers.models.minilm import (
     DEFAULT_MAX_BATCH_TOKENS,
     DynamicInt8Linear,
     MiniLMEncoder,
+    needs_reduce_range,
     plan_passes,
     smoothing_factors,
 )
@@ -200,15 +201,19 @@ def test_int8_linear_smoothing_and_first_token_scale() -> None:
     with torch.no_grad():
         exact = linear(x)
 
+        # 7-bit activations where this CPU's kernel could overflow 8-bit ones (no AVX512-VNNI), as
+        # the encoder asks: with 8 bits there, the saturated sums swamp what is measured here.
+        reduce_range = needs_reduce_range()
+
         def error(**options: Any) -> float:
-            out = DynamicInt8Linear(linear, reduce_range=False, **options)(x)
+            out = DynamicInt8Linear(linear, reduce_range=reduce_range, **options)(x)
             return float((out - exact).norm() / exact.norm())
 
         plain = error()
         smoothing = smoothing_factors(x.abs().amax(dim=(0, 1)), linear.weight)
         smoothed = error(smoothing=smoothing)
         both = error(smoothing=smoothing, first_token_scale=True)
-        single = DynamicInt8Linear(linear, reduce_range=False, smoothing=smoothing, first_token_scale=True)
+        single = DynamicInt8Linear(linear, reduce_range=reduce_range, smoothing=smoothing, first_token_scale=True)
         assert single(x[:, :1]).shape == (3, 1, 48)  # one token: nothing to split
         assert single(x[0]).shape == (10, 48)  # 2-D input: one scale, as the kernel gives it
     assert both < smoothed < plain, (plain, smoothed, both)
