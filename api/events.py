@@ -102,9 +102,9 @@ class EventHub:
         """Listen forever, reconnecting with capped, jittered backoff; never floods the log."""
         delay = 0.1
         while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = None
             try:
-                await pubsub.subscribe(events.channel(self.redis))
+                pubsub = await events.subscribe(self.redis)
                 self.connected.set()
                 if delay > 0.1:
                     log.info("event subscription restored")
@@ -130,6 +130,7 @@ class EventHub:
                 delay = min(delay * 2, 5.0)
             finally:
                 try:
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    if pubsub is not None:
+                        await pubsub.aclose()
                 except (redis_errors.RedisError, OSError):
                     pass

@@ -101,7 +101,8 @@ class Broker:
                 return None
             for attempt in (1, 2):
                 pipe = self.redis.pipeline(transaction=False)
-                pipe.evalsha(self._queue.sha, len(script_keys), *script_keys, *args)
+                # EVALSHA by name: the cluster pipeline blocks its evalsha() method, not the command.
+                pipe.execute_command("EVALSHA", self._queue.sha, len(script_keys), *script_keys, *args)
                 wait_fsynced(pipe, self.durable_timeout_ms, near=script_keys[0])
                 reply, fsync = await pipe.execute(raise_on_error=False)
                 if isinstance(reply, redis_errors.NoScriptError) and attempt == 1:

@@ -15,7 +15,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from sluice import keys
-from sluice.connections import translate_redis_errors
+from sluice.connections import is_cluster, translate_redis_errors
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +82,19 @@ def channel(redis: aioredis.Redis | Any) -> str:
     has database 0 only)."""
     pool = getattr(redis, "connection_pool", None)
     return keys.events_channel(0 if pool is None else int(pool.connection_kwargs.get("db", 0)))
+
+
+async def subscribe(redis: aioredis.Redis) -> Any:
+    """A pub/sub connection subscribed to the events channel (the caller closes it).
+
+    On a cluster, PUBLISH reaches every node's subscribers, so one node suffices: the one that
+    owns the channel name's slot, which the client can name only once it knows the slot map.
+    """
+    if is_cluster(redis):
+        await redis.initialize()  # type: ignore[attr-defined]
+    pubsub = redis.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(channel(redis))
+    return pubsub
 
 
 async def publish(redis: aioredis.Redis, event: Sent) -> None:

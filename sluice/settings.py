@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from sluice.connections import as_cluster_url
+from sluice.connections import as_cluster_url, cluster_url
 
 
 class Settings(BaseSettings):
@@ -24,6 +24,9 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     # Treat redis_url as any node of a Redis Cluster (as the `redis+cluster://` scheme does).
     redis_cluster: bool = False
+    # Celery's broker and result backend; unset, the Redis of redis_url. Celery's Redis transport
+    # does not speak Cluster: with a cluster this must name a single Redis (or any Celery broker).
+    celery_broker_url: str | None = None
     database_url: str | None = None
     home: Path = Path(".sluice")
 
@@ -187,6 +190,15 @@ class Settings(BaseSettings):
         if not self.redis_url:
             raise ValueError("SLUICE_REDIS_URL is not set (only `sluice up` starts an embedded store)")
         return as_cluster_url(self.redis_url) if self.redis_cluster else self.redis_url
+
+    def require_celery_broker_url(self) -> str:
+        if self.celery_broker_url:
+            return self.celery_broker_url
+        url = self.require_redis_url()
+        if cluster_url(url) is not None:
+            raise ValueError("SLUICE_CELERY_BROKER_URL is not set: Celery cannot use a Redis Cluster as its broker; "
+                             "name a single Redis (or another Celery broker) for webhooks and batch scoring")
+        return url
 
     def require_database_url(self) -> str:
         if not self.database_url:

@@ -574,17 +574,15 @@ class StreamConsumer:
             pipe.xdel(self.streams[lane], *ids)
 
     async def refresh(self, held: Mapping[Lane, Collection[str]]) -> set[str]:
-        """Keep the entries this consumer holds from being taken over, in one round trip; answer
-        the ones it no longer owns (see REFRESH_SCRIPT)."""
-        lanes = [(lane, list(ids)) for lane, ids in held.items() if ids]
-        if not lanes:
-            return set()
-        with translate_redis_errors():
-            pipe = self.redis.pipeline(transaction=False)
-            for lane, ids in lanes:
-                await self._refresh(keys=[self.streams[lane]], args=[keys.GROUP, self.name, *ids], client=pipe)
-            replies = await pipe.execute()
-        return {entry_id.decode() for reply in replies for entry_id in reply}
+        """Keep the entries this consumer holds from being taken over, one round trip per lane
+        holding some; answer the ones it no longer owns (see REFRESH_SCRIPT)."""
+        lost: set[str] = set()
+        for lane, ids in held.items():
+            if ids:
+                with translate_redis_errors():
+                    reply = await self._refresh(keys=[self.streams[lane]], args=[keys.GROUP, self.name, *ids])
+                lost.update(entry_id.decode() for entry_id in reply)
+        return lost
 
     async def beat(self, heartbeat: heartbeats.Heartbeat) -> None:
         await heartbeats.beat(self.redis, self.model, self.version, self.name, heartbeat)

@@ -7,6 +7,8 @@ then CLUSTER MEET, then wait until every node reports `cluster_state:ok` and kno
 
 from __future__ import annotations
 
+import random
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +21,24 @@ from tests.support import wait_until
 # Append-only, fsynced every second, as `sluice up` ships; each node keeps its own nodes.conf.
 CLUSTER_NODE = {"cluster-enabled": "yes", "cluster-config-file": "nodes.conf", "cluster-node-timeout": "5000",
                 "appendonly": "yes", "appendfsync": "everysec", "save": ""}
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (10000 above it, as Redis fixes it) is free too."""
+    for _ in range(200):
+        port = random.randint(20_000, 55_000)
+        if all(_free(p) for p in (port, port + 10_000)):
+            return port
+    raise RuntimeError("no free pair of ports for a cluster node")
+
+
+def _free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass
@@ -36,7 +56,7 @@ class LocalCluster:
         for n in range(self.masters):
             directory = self.directory / f"node{n}"
             directory.mkdir(parents=True, exist_ok=True)
-            node = RedisServer(directory=directory, persistence=dict(CLUSTER_NODE))
+            node = RedisServer(directory=directory, port=cluster_port(), persistence=dict(CLUSTER_NODE))
             node.start()
             self.nodes.append(node)
         share = SLOTS // self.masters

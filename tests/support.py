@@ -35,6 +35,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 from sluice import events, keys
+from sluice.connections import connect_sync
 from sluice.jobs import JobRecord, JobStatus
 from sluice.keys import new_job_id
 from sluice.kinds import token_estimate
@@ -56,6 +57,13 @@ FAST_SYNTHETIC = "fixed_s=0.001&per_item_s=0.0002&per_token_s=0.00001"
 MAX_BODY_BYTES = 128 * 1024
 MAX_TEXT_CHARS = 5_000
 MAX_BULK_ITEMS = 500
+
+
+def celery_broker_env() -> dict[str, str]:
+    """SLUICE_CELERY_BROKER_URL for a Celery process of the suite: what SLUICE_TEST_CELERY_BROKER_URL
+    names (tests/test_cluster.py sets it: Celery cannot use the cluster), else nothing."""
+    url = os.environ.get("SLUICE_TEST_CELERY_BROKER_URL")
+    return {"SLUICE_CELERY_BROKER_URL": url} if url else {}
 
 
 def wait_until(predicate: Callable[[], bool], *, timeout_s: float, what: str, interval_s: float = 0.05) -> None:
@@ -309,7 +317,7 @@ def spawn_worker(*, redis_url: str, database_url: str, home: Path, log_path: Pat
             cwd=REPO, env=environment, stdout=sink, stderr=subprocess.STDOUT,
         )
     worker = WorkerProcess(model=model, version=version, proc=proc, log_path=log_path)
-    rds = redis.Redis.from_url(redis_url, decode_responses=True)
+    rds = connect_sync(redis_url, decode_responses=True)
     try:
         deadline = time.monotonic() + ready_timeout_s
         while not worker_ready(rds, worker):

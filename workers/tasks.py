@@ -52,7 +52,7 @@ SWEEP_BATCHES_TASK = "sluice.sweep_batches"
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
-    url = settings.require_redis_url()
+    url = settings.require_celery_broker_url()
     return {
         "broker_url": url,
         "result_backend": url,

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from sluice import keys
 from sluice.settings import Settings
 
 Snapshot = Callable[[str, str], Any]
@@ -393,7 +394,7 @@ def test_cancel_a_queued_job(demo: httpx.Client, model: str, rds: Any) -> None:
     assert cancelled["id"] == job["id"] and cancelled["status"] == "cancelled"
     assert cancelled["timings"]["finished_at"] is not None
     assert demo.get(f"/v1/jobs/{job['id']}").json()["status"] == "cancelled"
-    assert rds.hget(f"sluice:job:{{{job['id']}}}", "status") == "cancelled"
+    assert rds.hget(keys.job(job["id"]), "status") == "cancelled"
 
 
 def test_cancelling_twice_is_409(demo: httpx.Client, model: str) -> None:

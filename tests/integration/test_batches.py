@@ -19,6 +19,7 @@ import pytest
 import redis as redis_sync
 
 from sluice import keys
+from sluice.connections import connect_sync
 from sluice.registry import batches as queries
 from sluice.registry.store import Registry
 from sluice.settings import Settings
@@ -232,7 +233,8 @@ def test_a_feeder_that_takes_over_writes_every_row_exactly_once(
     with output.open("ab") as handle:
         handle.write(b'{"row": 99999, "status": "succ')
     progress = demo.get(f"/v1/batches/{batch['id']}").json()
-    assert rds.exists(keys.job(job_id(batch["id"], progress["done"], model=synth, version="v1"))) or progress["done"] < 400
+    last = keys.job(job_id(batch["id"], progress["done"], model=synth, version="v1"))
+    assert rds.exists(last) or progress["done"] < 400
 
     assert feeder().run(batch["id"]) == "succeeded"
     rows = _rows(demo.get(f"/v1/batches/{batch['id']}/output").content)
@@ -278,7 +280,7 @@ def test_a_finished_batch_s_callback_is_queued_once_and_posts_the_signed_batch(
         delivery_id = callback_delivery_id(batch["id"])
         entries = [fields for _, fields in rds.xrange(keys.WEBHOOK_OUTBOX) if fields.get("job") == batch["id"]]
         assert entries == [{"delivery": delivery_id, "job": batch["id"]}]
-        deliverer = Deliverer(redis=redis_sync.Redis.from_url(settings.require_redis_url()), registry=registry,
+        deliverer = Deliverer(redis=connect_sync(settings.require_redis_url()), registry=registry,
                               http=httpx.Client(timeout=5.0), allowed=webhooks.allowed_networks(["127.0.0.0/8"]),
                               max_attempts=3, backoff_base_s=1, backoff_cap_s=1, lease_s=30, ttl_s=600,
                               rng=random.Random(1))

@@ -17,6 +17,7 @@ import redis
 
 from launch.seed import Seeded
 from sluice import keys
+from sluice.connections import connect_sync
 from sluice.jobs import JobRecord, JobStatus
 from sluice.keys import new_job_id
 from sluice.registry import queries
@@ -52,7 +53,7 @@ def receiver() -> Iterator[Receiver]:
 @pytest.fixture
 def deliverer(redis_url: str, database_url: str, seeded: Seeded, clock: Clock) -> Iterator[Deliverer]:
     made = Deliverer(
-        redis=redis.Redis.from_url(redis_url), registry=Registry(url=database_url, pool_size=1),
+        redis=connect_sync(redis_url), registry=Registry(url=database_url, pool_size=1),
         http=httpx.Client(timeout=5.0, follow_redirects=False, trust_env=False),
         allowed=allowed_networks(["127.0.0.0/8"]), max_attempts=MAX_ATTEMPTS, backoff_base_s=BACKOFF_S,
         backoff_cap_s=BACKOFF_S, lease_s=30.0, ttl_s=600, clock=clock, rng=random.Random(7),

@@ -43,6 +43,7 @@ from tests.support import (
     REPO,
     ApiServer,
     Receiver,
+    celery_broker_env,
     claim_one,
     finish_one_call,
     http_client,
@@ -127,7 +128,7 @@ def celery_worker(redis_url: str, database_url: str, home: Path, seeded: Seeded,
         "SLUICE_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.0/8", "SLUICE_WEBHOOK_MAX_ATTEMPTS": str(MAX_ATTEMPTS),
         "SLUICE_WEBHOOK_BACKOFF_BASE_S": str(BACKOFF_BASE_S), "SLUICE_WEBHOOK_BACKOFF_CAP_S": str(BACKOFF_CAP_S),
         "SLUICE_WEBHOOK_SWEEP_S": str(SWEEP_S), "SLUICE_WEBHOOK_TIMEOUT_S": "3",
-        "SLUICE_CLAIM_AFTER_S": str(CLAIM_AFTER_S), "PYTHONUNBUFFERED": "1",
+        "SLUICE_CLAIM_AFTER_S": str(CLAIM_AFTER_S), "PYTHONUNBUFFERED": "1", **celery_broker_env(),
     })
     log_path = tmp_path_factory.mktemp("celery") / "celery.log"
     with log_path.open("wb") as sink:
@@ -428,7 +429,8 @@ def test_the_celery_relay_takes_over_an_entry_left_by_a_dead_relay(
     # Finish it and, in the same transaction, let a relay that then dies read the outbox entry,
     # so the live relay never sees it as new.
     pipe = rds.pipeline(transaction=True)
-    pipe.eval(FINISH_SCRIPT, *finish_one_call(rds, model, record.id, '{"echo":"x"}'))
+    # EVAL by name: a cluster pipeline blocks its eval() method, not the command.
+    pipe.execute_command("EVAL", FINISH_SCRIPT, *finish_one_call(rds, model, record.id, '{"echo":"x"}'))
     pipe.xreadgroup(keys.RELAY_GROUP, "relay-dead", {outbox: ">"}, count=100)
     finished_ok, read = pipe.execute()
     assert finished_ok == [1] and read, read

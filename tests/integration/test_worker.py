@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from sluice import keys
+from sluice.connections import is_cluster
 from tests.support import wait_until
 
 pytestmark = pytest.mark.slow
@@ -131,8 +132,15 @@ def test_sigterm_drains_what_the_worker_read_and_leaves_nothing_pending(
     assert not list(rds.scan_iter(match=keys.heartbeat_pattern(model, "v1")))
 
 
-def _blocked_stream_readers(rds: redis.Redis) -> int:
-    return sum(1 for client in rds.client_list() if client["cmd"] == "xreadgroup" and "b" in client["flags"])
+def _blocked_stream_readers(rds: redis.Redis, model: str) -> int:
+    """Clients blocked in XREADGROUP on the node that holds the model's streams (on a cluster,
+    CLIENT LIST answers one node's clients)."""
+    if is_cluster(rds):
+        node = rds.get_node_from_key(keys.stream(model, "v1", "online"))  # type: ignore[attr-defined]
+        clients = rds.client_list(target_nodes=node)  # type: ignore[call-arg]
+    else:
+        clients = rds.client_list()
+    return sum(1 for client in clients if client["cmd"] == "xreadgroup" and "b" in client["flags"])
 
 
 def test_a_worker_whose_model_is_busy_leaves_a_new_job_to_an_idle_one(
@@ -142,7 +150,7 @@ def test_a_worker_whose_model_is_busy_leaves_a_new_job_to_an_idle_one(
     # 1.5 s a batch: the second job arrives while one worker's model is busy with the first.
     model = register_synthetic("idle", cost="fixed_s=1.5&per_item_s=0&per_token_s=0", max_batch_size=4,
                                max_wait_ms=0)
-    others_blocked = _blocked_stream_readers(rds)
+    others_blocked = _blocked_stream_readers(rds, model)
     start_worker(model)
     start_worker(model)
     [first] = bulk(demo, model, [{"text": "first"}])
@@ -152,7 +160,7 @@ def test_a_worker_whose_model_is_busy_leaves_a_new_job_to_an_idle_one(
         time.sleep(0.01)
     # The idle worker is blocked on the streams (a loaded machine can still be starting it), so
     # the arrival goes to it rather than to the busy worker's next non-blocking read.
-    wait_until(lambda: _blocked_stream_readers(rds) > others_blocked, timeout_s=10,
+    wait_until(lambda: _blocked_stream_readers(rds, model) > others_blocked, timeout_s=10,
                what="the idle worker's blocking read", interval_s=0.01)
     [second] = bulk(demo, model, [{"text": "second"}])
 

@@ -1,0 +1,159 @@
+"""The protocol on a real Redis Cluster, fast (the whole job path on one is tests/faults/test_redis_cluster.py):
+the setting that selects the cluster client, the scripts' keys in one slot while a submission's
+version and tenant live on different nodes, and job events across nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from redis.crc import key_slot
+
+from sluice import events, keys
+from sluice.broker import Broker
+from sluice.connections import connect, connect_sync
+from sluice.idempotency import IdempotencyClaim
+from sluice.jobs import JobRecord, JobStatus
+from sluice.quota import Refusal, TenantLimits
+from sluice.samples import Sample
+from sluice.settings import Settings
+from sluice.streams import Finished, StreamConsumer
+from tests.redis_cluster import LocalCluster
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    made = LocalCluster(directory=tmp_path_factory.mktemp("cluster"))
+    try:
+        made.start()
+        yield made
+    finally:
+        made.stop()
+
+
+@pytest.fixture
+async def client(cluster: LocalCluster) -> AsyncIterator[aioredis.Redis]:
+    made = connect(cluster.url)
+    yield made
+    await made.aclose()
+
+
+def _node(cluster: LocalCluster, key: str) -> int:
+    share = keys.SLOTS // cluster.masters
+    return min(key_slot(key.encode()) // share, cluster.masters - 1)
+
+
+def _apart(cluster: LocalCluster) -> tuple[str, str]:
+    """A model and a tenant whose keys live on different nodes: a script that touched both would fail."""
+    for n in range(100):
+        model, tenant = f"apart-{n}", f"tenant-{n}"
+        if _node(cluster, keys.stream(model, "v1", "online")) != _node(cluster, keys.queued_jobs(tenant)):
+            return model, tenant
+    raise AssertionError("no model and tenant on different nodes")
+
+
+def test_the_setting_or_the_scheme_selects_the_cluster_client(cluster: LocalCluster) -> None:
+    plain = cluster.url.replace("redis+cluster://", "redis://")
+    settings = Settings(redis_url=plain, redis_cluster=True)
+    assert settings.require_redis_url() == cluster.url
+    with connect_sync(settings.require_redis_url()) as client:
+        assert isinstance(client, redis.RedisCluster)
+        assert len(client.get_primaries()) == 3
+    with pytest.raises(ValueError, match="SLUICE_CELERY_BROKER_URL"):
+        settings.require_celery_broker_url()
+
+
+def test_the_cluster_refuses_a_script_across_slots(cluster: LocalCluster) -> None:
+    """What every Sluice script must avoid, and what this cluster catches (sent to a node straight:
+    the cluster client refuses it before sending)."""
+    node = cluster.nodes[0]
+    with redis.Redis(host="127.0.0.1", port=node.port) as client, \
+            pytest.raises(redis.exceptions.ResponseError, match="same slot"):
+        client.eval("return 1", 2, "{a}x", "{b}y")
+
+
+async def test_a_submission_is_admitted_written_claimed_and_finished_across_nodes(
+    cluster: LocalCluster, client: aioredis.Redis,
+) -> None:
+    model, tenant = _apart(cluster)
+    broker = Broker(redis=client, result_ttl_s=600)
+    consumer = StreamConsumer(redis=client, model=model, version="v1", name="w1", claim_after_s=30.0,
+                              max_deliveries=3, result_ttl_s=600)
+    await consumer.ensure_groups()
+    now = time.time()
+    records = [JobRecord(id=keys.new_job_id(model, "v1"), tenant=tenant, model=model, version="v1", lane="online",
+                         status=JobStatus.queued, input={"text": f"t{i}"}, enqueued_at=now, cost=1,
+                         callback_url="https://hooks.example.com/x") for i in range(3)]
+    claim = await broker.claim_idempotency_key(tenant, "key-1", "hash-1")
+    limits = TenantLimits(tenant=tenant, rate_per_s=100.0, burst=100, max_queued=4)
+    assert await broker.enqueue(records, limits=limits, idempotency=claim) is None
+    assert await client.zcard(keys.queued_jobs(tenant)) == 3
+    replay = await broker.claim_idempotency_key(tenant, "key-1", "hash-1")
+    assert replay.replay == [r.id for r in records]
+    # Two more would pass the quota of four: refused, with nothing written.
+    more = [JobRecord(id=keys.new_job_id(model, "v1"), tenant=tenant, model=model, version="v1", lane="online",
+                      status=JobStatus.queued, input={"text": "x"}, enqueued_at=now) for _ in range(2)]
+    assert await broker.enqueue(more, limits=limits) == Refusal("quota", queued=3)
+    assert await client.xlen(keys.stream(model, "v1", "online")) == 3
+
+    delivered = await consumer.read(["online"], count=10, block_ms=None)
+    claims = await consumer.claim(delivered, now=time.time())
+    assert [c.verdict for c in claims] == ["run"] * 3
+    assert await client.zcard(keys.queued_jobs(tenant)) == 0
+    sample = Sample(status="succeeded", finished_at=now, queue_wait_ms=1.0, model_ms=1.0, total_ms=2.0, batch_size=3,
+                    close_reason="size")
+    won = await consumer.finish(
+        [Finished(job_id=d.entry.job_id, lane=d.lane, entry_id=d.entry_id, status="succeeded",
+                  output='{"echo":"ok"}', error="", sample=sample) for d in delivered],
+        faults=[], started=now, finished=time.time(), model_ms=1.0, batch_size=3, close_reason="size")
+    assert won == [True] * 3
+    assert await client.xlen(keys.outbox(model, "v1")) == 3
+    assert keys.outbox(model, "v1").encode() in await client.smembers(keys.WEBHOOK_OUTBOXES)
+    got = await broker.get(records[0].id)
+    assert got is not None and got.status is JobStatus.succeeded
+
+
+async def test_a_cancel_frees_the_place_in_the_tenants_slot(cluster: LocalCluster, client: aioredis.Redis) -> None:
+    model, tenant = _apart(cluster)
+    broker = Broker(redis=client, result_ttl_s=600)
+    record = JobRecord(id=keys.new_job_id(model, "v1"), tenant=tenant, model=model, version="v1", lane="bulk",
+                       status=JobStatus.queued, input={"text": "cancel me"}, enqueued_at=time.time())
+    limits = TenantLimits(tenant=tenant, rate_per_s=100.0, burst=100, max_queued=100)
+    assert await broker.enqueue([record], limits=limits) is None
+    assert await broker.cancel(record) is None
+    assert await broker.cancel(record) == "cancelled"
+    assert await client.zscore(keys.queued_jobs(tenant), record.id) is None
+
+
+async def test_job_events_reach_a_subscriber_on_another_node(cluster: LocalCluster, client: aioredis.Redis) -> None:
+    pubsub = await events.subscribe(client)
+    try:
+        other = connect(cluster.url)
+        model, _ = _apart(cluster)
+        job_id = keys.new_job_id(model, "v1")
+        # Published by a script on the node of the job's slot, whichever node the subscriber is on.
+        await other.eval("redis.call('PUBLISH', ARGV[1], ARGV[2]) return 1", 1, keys.job(job_id),
+                         events.channel(other), events.encode(events.JobChanged(id=job_id, status="succeeded")))
+        await other.aclose()
+        deadline = time.monotonic() + 5
+        while True:
+            message = await pubsub.get_message(timeout=1.0)
+            if message is not None and message["type"] == "message":
+                assert events.parse(message["data"]) == events.JobChanged(id=job_id, status="succeeded")
+                break
+            assert time.monotonic() < deadline, "no event"
+            await asyncio.sleep(0)
+    finally:
+        await pubsub.aclose()
+
+
+def test_an_idempotency_key_lives_in_its_tenants_slot() -> None:
+    claim = IdempotencyClaim(keys.idempotency("acme", "f" * 64), "hash")
+    assert key_slot(claim.redis_key.encode()) == key_slot(keys.rate_bucket("acme").encode())
