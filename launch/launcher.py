@@ -29,7 +29,7 @@ from launch.embedded import EmbeddedStores, start_embedded
 from launch.seed import DEMO_VERSIONS, Seeded, seed
 from sluice import exposition, heartbeats
 from sluice.client import SluiceClient
-from sluice.connections import connect, connect_sync
+from sluice.connections import as_cluster_url, connect, connect_sync
 from sluice.errors import SluiceError
 from sluice.heartbeats import WorkerState
 from sluice.migrate import upgrade
@@ -118,6 +118,12 @@ class Platform:
         if self.stores is not None:
             self.stores.stop_after(process.pid)
 
+    def _redis_url(self) -> str:
+        """The stores' Redis as this process's own clients reach it (a cluster by setting, too)."""
+        assert self.stores is not None
+        url = self.stores.redis_url
+        return as_cluster_url(url) if self.settings.redis_cluster else url
+
     def start(self) -> Seeded:
         self.home.mkdir(parents=True, exist_ok=True)
         # Should this process die, the watchdog gives the children the grace this stop gives them.
@@ -185,7 +191,7 @@ class Platform:
         deadline = time.monotonic() + timeout_s
         # One loop and one client for the whole wait: the heartbeat readers are asyncio.
         with asyncio.Runner() as runner:
-            client = connect(self.stores.redis_url, max_connections=2)
+            client = connect(self._redis_url(), max_connections=2)
             try:
                 while time.monotonic() < deadline:
                     self._check_children()
@@ -244,7 +250,7 @@ class Platform:
         where they advertise their ephemeral ports."""
         assert self.stores is not None
         if self._targets_client is None:
-            self._targets_client = connect_sync(self.stores.redis_url, socket_timeout_s=2.0)
+            self._targets_client = connect_sync(self._redis_url(), socket_timeout_s=2.0)
         host = self.settings.api_host
         fixed = [exposition.ScrapeTarget(address=f"{host}:{self.settings.api_port}", process="api"),
                  exposition.ScrapeTarget(address=f"{host}:{self.settings.flower_port}", process="flower")]

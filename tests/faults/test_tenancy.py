@@ -2,7 +2,8 @@
 
 Another tenant's job must answer exactly as a job that does not exist: same status, same body
 shape and code, the same message once the id is taken out, the same headers. Job ids are
-unguessable: `job_` and at least 22 URL-safe characters (128 random bits).
+unguessable: `job_`, the four characters naming the version's slot (`sluice.keys`; public, derived
+from the version), a dot, and 22 URL-safe characters (128 random bits).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import redis
 from sluice import keys
 from sluice.keys import new_job_id
 
-ID_PATTERN = re.compile(r"^job_[A-Za-z0-9_-]{22,}$")
+ID_PATTERN = re.compile(r"^job_[0-9a-z]{4}\.[A-Za-z0-9_-]{22}$")
 # Headers that legitimately differ between two answers (sizes differ with the id's length only).
 VARYING_HEADERS = {"date", "content-length"}
 
@@ -113,16 +114,17 @@ def test_job_ids_are_unguessable(
                                json={"inputs": [{"text": f"id {batch} {i}"} for i in range(500)]})
         assert response.status_code == 202, response.text
         ids += response.json()["ids"]
-    generated = [new_job_id("minilm", "v1") for _ in range(1000)]
+    generated = [new_job_id(model, "v1") for _ in range(1000)]
     for sample in (ids, generated):
         assert len(sample) == 1000
         bad = [i for i in sample if not ID_PATTERN.match(i)]
         assert not bad, bad[:5]
         assert len(set(sample)) == len(sample)
-        # No structure to guess from: over 1000 ids, every character after `job_` but the last
-        # takes (nearly) all 64 values, and together they carry at least 120 bits (token_urlsafe(16)
-        # gives 21 x 6 + 2 = 128: the last character holds the remaining 2 bits).
-        body = [i[4:] for i in sample]
+        # No structure to guess from: over 1000 ids, every character of the random part but the
+        # last takes (nearly) all 64 values, and together they carry at least 120 bits
+        # (token_urlsafe(16) gives 21 x 6 + 2 = 128: the last character holds the remaining 2 bits).
+        assert len({i[:9] for i in sample}) == 1  # one version: one slot code
+        body = [i[9:] for i in sample]
         seen = [len({b[position] for b in body}) for position in range(min(map(len, body)))]
         assert min(seen[:-1]) >= 56, seen
         assert sum(math.log2(n) for n in seen) >= 120, seen
