@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import random
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,8 +59,8 @@ class LocalCluster:
             directory = self.directory / f"node{n}"
             directory.mkdir(parents=True, exist_ok=True)
             node = RedisServer(directory=directory, port=cluster_port(), persistence=dict(CLUSTER_NODE))
+            self.nodes.append(node)  # before it starts: a node that fails to answer is still stopped
             node.start()
-            self.nodes.append(node)
         share = SLOTS // self.masters
         for n, node in enumerate(self.nodes):
             last = SLOTS - 1 if n == self.masters - 1 else (n + 1) * share - 1
@@ -93,3 +95,14 @@ class LocalCluster:
     @staticmethod
     def _client(node: RedisServer) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=5)
+
+
+@contextmanager
+def running_cluster(directory: Path) -> Iterator[LocalCluster]:
+    """A started cluster, stopped (every node that started) on the way out."""
+    made = LocalCluster(directory=directory)
+    try:
+        made.start()
+        yield made
+    finally:
+        made.stop()

@@ -216,7 +216,7 @@ def _crash_under_load(
         settings = make_settings(redis_url=store.url, database_url=database_url, home=directory, durable_accept=durable)
         with serving(settings) as api:
             load = Load(lambda: tenant(api.url), f"/v1/models/{model}/jobs")
-            load.run(before_kill_s=1.5, kill=store.kill, after_kill_s=0.5)
+            load.run(before_kill_s=3.0, kill=store.kill, after_kill_s=0.5)
         store.start()
         with store.client() as rds:
             pipe = rds.pipeline(transaction=False)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults._support import RedisServer
-from tests.redis_cluster import LocalCluster
+from tests.redis_cluster import LocalCluster, running_cluster
 from tests.support import REPO
 
 pytestmark = pytest.mark.soak
@@ -49,12 +49,8 @@ MODULES = [
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    made = LocalCluster(directory=tmp_path / "cluster")
-    try:
-        made.start()
+    with running_cluster(tmp_path / "cluster") as made:
         yield made
-    finally:
-        made.stop()
 
 
 @pytest.fixture

@@ -23,19 +23,15 @@ from sluice.quota import Refusal, TenantLimits
 from sluice.samples import Sample
 from sluice.settings import Settings
 from sluice.streams import Finished, StreamConsumer
-from tests.redis_cluster import LocalCluster
+from tests.redis_cluster import LocalCluster, running_cluster
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    made = LocalCluster(directory=tmp_path_factory.mktemp("cluster"))
-    try:
-        made.start()
+    with running_cluster(tmp_path_factory.mktemp("cluster")) as made:
         yield made
-    finally:
-        made.stop()
 
 
 @pytest.fixture
