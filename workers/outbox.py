@@ -87,8 +87,9 @@ class OutboxRelay:
                 backoff = 0.1
             except Exception as exc:
                 # A relay that stopped would silently stop every webhook: log, back off, go on.
-                # (A Redis that lost its data also lost the groups: make them again.)
+                # (A Redis that lost its data also lost the groups: make them all again.)
                 grouped = False
+                self._outboxes = []
                 if backoff <= 0.1:
                     log.warning("relay %s: %s; retrying with backoff", self.name, exc,
                                 exc_info=not isinstance(exc, BrokerError))
@@ -97,12 +98,13 @@ class OutboxRelay:
 
     async def ensure_group(self) -> None:
         """Learn the outboxes (`keys.WEBHOOK_OUTBOXES`, and the shared one) and make the relay
-        group on each."""
+        group on each one not known yet."""
         self._last_discovery = self.clock()
         with translate_redis_errors():
             named = await self.redis.smembers(keys.WEBHOOK_OUTBOXES)
         outboxes = [keys.WEBHOOK_OUTBOX, *sorted(_text(name) for name in named)]
-        for outbox in outboxes:
+        known = set(self._outboxes)
+        for outbox in (outbox for outbox in outboxes if outbox not in known):
             try:
                 with translate_redis_errors():
                     await self.redis.xgroup_create(outbox, keys.RELAY_GROUP, id="0", mkstream=True)
