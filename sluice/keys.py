@@ -149,7 +149,7 @@ def outbox(model: str, version: str) -> str:
     return f"sluice:{tag(model, version)}:webhooks"
 
 
-# The outbox of batch callbacks (and of jobs from before per-version outboxes), read by every relay.
+# The outbox of batch callbacks (and of entries queued before outboxes were per version), read by every relay.
 WEBHOOK_OUTBOX = "sluice:webhooks:outbox"
 # Set of the version outboxes that may hold entries, which every relay reads: the API adds one
 # before it queues or cancels a job with a callback, a worker when it starts.
