@@ -117,11 +117,9 @@ class Broker:
     async def _give_back(self, tenant: str, job_ids: list[str]) -> None:
         """The places a submission took and did not use (its write failed). Best effort: a place
         not given back frees itself (`sluice.quota`)."""
-        if not job_ids:
-            return
         try:
             with translate_redis_errors():
-                await self.redis.zrem(keys.queued_jobs(tenant), *job_ids)
+                await free_places(self.redis, [(tenant, job_id) for job_id in job_ids])
         except BrokerError as exc:
             log.warning("could not give back %d quota place(s) of a failed submission: %s", len(job_ids), exc)
 

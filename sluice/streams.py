@@ -349,6 +349,16 @@ def queue_jobs(pipe: Any, records: Sequence[JobRecord], *, result_ttl_s: int) ->
         pipe.xadd(keys.stream(record.model, record.version, record.lane), StreamEntry.of(record).to_fields())  # type: ignore[arg-type]
 
 
+async def ensure_group(redis: aioredis.Redis, stream_name: str, group: str) -> None:
+    """Create `group` on `stream_name` (and the stream) from its start, unless it is there."""
+    try:
+        with translate_redis_errors():
+            await redis.xgroup_create(stream_name, group, id="0", mkstream=True)
+    except BrokerError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
 async def free_places(redis: aioredis.Redis, jobs: Sequence[tuple[str, str]]) -> None:
     """Free the quota places of (tenant, job id) pairs whose jobs left `queued` (started,
     settled or cancelled): a tenant's places live in its own slot, not the job's, so this follows
@@ -504,12 +514,7 @@ class StreamConsumer:
         with translate_redis_errors():
             await self.redis.sadd(keys.WEBHOOK_OUTBOXES, keys.outbox(self.model, self.version))
         for stream_name in self.streams.values():
-            try:
-                with translate_redis_errors():
-                    await self.redis.xgroup_create(stream_name, keys.GROUP, id="0", mkstream=True)
-            except BrokerError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+            await ensure_group(self.redis, stream_name, keys.GROUP)
 
     async def read(self, lanes: Sequence[Lane], *, count: int, block_ms: int | None) -> list[Delivered]:
         """New entries of `lanes` (in that order of preference when several have some)."""

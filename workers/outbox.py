@@ -31,6 +31,7 @@ from sluice import keys
 from sluice.connections import translate_redis_errors
 from sluice.errors import BrokerError
 from sluice.outbox import OutboxEntry
+from sluice.streams import ensure_group
 
 log = logging.getLogger(__name__)
 
@@ -105,12 +106,7 @@ class OutboxRelay:
         outboxes = [keys.WEBHOOK_OUTBOX, *sorted(_text(name) for name in named)]
         known = set(self._outboxes)
         for outbox in (outbox for outbox in outboxes if outbox not in known):
-            try:
-                with translate_redis_errors():
-                    await self.redis.xgroup_create(outbox, keys.RELAY_GROUP, id="0", mkstream=True)
-            except BrokerError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+            await ensure_group(self.redis, outbox, keys.RELAY_GROUP)
         self._outboxes = outboxes
 
     async def relay_once(self, *, block: bool = True) -> int:
