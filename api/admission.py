@@ -132,6 +132,10 @@ class Admission:
                     and (newer_than is None or cached.read_at >= newer_than)):
                 return cached
             under_way = self._reading.get(key)
+            if under_way is not None and under_way[0].done():
+                # Finished, its `_read_done` not yet run: awaiting a finished task never yields,
+                # so waiting on it again would spin here without letting that callback run.
+                under_way = None
             if under_way is None:
                 # The counts as the read begins, taken before the task first runs: what is admitted
                 # from here on may be missing from the backlog it reads.

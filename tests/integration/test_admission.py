@@ -6,6 +6,7 @@ spend the tenant's rate tokens (none)."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -135,6 +136,46 @@ def test_a_burst_that_finds_the_load_stale_shares_one_read(redis_url: str) -> No
     loads = asyncio.run(burst())
     assert len({id(load) for load in loads}) == 1
     assert loads[0].live_workers == 1  # type: ignore[attr-defined]
+
+
+def _ask_for_a_fresh_read_as_the_last_one_finishes(redis_url: str, model: str) -> None:
+    now = [100.0]
+
+    async def race() -> None:
+        client = connections.connect(redis_url)
+        try:
+            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), clock=lambda: now[0])
+            first = asyncio.create_task(admission.load(model, "v1"))
+            while not admission._reading:  # noqa: ASYNC110 - one step per loop turn is the point
+                await asyncio.sleep(0)
+            reading, _ = admission._reading[(model, "v1")]
+            now[0] = 101.0  # this submission arrived after that read began
+            # Woken once per loop turn, this step runs after the read's last step and before its
+            # done callbacks, which run a turn later.
+            while not reading.done():  # noqa: ASYNC110
+                await asyncio.sleep(0)
+            fresh = await admission.load(model, "v1", newer_than=101.0)
+            assert ((await first).read_at, fresh.read_at) == (100.0, 101.0)
+        finally:
+            await client.aclose()
+
+    asyncio.run(race())
+
+
+def test_a_fresh_read_asked_for_just_as_the_last_one_finished_starts_another(redis_url: str) -> None:
+    """A submission near the budget that asked for a read newer than its arrival in the instant after
+    the read under way finished (its bookkeeping not yet run) waited on that finished read again and
+    again without ever yielding: the API's event loop spun forever and every request hung. In a
+    process of its own, so that a spinning loop can be killed."""
+    process = multiprocessing.get_context("spawn").Process(
+        target=_ask_for_a_fresh_read_as_the_last_one_finishes, args=(redis_url, unique("admit")))
+    process.start()
+    process.join(timeout=30)
+    if process.is_alive():
+        process.kill()
+        process.join()
+        pytest.fail("the admission read spun without yielding")
+    assert process.exitcode == 0
 
 
 def test_the_enqueue_script_writes_every_record_and_entry_as_their_codecs_say(rds: redis.Redis,
