@@ -93,7 +93,12 @@ async def subscribe(redis: aioredis.Redis) -> Any:
     if is_cluster(redis):
         await redis.initialize()  # type: ignore[attr-defined]
     pubsub = redis.pubsub(ignore_subscribe_messages=True)
-    await pubsub.subscribe(channel(redis))
+    try:
+        await pubsub.subscribe(channel(redis))
+    except BaseException:
+        # The caller cannot close what it never got, and the pub/sub may hold a pooled connection.
+        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        raise
     return pubsub
 
 
