@@ -202,7 +202,39 @@ def settings(redis_url: str, database_url: str, home: Path) -> Settings:
 def api(settings: Settings, seeded: Seeded) -> Iterator[ApiServer]:
     """Ready in full: Redis, Postgres, routing loaded and the event subscription live."""
     with serving(settings) as server:
-        yield server
+        _SESSION_API.append(server)
+        try:
+            yield server
+        finally:
+            _SESSION_API.remove(server)
+
+
+# A test that uses the session API failed and the API no longer answers: the report of why. The run
+# stops on it, since every later test that uses the API would fail too, each after its timeouts.
+_SESSION_API: list[ApiServer] = []
+_STALLED: list[str] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    report: pytest.TestReport = yield
+    if report.failed and report.when != "teardown" and _SESSION_API and "api" in getattr(item, "fixturenames", ()):
+        stalled = _SESSION_API[-1].stall_report()
+        if stalled is not None:
+            _STALLED.append(stalled)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
+    outcome = yield
+    if _STALLED:
+        reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+        for line in ["", *_STALLED[0].splitlines()]:
+            reporter.write_line(line)
+        pytest.exit(f"the session API stopped answering after {item.nodeid} failed (its state is above)",
+                    returncode=1)
+    return outcome
 
 
 @pytest.fixture(scope="session")

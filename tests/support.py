@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -186,6 +187,44 @@ class ApiServer:
         body: dict[str, Any] = response.json()
         body["_status_code"] = response.status_code
         return body
+
+    def stall_report(self, *, timeout_s: float = 30.0) -> str | None:
+        """None once `/readyz` answers 200 within `timeout_s`; otherwise what the API's thread, its
+        event loop's tasks and its connection pools are doing. A session API that stops answering
+        would fail every later test only after each test's own timeouts: this names the cause."""
+        deadline = time.monotonic() + timeout_s
+        problem = "never asked"
+        while time.monotonic() < deadline:
+            try:
+                response = httpx.get(f"{self.url}/readyz", timeout=max(1.0, deadline - time.monotonic()))
+            except httpx.HTTPError as exc:
+                problem = f"/readyz did not answer: {exc!r}"
+                continue
+            if response.status_code == 200:
+                return None
+            problem = f"/readyz answered {response.status_code}: {response.text[:500]}"
+            time.sleep(0.5)
+        lines = [f"the session API is not ready after {timeout_s:.0f} s ({problem})"]
+        frame = sys._current_frames().get(self.thread.ident or 0) if self.thread else None
+        if frame is not None:
+            lines += ["its thread:", *traceback.format_stack(frame)]
+        if self.loop is not None:
+            try:
+                tasks = list(asyncio.all_tasks(self.loop))
+            except RuntimeError as exc:  # the set changed under us, read from another thread
+                tasks, lines = [], [*lines, f"its tasks could not be listed: {exc}"]
+            lines.append(f"its event loop has {len(tasks)} task(s):")
+            for task in tasks:
+                lines.append(f"  {task.get_name()}: {task.get_coro()!r}")
+                lines += [f"    {line}" for frame in task.get_stack(limit=4)
+                          for line in traceback.format_stack(frame, 1)]
+        state = getattr(self.app.state, "sluice", None)
+        if state is not None:
+            pool = state.broker.redis.connection_pool
+            lines.append(f"its Redis pool: {len(getattr(pool, '_in_use_connections', ()))} in use of "
+                         f"{getattr(pool, 'max_connections', '?')}")
+            lines.append(f"its Postgres pool: {state.registry.engine.pool.status()}")
+        return "\n".join(lines)
 
     def wait_ready(self, status: str = "ok", *, timeout_s: float = 20.0) -> dict[str, Any]:
         """Wait for `/readyz` to say `status` (`ok`: the event subscription is live too)."""
