@@ -1,5 +1,6 @@
-"""A Redis Cluster of the test's own: three masters of the machine's `redis-server`, on free local
-ports, each owning a third of the slots (no replicas: the tests are about slots, not failover).
+"""A Redis Cluster of the test's own: three masters of the machine's `redis-server` (or another
+binary, such as Valkey's), on free local ports, each owning a third of the slots (no replicas: the
+tests are about slots, not failover).
 
 Built the way an operator would without `redis-cli --cluster create`: ADDSLOTSRANGE on each node,
 then CLUSTER MEET, then wait until every node reports `cluster_state:ok` and knows every slot.
@@ -15,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+from redis.crc import key_slot
 
 from sluice.keys import SLOTS
-from tests.faults._support import RedisServer
+from tests.faults._support import REDIS_SERVER, RedisServer
 from tests.support import wait_until
 
 # Append-only, fsynced every second, as `sluice up` ships; each node keeps its own nodes.conf.
@@ -47,6 +49,7 @@ def _free(port: int) -> bool:
 class LocalCluster:
     directory: Path
     masters: int = 3
+    binary: str = REDIS_SERVER
     nodes: list[RedisServer] = field(default_factory=list)
 
     @property
@@ -58,7 +61,8 @@ class LocalCluster:
         for n in range(self.masters):
             directory = self.directory / f"node{n}"
             directory.mkdir(parents=True, exist_ok=True)
-            node = RedisServer(directory=directory, port=cluster_port(), persistence=dict(CLUSTER_NODE))
+            node = RedisServer(directory=directory, port=cluster_port(), binary=self.binary,
+                               persistence=dict(CLUSTER_NODE))
             self.nodes.append(node)  # before it starts: a node that fails to answer is still stopped
             node.start()
         share = SLOTS // self.masters
@@ -70,6 +74,10 @@ class LocalCluster:
             for node in self.nodes[1:]:
                 first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
         wait_until(self.ready, timeout_s=30, what="the local Redis Cluster to agree on its slots")
+
+    def node_of(self, key: str) -> int:
+        """The index of the node that holds `key`'s slot."""
+        return min(key_slot(key.encode()) // (SLOTS // self.masters), self.masters - 1)
 
     def ready(self) -> bool:
         for node in self.nodes:
@@ -98,9 +106,9 @@ class LocalCluster:
 
 
 @contextmanager
-def running_cluster(directory: Path) -> Iterator[LocalCluster]:
+def running_cluster(directory: Path, *, binary: str = REDIS_SERVER) -> Iterator[LocalCluster]:
     """A started cluster, stopped (every node that started) on the way out."""
-    made = LocalCluster(directory=directory)
+    made = LocalCluster(directory=directory, binary=binary)
     try:
         made.start()
         yield made

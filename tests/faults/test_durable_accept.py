@@ -29,7 +29,16 @@ from sluice import keys
 from sluice.connections import connect
 from sluice.durability import DurabilityUnsupported, require_durable_store
 from sluice.settings import Settings
-from tests.support import ApiServer, http_client, make_settings, register_synthetic_model, serving, unique
+from tests.redis_cluster import running_cluster
+from tests.support import (
+    ApiServer,
+    http_client,
+    make_settings,
+    register_synthetic_model,
+    serving,
+    unique,
+    wait_until,
+)
 
 from ._support import RedisServer, valkey_server
 
@@ -249,3 +258,43 @@ def test_kill_9_of_the_store_under_load_loses_no_job_accepted_in_durable_mode(
         figure(f"default_{name}", value)
     assert durable["accepted"] > 100, durable  # the kill really came under load
     assert durable["lost"] == 0, durable
+
+
+def test_on_a_valkey_cluster_the_fsync_wait_goes_to_the_node_that_wrote_the_jobs(
+    admin: httpx.Client,
+    tenant: Callable[[str], httpx.Client],
+    database_url: str,
+    tmp_path: Path,
+) -> None:
+    """WAITAOF names no key: on a cluster it must reach the node that wrote the jobs, or it confirms
+    the fsync of a node that wrote nothing. That node, killed and restarted on its data, still
+    holds every job answered 202."""
+    with running_cluster(tmp_path / "cluster", binary=valkey_server()) as cluster:
+        model = register_synthetic_model(admin, unique("durable-cluster"))
+        settings = make_settings(redis_url=cluster.url, database_url=database_url, home=tmp_path, durable_accept=True)
+        writer = cluster.node_of(keys.stream(model, "v1", "online"))
+        with serving(settings) as api, tenant(api.url) as client:
+            for node in cluster.nodes:  # start-up asked every node once
+                with node.client() as rds:
+                    rds.config_resetstat()
+            url = f"/v1/models/{model}/jobs"
+            single = client.post(url, json={"input": {"text": "one"}})
+            bulk = client.post(f"{url}:bulk", json={"inputs": [{"text": f"bulk {i}"} for i in range(5)]})
+            keyed = client.post(url, json={"input": {"text": "keyed"}}, headers={"Idempotency-Key": "k-1"})
+        for response in (single, bulk, keyed):
+            assert response.status_code == 202, response.text
+        waits = []
+        for node in cluster.nodes:
+            with node.client() as rds:
+                waits.append(int(rds.info("commandstats").get("cmdstat_waitaof", {}).get("calls", 0)))
+        # At least one wait per submission (the first also waited before loading the script).
+        assert waits[writer] >= 3 and sum(waits) == waits[writer], (writer, waits)
+
+        ids = [single.json()["id"], *bulk.json()["ids"], keyed.json()["id"]]
+        cluster.nodes[writer].kill()
+        cluster.nodes[writer].start()
+        wait_until(cluster.ready, timeout_s=30, what="the cluster after its node's restart")
+        with cluster.client() as rds:
+            assert all(rds.exists(keys.job(job_id)) for job_id in ids)
+            entries = {fields["id"] for lane in keys.LANES for _, fields in rds.xrange(keys.stream(model, "v1", lane))}
+        assert entries == set(ids)

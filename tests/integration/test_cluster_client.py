@@ -41,16 +41,11 @@ async def client(cluster: LocalCluster) -> AsyncIterator[aioredis.Redis]:
     await made.aclose()
 
 
-def _node(cluster: LocalCluster, key: str) -> int:
-    share = keys.SLOTS // cluster.masters
-    return min(key_slot(key.encode()) // share, cluster.masters - 1)
-
-
 def _apart(cluster: LocalCluster) -> tuple[str, str]:
     """A model and a tenant whose keys live on different nodes: a script that touched both would fail."""
     for n in range(100):
         model, tenant = f"apart-{n}", f"tenant-{n}"
-        if _node(cluster, keys.stream(model, "v1", "online")) != _node(cluster, keys.queued_jobs(tenant)):
+        if cluster.node_of(keys.stream(model, "v1", "online")) != cluster.node_of(keys.queued_jobs(tenant)):
             return model, tenant
     raise AssertionError("no model and tenant on different nodes")
 
