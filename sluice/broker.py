@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
 from sluice import events, keys, quota
-from sluice.connections import translate_redis_errors
+from sluice.connections import reply_text, translate_redis_errors
 from sluice.durability import fsynced, wait_fsynced
 from sluice.errors import BrokerError, Conflict, NotDurable, NotFound
 from sluice.idempotency import COMPLETE_SCRIPT, LEASE_S, RELEASE_SCRIPT, IdempotencyClaim, IdempotencyRecord
@@ -28,10 +28,6 @@ from sluice.samples import Sample, read_samples
 from sluice.streams import CANCEL_SCRIPT, QUEUE_SCRIPT, WITHDRAW_SCRIPT, free_places, queue_call
 
 log = logging.getLogger(__name__)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class Broker:
@@ -141,7 +137,7 @@ class Broker:
         Cache hits (in `answers`, not in `records`) are final already and stay.
         """
         with translate_redis_errors():
-            withdrawn = [_text(job_id) for job_id in
+            withdrawn = [reply_text(job_id) for job_id in
                          await self._withdraw(keys=[keys.job(r.id) for r in records])] if records else []
             await self._give_back(tenant, withdrawn)
             started = len(records) - len(withdrawn)
@@ -212,7 +208,7 @@ class Broker:
             if record.callback_url:
                 await self.redis.sadd(keys.WEBHOOK_OUTBOXES, outbox)
             outcome = await self._cancel(keys=[keys.job(record.id), outbox], args=[repr(time.time())])
-            state = _text(outcome)
+            state = reply_text(outcome)
             if state != "ok":
                 return state
             await free_places(self.redis, [(record.tenant, record.id)])

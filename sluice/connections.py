@@ -37,6 +37,13 @@ def translate_redis_errors(what: str = "Redis") -> Iterator[None]:
         raise BrokerError(f"{what} failed: {exc}") from exc
 
 
+def reply_text(value: bytes | str | None) -> str:
+    """A Redis reply as text, "" for none: whether a client decodes depends on how it was built."""
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def cluster_url(url: str) -> str | None:
     """The plain URL of a cluster node when `url` has a cluster scheme; None for a single server."""
     scheme, sep, rest = url.partition("://")

@@ -23,7 +23,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from sluice import events, heartbeats, keys, samples
-from sluice.connections import translate_redis_errors
+from sluice.connections import reply_text, translate_redis_errors
 from sluice.errors import BrokerError
 from sluice.jobs import SHADOW_TENANT, JobRecord
 from sluice.keys import Lane
@@ -201,12 +201,6 @@ return withdrawn
 """
 
 
-def _text(value: bytes | str | None) -> str | None:
-    if value is None:
-        return None
-    return value.decode() if isinstance(value, bytes) else value
-
-
 @dataclass(frozen=True, slots=True)
 class StreamEntry:
     """What a lane's stream carries: enough to batch without reading the job record."""
@@ -237,8 +231,8 @@ class StreamEntry:
     @classmethod
     def from_fields(cls, fields: Mapping[bytes, bytes]) -> StreamEntry:
         return cls(job_id=fields[b"id"].decode(), tenant=fields[b"tenant"].decode(), cost=int(fields[b"cost"]),
-                   enqueued_at=float(fields[b"t"]), shadow=_text(fields.get(b"sh")) or None,
-                   shadow_of=_text(fields.get(b"so")) or None, request_id=_text(fields.get(b"rq")) or None)
+                   enqueued_at=float(fields[b"t"]), shadow=reply_text(fields.get(b"sh")) or None,
+                   shadow_of=reply_text(fields.get(b"so")) or None, request_id=reply_text(fields.get(b"rq")) or None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -523,7 +517,7 @@ class StreamConsumer:
                 keys.GROUP, self.name, {self.streams[lane]: ">" for lane in lanes}, count=count, block=block_ms)
         found: list[Delivered] = []
         for stream_name, messages in reply or []:
-            lane = self._lanes[_text(stream_name) or ""]
+            lane = self._lanes[reply_text(stream_name)]
             found.extend(Delivered(lane, entry_id.decode(), StreamEntry.from_fields(fields))
                          for entry_id, fields in messages if fields)
         return found

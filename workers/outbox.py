@@ -28,7 +28,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from sluice import keys
-from sluice.connections import translate_redis_errors
+from sluice.connections import reply_text, translate_redis_errors
 from sluice.errors import BrokerError
 from sluice.outbox import OutboxEntry
 from sluice.streams import ensure_group
@@ -103,7 +103,7 @@ class OutboxRelay:
         self._last_discovery = self.clock()
         with translate_redis_errors():
             named = await self.redis.smembers(keys.WEBHOOK_OUTBOXES)
-        outboxes = [keys.WEBHOOK_OUTBOX, *sorted(_text(name) for name in named)]
+        outboxes = [keys.WEBHOOK_OUTBOX, *sorted(reply_text(name) for name in named)]
         known = set(self._outboxes)
         for outbox in (outbox for outbox in outboxes if outbox not in known):
             await ensure_group(self.redis, outbox, keys.RELAY_GROUP)
@@ -163,7 +163,7 @@ class OutboxRelay:
                                                     start_id="0-0", count=self.batch_size)
                 consumers = await self.redis.xinfo_consumers(outbox, keys.RELAY_GROUP)
                 for consumer in consumers:
-                    name = _text(consumer["name"])
+                    name = reply_text(consumer["name"])
                     if name != self.name and consumer["pending"] == 0 and consumer["idle"] > 20 * idle_ms:
                         await self.redis.xgroup_delconsumer(outbox, keys.RELAY_GROUP, name)
             found += [(outbox, (entry_id, fields)) for entry_id, fields in reply[1] if fields]
@@ -184,7 +184,3 @@ class OutboxRelay:
                 # Acknowledged entries are deleted, so XLEN of an outbox is what is still to relay.
                 pipe.xdel(outbox, *entry_ids)
             await pipe.execute()
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
