@@ -1,9 +1,10 @@
 """A Redis Cluster of the test's own: three masters of the machine's `redis-server` (or another
-binary, such as Valkey's), on free local ports, each owning a third of the slots (no replicas: the
-tests are about slots, not failover).
+binary, such as Valkey's), on free local ports, each owning a third of the slots, and optionally a
+replica of each, which the cluster promotes when its master fails.
 
 Built the way an operator would without `redis-cli --cluster create`: ADDSLOTSRANGE on each node,
-then CLUSTER MEET, then wait until every node reports `cluster_state:ok` and knows every slot.
+then CLUSTER MEET, then CLUSTER REPLICATE on each replica, then wait until every node reports
+`cluster_state:ok`, knows every node, and every master has its replica in sync.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def _free(port: int) -> bool:
 class LocalCluster:
     directory: Path
     masters: int = 3
+    replicas: int = 0  # per master
     binary: str = REDIS_SERVER
+    node_timeout_ms: int = 5000  # how long a master may be unreachable before its replica takes over
     nodes: list[RedisServer] = field(default_factory=list)
 
     @property
@@ -58,34 +61,59 @@ class LocalCluster:
         return f"redis+cluster://127.0.0.1:{self.nodes[0].port}/0"
 
     def start(self) -> None:
-        for n in range(self.masters):
+        total = self.masters * (1 + self.replicas)
+        for n in range(total):
             directory = self.directory / f"node{n}"
             directory.mkdir(parents=True, exist_ok=True)
             node = RedisServer(directory=directory, port=cluster_port(), binary=self.binary,
-                               persistence=dict(CLUSTER_NODE))
+                               persistence={**CLUSTER_NODE, "cluster-node-timeout": str(self.node_timeout_ms)})
             self.nodes.append(node)  # before it starts: a node that fails to answer is still stopped
             node.start()
         share = SLOTS // self.masters
-        for n, node in enumerate(self.nodes):
+        for n, node in enumerate(self.nodes[:self.masters]):
             last = SLOTS - 1 if n == self.masters - 1 else (n + 1) * share - 1
             with self._client(node) as client:
                 client.execute_command("CLUSTER", "ADDSLOTSRANGE", n * share, last)
         with self._client(self.nodes[0]) as first:
             for node in self.nodes[1:]:
                 first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
-        wait_until(self.ready, timeout_s=30, what="the local Redis Cluster to agree on its slots")
+        wait_until(lambda: self._known_everywhere(total), timeout_s=30, what="every cluster node to know the others")
+        for n, replica in enumerate(self.nodes[self.masters:]):
+            with self._client(self.nodes[n % self.masters]) as master:
+                master_id = master.execute_command("CLUSTER", "MYID")
+            with self._client(replica) as client:
+                client.execute_command("CLUSTER", "REPLICATE", master_id)
+        wait_until(lambda: self.ready() and self._replicated(), timeout_s=30,
+                   what="the local Redis Cluster to agree on its slots")
+
+    def _known_everywhere(self, total: int) -> bool:
+        for node in self.nodes:
+            with self._client(node) as client:
+                if f"cluster_known_nodes:{total}" not in _text(client.execute_command("CLUSTER", "INFO")):
+                    return False
+        return True
 
     def node_of(self, key: str) -> int:
         """The index of the node that holds `key`'s slot."""
         return min(key_slot(key.encode()) // (SLOTS // self.masters), self.masters - 1)
 
     def ready(self) -> bool:
+        """Every running node says the cluster is ok (a failed master's slots have a new owner)."""
         for node in self.nodes:
-            with self._client(node) as client:
-                info = client.execute_command("CLUSTER", "INFO")
-                text = info.decode() if isinstance(info, bytes) else str(info)
-                if "cluster_state:ok" not in text or f"cluster_known_nodes:{self.masters}" not in text:
-                    return False
+            if node.ping():
+                with self._client(node) as client:
+                    if "cluster_state:ok" not in _text(client.execute_command("CLUSTER", "INFO")):
+                        return False
+        return True
+
+    def _replicated(self) -> bool:
+        for master in self.nodes[:self.masters]:
+            with self._client(master) as client:
+                replication = client.info("replication")
+            online = [v for k, v in replication.items() if k.startswith("slave") and isinstance(v, dict)
+                      and v.get("state") == "online"]
+            if len(online) < self.replicas:
+                return False
         return True
 
     def client(self) -> redis.RedisCluster:
@@ -114,3 +142,7 @@ def running_cluster(directory: Path, *, binary: str = REDIS_SERVER) -> Iterator[
         yield made
     finally:
         made.stop()
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
