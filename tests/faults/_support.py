@@ -1,6 +1,7 @@
-"""What only the fault tests need: a Redis and a Postgres of a test's own, which it may stop, and
-reading job records straight from Redis. The API, workers, settings and REST helpers they bind
-to those stores are the shared ones in tests/support.py.
+"""What only the fault tests need: a Redis and a Postgres of a test's own, which it may stop,
+reading job records straight from Redis, and a submission load to put a fault under. The API,
+workers, settings and REST helpers they bind to those stores are the shared ones in
+tests/support.py.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import redis
 
 from sluice import keys
@@ -221,3 +224,61 @@ def read_jobs(rds: redis.Redis, ids: Iterable[str]) -> dict[str, dict[str, str]]
     for job_id in ids:
         pipe.hgetall(keys.job(job_id))
     return dict(zip(ids, pipe.execute(), strict=True))
+
+
+# --- load around a fault --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Answer:
+    at: float  # time.monotonic()
+    status: int  # 0: no answer at all (the connection failed or timed out)
+    job_id: str | None = None
+
+
+class SubmissionLoad:
+    """Single jobs submitted from several threads as fast as the API answers, around a fault; every
+    answer is kept with its time. A refusal is followed by a short pause, as a client would."""
+
+    def __init__(self, client_for: Callable[[], httpx.Client], url: str, *, threads: int) -> None:
+        self.client_for = client_for
+        self.url = url
+        self.answers: list[Answer] = []  # list.append is atomic: the threads share it
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self._submit, args=(n,), daemon=True) for n in range(threads)]
+
+    @property
+    def accepted(self) -> list[str]:
+        return [answer.job_id for answer in self.answers if answer.job_id]
+
+    @property
+    def refused(self) -> int:
+        return sum(1 for answer in self.answers if answer.status not in (0, 202))
+
+    def _submit(self, n: int) -> None:
+        with self.client_for() as client:
+            i = 0
+            while not self.stopping.is_set():
+                i += 1
+                try:
+                    response = client.post(self.url, json={"input": {"text": f"load {n} {i}"}})
+                except httpx.HTTPError:
+                    self.answers.append(Answer(time.monotonic(), 0))
+                    continue
+                job_id = response.json()["id"] if response.status_code == 202 else None
+                self.answers.append(Answer(time.monotonic(), response.status_code, job_id))
+                if job_id is None:
+                    time.sleep(0.05)
+
+    def run(self, *, before_s: float, fault: Callable[[], None], after_s: float) -> float:
+        """Load for `before_s`, cause the fault, load for `after_s` more; answer when the fault came."""
+        for thread in self.threads:
+            thread.start()
+        time.sleep(before_s)
+        fault()
+        at = time.monotonic()
+        time.sleep(after_s)
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join(timeout=40)
+        return at

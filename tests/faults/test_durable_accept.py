@@ -14,7 +14,6 @@ cannot keep the promise. The registry is the session's.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,7 +39,7 @@ from tests.support import (
     wait_until,
 )
 
-from ._support import RedisServer, valkey_server
+from ._support import RedisServer, SubmissionLoad, valkey_server
 
 pytestmark = pytest.mark.slow
 
@@ -176,44 +175,6 @@ def test_cache_hits_are_fsynced_like_any_accept_and_a_refused_key_replays_them(
         store.stop()
 
 
-class Load:
-    """Submits single jobs from several threads as fast as the API answers; keeps each answer."""
-
-    def __init__(self, client_for: Callable[[], httpx.Client], url: str) -> None:
-        self.client_for = client_for
-        self.url = url
-        self.accepted: list[str] = []
-        self.refused = 0
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(n,), daemon=True) for n in range(LOAD_THREADS)]
-
-    def _run(self, n: int) -> None:
-        with self.client_for() as client:
-            i = 0
-            while not self.stopping.is_set():
-                i += 1
-                try:
-                    response = client.post(self.url, json={"input": {"text": f"load {n} {i}"}})
-                except httpx.HTTPError:
-                    continue
-                with self.lock:
-                    if response.status_code == 202:
-                        self.accepted.append(response.json()["id"])
-                    else:
-                        self.refused += 1
-
-    def run(self, *, before_kill_s: float, kill: Callable[[], None], after_kill_s: float) -> None:
-        for thread in self.threads:
-            thread.start()
-        time.sleep(before_kill_s)
-        kill()
-        time.sleep(after_kill_s)
-        self.stopping.set()
-        for thread in self.threads:
-            thread.join(timeout=40)
-
-
 def _crash_under_load(
     *, durable: bool, admin: httpx.Client, tenant: Callable[[str], httpx.Client], database_url: str, directory: Path
 ) -> dict[str, object]:
@@ -224,8 +185,8 @@ def _crash_under_load(
         model = register_synthetic_model(admin, unique("crash"))
         settings = make_settings(redis_url=store.url, database_url=database_url, home=directory, durable_accept=durable)
         with serving(settings) as api:
-            load = Load(lambda: tenant(api.url), f"/v1/models/{model}/jobs")
-            load.run(before_kill_s=3.0, kill=store.kill, after_kill_s=0.5)
+            load = SubmissionLoad(lambda: tenant(api.url), f"/v1/models/{model}/jobs", threads=LOAD_THREADS)
+            load.run(before_s=3.0, fault=store.kill, after_s=0.5)
         store.start()
         with store.client() as rds:
             pipe = rds.pipeline(transaction=False)
