@@ -12,7 +12,6 @@ jobs that went elsewhere never spend it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -86,6 +85,8 @@ class BreakerBoard:
         return {f"{m}/{v}": {"state": b.state.value, "reason": b.reason} for (m, v), b in self._breakers.items()}
 
     async def refresh(self) -> None:
+        if not self.routing.loaded:
+            return  # an API started while Postgres was down: nothing to judge until routing loads
         snapshot = self.routing.current()
         versions = [(m, v) for m, info in snapshot.models.items()
                     for v, row in info.versions.items() if row.state in PRIMARY_STATES]
@@ -116,7 +117,17 @@ class BreakerBoard:
             BREAKER_OPEN.labels(model, version).set(0 if after is BreakerState.closed else 1)
 
     async def run_forever(self) -> None:
+        failing: str | None = None
         while True:
-            with contextlib.suppress(BrokerError):
+            try:
                 await self.refresh()
+                failing = None
+            except BrokerError:
+                pass  # Redis is away: the breakers keep their state until it is back
+            except Exception as exc:
+                # Ending here would leave every breaker closed for the life of the process; logged
+                # once per distinct failure, tried again next round.
+                if repr(exc) != failing:
+                    log.exception("circuit breakers not refreshed")
+                failing = repr(exc)
             await asyncio.sleep(self.refresh_s)

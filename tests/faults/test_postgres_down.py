@@ -16,10 +16,20 @@ from pathlib import Path
 
 import pytest
 
+from api.app import create_app
 from launch.seed import seed
 from sluice.registry.store import Registry
 from sluice.settings import Settings
-from tests.support import ApiServer, WorkerProcess, http_client, make_settings, register_synthetic_model, wait_job
+from tests.support import (
+    ApiServer,
+    WorkerProcess,
+    http_client,
+    make_settings,
+    record_failures,
+    register_synthetic_model,
+    wait_job,
+    wait_until,
+)
 
 from ._support import PostgresServer, RedisServer
 
@@ -109,3 +119,36 @@ def test_submissions_continue_on_the_cached_routing_table_while_postgres_is_down
         response = demo.post(f"/v1/models/{model}/jobs", json={"input": {"text": "after the outage"}})
         assert response.status_code == 202, response.text
         assert wait_job(demo, response.json()["id"], timeout_s=30)["status"] == "succeeded"
+
+
+def test_an_api_started_while_postgres_is_down_opens_breakers_once_it_is_back(
+    private_postgres: PostgresServer, private_redis: RedisServer, tmp_path: Path,
+) -> None:
+    """With no routing table yet, the breakers' refresh has nothing to judge: it must wait for one,
+    not end the task that keeps the breakers for the life of the process."""
+    registry = Registry(url=private_postgres.url, pool_size=1)
+    try:
+        seeded = seed(registry, home=tmp_path, versions=())
+    finally:
+        registry.dispose()
+    private_postgres.stop()
+    settings = make_settings(redis_url=private_redis.url, database_url=private_postgres.url, home=tmp_path,
+                             routing_refresh_s=0.5, breaker_min_samples=5)
+    api = ApiServer(app=create_app(settings=settings))
+    api.start()
+    try:
+        assert api.readyz()["_status_code"] == 503
+        time.sleep(2.5)  # the breakers' refresh runs every second, while there is no routing table
+        private_postgres.start()
+        api.wait_ready("ok", timeout_s=30)
+        with http_client(api.url, seeded.admin_key) as admin:
+            model = register_synthetic_model(admin, "late-breaker", cost=COST)
+        with private_redis.client() as rds:
+            record_failures(rds, model, "v1", 5)
+
+        def state() -> str:
+            return str(api.readyz().get("breakers", {}).get(f"{model}/v1", {}).get("state"))
+
+        wait_until(lambda: state() == "open", timeout_s=10, what="the breaker to open")
+    finally:
+        api.stop()
