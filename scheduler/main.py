@@ -133,16 +133,15 @@ class Scheduler:
         """Wake the loop on routing events so a new version gets workers at once."""
         while not self.stopping.is_set():
             try:
-                client = connect_sync(self.redis_url, socket_timeout_s=None)
-                pubsub = client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
-                pubsub.subscribe(events.channel(client))
-                while not self.stopping.is_set():
-                    message = pubsub.get_message(timeout=1.0)
-                    if message and isinstance(events.parse(message.get("data", b"")), events.RoutingChanged):
-                        self._wake.set()
-                pubsub.close()
-                client.close()
-            except (redis.RedisError, OSError):
+                with (connect_sync(self.redis_url, socket_timeout_s=None) as client,
+                      client.pubsub(ignore_subscribe_messages=True) as pubsub):  # type: ignore[no-untyped-call]
+                    pubsub.subscribe(events.channel(client))
+                    while not self.stopping.is_set():
+                        message = pubsub.get_message(timeout=1.0)
+                        if message and isinstance(events.parse(message.get("data", b"")), events.RoutingChanged):
+                            self._wake.set()
+            except (redis.RedisError, redis.RedisClusterException, OSError):
+                # RedisClusterException is no RedisError: a cluster client finding no node raises it.
                 self.stopping.wait(2.0)
 
     def run(self) -> None:

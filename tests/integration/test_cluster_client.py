@@ -6,8 +6,11 @@ version and tenant live on different nodes, and job events across nodes.
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -20,10 +23,12 @@ from sluice.connections import connect, connect_sync
 from sluice.idempotency import IdempotencyClaim
 from sluice.jobs import JobRecord, JobStatus
 from sluice.quota import Refusal, TenantLimits
+from sluice.registry.store import Registry
 from sluice.samples import Sample
 from sluice.settings import Settings
 from sluice.streams import Finished, StreamConsumer
 from tests.redis_cluster import LocalCluster, running_cluster
+from tests.support import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -149,3 +154,30 @@ async def test_job_events_reach_a_subscriber_on_another_node(cluster: LocalClust
 def test_an_idempotency_key_lives_in_its_tenants_slot() -> None:
     claim = IdempotencyClaim(keys.idempotency("acme", "f" * 64), "hash")
     assert key_slot(claim.redis_key.encode()) == key_slot(keys.rate_bucket("acme").encode())
+
+
+def test_the_schedulers_event_listener_outlives_the_node_its_url_names(tmp_path: Path, registry: Registry) -> None:
+    """Reconnecting while the named node is down raises the cluster client's own exception, which
+    is not a RedisError: the listener must wait and retry, not end and leave the scheduler deaf."""
+    from scheduler.main import Scheduler, autoscaler
+
+    with running_cluster(tmp_path / "cluster") as cluster:
+        scheduler = Scheduler(registry=registry, redis_url=cluster.url, supervisor=None,
+                              autoscaler=autoscaler(Settings(worker_slots=2)))
+        listener = threading.Thread(target=scheduler._listen, name="scheduler-events", daemon=True)
+        listener.start()
+        try:
+            cluster.nodes[0].stop()
+            time.sleep(4)
+            assert listener.is_alive(), "the listener ended while the node was down"
+            cluster.nodes[0].start()
+            wait_until(cluster.ready, timeout_s=30, what="the cluster with its node back")
+            routing = json.dumps({"type": "routing", "model": "any"})
+            with connect_sync(cluster.url) as publisher:
+                deadline = time.monotonic() + 20
+                while not scheduler._wake.wait(0.2):
+                    assert time.monotonic() < deadline, "no routing event reached the scheduler"
+                    publisher.publish(events.channel(publisher), routing)
+        finally:
+            scheduler.request_stop()
+            listener.join(timeout=10)
