@@ -148,6 +148,9 @@ class Worker:
         self._drained = False  # the last read found fewer entries than it asked for
         self._stopping = asyncio.Event()
         self._writes: set[asyncio.Task[None]] = set()
+        # Set to the first write that failed other than on Redis (which it retries): its jobs would
+        # stay held, refreshed and never reclaimed, so the worker fails as when a loop stops.
+        self._failed_write: asyncio.Future[asyncio.Task[None]] | None = None
         self._last_claim = 0.0
         self.state = WorkerState.starting
         self.processed = 0
@@ -168,6 +171,7 @@ class Worker:
 
     async def run(self) -> None:
         await self.streams.ensure_groups()
+        failed_write = self._failed_write = asyncio.get_running_loop().create_future()
         self.state = WorkerState.ready
         reader = asyncio.create_task(self._read_loop(), name="reader")
         runner = asyncio.create_task(self._run_loop(), name="runner")
@@ -178,7 +182,8 @@ class Worker:
             # failed: a worker whose runner died would go on claiming jobs it never runs while its
             # heartbeat says ready and its refreshes keep other workers off them. Fail instead:
             # the process exits, its supervisor replaces it, and the entries it held are reclaimed.
-            await asyncio.wait((reader, runner, beat, refresh), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((reader, runner, beat, refresh, failed_write), return_when=asyncio.FIRST_COMPLETED)
+            self._raise_if_a_write_failed()
             for loop in (runner, beat, refresh):
                 if loop.done():
                     log.error("worker %s: its %s loop stopped; the worker stops", self.name, loop.get_name(),
@@ -193,6 +198,7 @@ class Worker:
             await asyncio.wait_for(runner, timeout=self.shutdown_grace_s)
             if self._writes:
                 await asyncio.wait_for(asyncio.gather(*self._writes), timeout=self.shutdown_grace_s)
+            self._raise_if_a_write_failed()
         finally:
             loops = (reader, runner, beat, refresh)
             for task in loops:
@@ -209,6 +215,19 @@ class Worker:
             self.state = WorkerState.stopped
             with contextlib.suppress(BrokerError):
                 await self.streams.leave()
+
+    def _raise_if_a_write_failed(self) -> None:
+        if self._failed_write is not None and self._failed_write.done():
+            write = self._failed_write.result()
+            log.error("worker %s: storing a batch's outcomes failed; the worker stops", self.name,
+                      exc_info=write.exception())
+            raise WorkerFailed("storing a batch's outcomes failed") from write.exception()
+
+    def _write_done(self, write: asyncio.Task[None]) -> None:
+        self._writes.discard(write)
+        failed = not write.cancelled() and write.exception() is not None
+        if failed and self._failed_write is not None and not self._failed_write.done():
+            self._failed_write.set_result(write)
 
     # --- reading and batch formation -----------------------------------------------------------
 
@@ -339,7 +358,7 @@ class Worker:
                 raise HandlerHung(f"a batch ran past the {self.batch_timeout_s:g} s per-batch timeout") from None
             task = asyncio.create_task(self._complete(batch, outcomes, started, model_s))
             self._writes.add(task)
-            task.add_done_callback(self._writes.discard)
+            task.add_done_callback(self._write_done)
 
     def _take(self) -> Batch[Delivery] | None:
         """The next batch to run: the batcher's most urgent, or its first forward pass when the

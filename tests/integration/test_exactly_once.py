@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from sluice import events, keys
 from sluice.batcher import Batch, Item
 from sluice.connections import connect
+from sluice.errors import WorkerFailed
 from sluice.kinds import ModelKind
 from sluice.streams import DeadLetter, StreamConsumer
 from tests.support import drive, queue_in_redis, unique
@@ -166,6 +167,36 @@ async def test_a_fault_is_retried_and_its_dead_letter_carries_the_real_error(are
     # Only the four jobs that finished left a sample; the faulted runs stored no outcome.
     assert await aredis.xlen(keys.stats(model, "v1")) == 4
     assert await aredis.xlen(keys.stream(model, "v1", "online")) == 0
+
+
+class Echo:
+    kind = ModelKind.synthetic
+    length_buckets = True
+
+    def warmup(self) -> None:
+        """Nothing to warm."""
+
+    def run(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        return [{"echo": dict(item)} for item in inputs]
+
+
+async def test_a_write_that_fails_other_than_on_redis_fails_the_worker_instead_of_holding_its_jobs(
+    aredis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Storing retries Redis errors only. A write that failed otherwise left its jobs held (and kept
+    fresh, so no other worker reclaimed them) by a worker that carried on as if healthy."""
+    model = unique("write-fails")
+    worker = Worker(redis=aredis, model=model, version="v1", handler=Echo(), max_batch_size=4, max_wait_ms=5,
+                    claim_after_s=0.6, max_deliveries=3, shutdown_grace_s=5)
+
+    async def broken(*args: object, **kwargs: object) -> list[bool]:
+        raise ValueError("an outcome the writer could not encode")
+
+    monkeypatch.setattr(worker.results, "store", broken)
+    await queue_in_redis(aredis, model, [{"text": "held forever"}])
+    with pytest.raises(WorkerFailed, match="storing a batch's outcomes failed") as failed:
+        await asyncio.wait_for(worker.run(), timeout=10)
+    assert isinstance(failed.value.__cause__, ValueError)
 
 
 # --- the holder's refresh -----------------------------------------------------------------------------
