@@ -19,6 +19,7 @@ from pathlib import Path
 import redis
 from redis.crc import key_slot
 
+from sluice.connections import reply_text
 from sluice.keys import SLOTS
 from tests.faults._support import REDIS_SERVER, RedisServer
 from tests.support import wait_until
@@ -89,7 +90,7 @@ class LocalCluster:
     def _known_everywhere(self, total: int) -> bool:
         for node in self.nodes:
             with self._client(node) as client:
-                if f"cluster_known_nodes:{total}" not in _text(client.execute_command("CLUSTER", "INFO")):
+                if f"cluster_known_nodes:{total}" not in reply_text(client.execute_command("CLUSTER", "INFO")):
                     return False
         return True
 
@@ -102,7 +103,7 @@ class LocalCluster:
         for node in self.nodes:
             if node.ping():
                 with self._client(node) as client:
-                    if "cluster_state:ok" not in _text(client.execute_command("CLUSTER", "INFO")):
+                    if "cluster_state:ok" not in reply_text(client.execute_command("CLUSTER", "INFO")):
                         return False
         return True
 
@@ -142,7 +143,3 @@ def running_cluster(directory: Path, *, binary: str = REDIS_SERVER) -> Iterator[
         yield made
     finally:
         made.stop()
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -15,6 +15,7 @@ for the local fsync, not for a replica). Every job the new master holds must fin
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -72,14 +73,10 @@ def test_a_master_killed_under_load_fails_over_and_every_job_it_kept_finishes(
             worker.terminate()
         cluster.stop()
 
-    statuses: dict[int, int] = {}
-    for answer in load.answers:
-        statuses[answer.status] = statuses.get(answer.status, 0) + 1
+    statuses = dict(Counter(answer.status for answer in load.answers))
     last_refused = max((a.at for a in load.answers if a.status != 202), default=killed_at)
     outage_s = last_refused - killed_at
-    outcome: dict[str, int] = {}
-    for status in kept.values():
-        outcome[status] = outcome.get(status, 0) + 1
+    outcome = dict(Counter(kept.values()))
     figure("answers", statuses)
     figure("accepted", len(accepted))
     figure("refusing_until_s_after_the_kill", round(outage_s, 2))
