@@ -6,7 +6,7 @@ the measured service rate and the latency budget, so the simulator and tests use
 the I/O around it (one Redis round trip, cached for a fraction of a second, but read afresh
 for an admission near the budget, where other replicas' admissions matter) lives in `Admission`.
 Shedding runs first and in process; the quota and rate limit are checked and charged in the
-enqueue script itself (`sluice.quota`), so a job refused for any reason takes no rate tokens and
+enqueue script itself (`sluice.wire.quota`), so a job refused for any reason takes no rate tokens and
 concurrent submissions cannot overrun the quota.
 """
 
@@ -22,15 +22,15 @@ from functools import partial
 
 import redis.asyncio as aioredis
 
-from sluice import heartbeats, keys
-from sluice.broker import Broker
-from sluice.connections import translate_redis_errors
 from sluice.errors import TooManyRequests
-from sluice.idempotency import IdempotencyClaim
-from sluice.jobs import JobRecord
-from sluice.quota import Refusal, TenantLimits
 from sluice.registry.queries import KeyInfo
 from sluice.routing import VersionInfo
+from sluice.wire import heartbeats, keys
+from sluice.wire.broker import Broker
+from sluice.wire.connections import translate_redis_errors
+from sluice.wire.idempotency import IdempotencyClaim
+from sluice.wire.jobs import JobRecord
+from sluice.wire.quota import Refusal, TenantLimits
 
 
 def shed_retry_after(*, backlog: int, service_rate: float, budget_s: float) -> float | None:

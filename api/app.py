@@ -15,16 +15,16 @@ from api.admission import Admission
 from api.breakers import BreakerBoard
 from api.caches import AuthCache, RoutingCache
 from api.deps import AppState
-from api.events import EventHub
+from api.event_hub import EventHub
 from api.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware, StrictJsonMiddleware
 from api.routes import batches, dashboard, health, jobs, models, rollouts, schedules, tenants, waits
-from sluice import events
 from sluice.breaker import CircuitBreaker
-from sluice.broker import Broker
-from sluice.connections import connect
-from sluice.durability import require_durable_store
 from sluice.registry.store import Registry
 from sluice.settings import Settings
+from sluice.wire import events
+from sluice.wire.broker import Broker
+from sluice.wire.connections import connect
+from sluice.wire.durability import require_durable_store
 
 log = logging.getLogger(__name__)
 

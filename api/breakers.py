@@ -21,12 +21,12 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from api.caches import RoutingCache
-from sluice import heartbeats, keys, samples
 from sluice.breaker import BreakerState, CircuitBreaker, Health
-from sluice.connections import translate_redis_errors
 from sluice.errors import BrokerError
 from sluice.metrics import BREAKER_OPEN
 from sluice.versions import PRIMARY_STATES
+from sluice.wire import heartbeats, keys, samples
+from sluice.wire.connections import translate_redis_errors
 
 log = logging.getLogger(__name__)
 

@@ -13,14 +13,14 @@ from fastapi.security import HTTPBearer
 from api.admission import Admission
 from api.breakers import BreakerBoard
 from api.caches import AuthCache, RoutingCache
-from api.events import EventHub
-from sluice import events
-from sluice.broker import Broker
+from api.event_hub import EventHub
 from sluice.errors import Forbidden, InvalidInput, Unauthenticated
 from sluice.registry.queries import KeyInfo
 from sluice.registry.store import Registry
 from sluice.settings import Settings
 from sluice.webhooks import CallbackRefused, allowed_networks, check_callback_url
+from sluice.wire import events
+from sluice.wire.broker import Broker
 
 
 @dataclass

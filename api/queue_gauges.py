@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from sluice import keys
-from sluice.connections import translate_redis_errors
-from sluice.heartbeats import live_since
 from sluice.metrics import LIVE_WORKERS, QUEUE_OLDEST_AGE, QUEUE_PENDING, STREAM_LAG
 from sluice.routing import RoutingSnapshot
 from sluice.versions import VersionState
+from sluice.wire import keys
+from sluice.wire.connections import translate_redis_errors
+from sluice.wire.heartbeats import live_since
 
 
 @dataclass(frozen=True, slots=True)

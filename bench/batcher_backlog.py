@@ -1,7 +1,7 @@
 """Batch sizes under a backlog: a deterministic replay of one worker's read/take/run loop.
 
 No model and no Redis: the real sluice.batcher.MicroBatcher is driven the way
-workers/consumer.py drives it, on a backlog whose jobs were all enqueued before the worker
+workers/worker.py drives it, on a backlog whose jobs were all enqueued before the worker
 started, so every job is already past `max_wait_ms` when it is read. The reader keeps the
 prefetch room full (bulk lane: at most one batch per read); a batch's room is freed when it
 completes. Model time is a linear cost model (a fixed cost per call + a cost per padded token)

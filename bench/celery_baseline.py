@@ -5,7 +5,7 @@ own MiniLM embedding handler, the way a team without Sluice would serve the mode
         celery -A bench.celery_baseline worker --pool prefork --concurrency 2
 
 Each prefork child loads the model once, in `worker_process_init`, exactly as `sluice worker`
-does (`workers.models.handlers.load_handler`: the artifact and sha256 of the Sluice version it is
+does (`workers.models.loading.load_handler`: the artifact and sha256 of the Sluice version it is
 compared with, from `SLUICE_BENCH_ARTIFACT` / `SLUICE_BENCH_SHA256`, the sha256 checked, the
 same precision policy, one torch thread, warmed up), and answers the output a Sluice job stores.
 The parent process never imports torch, so no child inherits a torch thread pool across the fork.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery, signals
 
 if TYPE_CHECKING:
-    from workers.models.handlers import ModelHandler
+    from workers.models.loading import ModelHandler
 
 URL_ENV = "SLUICE_BENCH_CELERY_URL"
 ARTIFACT_ENV, SHA256_ENV = "SLUICE_BENCH_ARTIFACT", "SLUICE_BENCH_SHA256"
@@ -47,7 +47,7 @@ def load_minilm() -> ModelHandler:
     """The handler a `sluice worker` builds for the version named by the environment (by default
     the demo `minilm` artifact)."""
     from sluice.artifacts import MINILM_URI, artifact_sha256, resolve_artifact
-    from workers.models.handlers import load_handler
+    from workers.models.loading import load_handler
     from workers.models.precision import PrecisionPolicy
 
     artifact = os.environ.get(ARTIFACT_ENV, MINILM_URI)

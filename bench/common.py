@@ -620,7 +620,7 @@ class BenchPlatform:
         return procs
 
     def wait_ready(self, model: str, version: str, n: int, timeout_s: float = 180.0) -> None:
-        from sluice import keys
+        from sluice.wire import keys
 
         client = self.redis()
         deadline = time.monotonic() + timeout_s

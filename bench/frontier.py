@@ -1,7 +1,7 @@
 """The batching frontier of one model (`sluice bench frontier`): p99 against sustained throughput
 for every (max_batch_size, max_wait_ms) of a grid, on the real worker and in the simulator.
 
-The real series runs `workers.consumer.Worker` (the real class, its real handler, real Redis) in
+The real series runs `workers.worker.Worker` (the real class, its real handler, real Redis) in
 this process, one replica with `--threads` torch threads, a fresh one for every phase. Jobs go
 straight into Redis as the API queues them (record, then stream entry) on an open-loop Poisson
 timetable fixed in advance, each stamped with its *scheduled* arrival time, so a late feeder
@@ -55,7 +55,7 @@ from scheduler.frontier_sim import PassPlan, SimJob, run_replica
 from sluice.kinds import token_estimate
 
 if TYPE_CHECKING:
-    from sluice.samples import Sample
+    from sluice.wire.samples import Sample
 
 # A capacity probe drains this many batches' worth of a backlog (and this many jobs at least), the
 # same texts for every batch size.
@@ -208,8 +208,8 @@ class RealReplica:
 
     def __init__(self, *, runner: asyncio.Runner, redis_url: str, handler: RecordingHandler, pool: TextPool,
                  options: Options) -> None:
-        from sluice.connections import connect
         from sluice.settings import Settings
+        from sluice.wire.connections import connect
 
         self.runner = runner
         self.handler = handler
@@ -229,7 +229,7 @@ class RealReplica:
         return self.runner.run(self._rung(max_batch_size, max_wait_ms, rate, seed))
 
     def _worker(self, version: str, max_batch_size: int, max_wait_ms: float) -> Any:
-        from workers.consumer import Worker
+        from workers.worker import Worker
 
         return Worker(redis=self.redis, model=self.model, version=version, handler=self.handler,
                       max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
@@ -239,9 +239,9 @@ class RealReplica:
                       shutdown_grace_s=self.settings.shutdown_grace_s)
 
     async def _queue(self, version: str, indices: Sequence[int], arrivals: Sequence[float]) -> list[str]:
-        from sluice.jobs import JobRecord, JobStatus
-        from sluice.keys import new_job_id
-        from sluice.streams import queue_jobs
+        from sluice.wire.jobs import JobRecord, JobStatus
+        from sluice.wire.keys import new_job_id
+        from sluice.wire.streams import queue_jobs
 
         records = [JobRecord(id=new_job_id(self.model, version), tenant=TENANT, model=self.model, version=version,
                              lane="online",
@@ -269,8 +269,8 @@ class RealReplica:
         return ids
 
     async def _samples(self, version: str) -> list[Sample]:
-        from sluice import keys
-        from sluice.samples import parse
+        from sluice.wire import keys
+        from sluice.wire.samples import parse
 
         entries: list[tuple[bytes, dict[bytes, bytes]]] = await self.redis.xrange(  # type: ignore[assignment]
             keys.stats(self.model, version))
@@ -279,7 +279,7 @@ class RealReplica:
     async def _finished(self, version: str, total: int, deadline: float, worker: asyncio.Task[None]) -> list[Sample]:
         """The samples of the version's finished jobs, once `total` are in, at `deadline`, or
         when the worker has stopped (its error is raised by whoever awaits it)."""
-        from sluice import keys
+        from sluice.wire import keys
 
         stream = keys.stats(self.model, version)
         while time.time() < deadline and not worker.done():
@@ -289,7 +289,7 @@ class RealReplica:
         return await self._samples(version)
 
     async def _forget(self, version: str, ids: Sequence[str]) -> None:
-        from sluice import keys
+        from sluice.wire import keys
 
         names = [keys.stream(self.model, version, lane) for lane in keys.LANES]
         names += [keys.dead_stream(self.model, version), keys.stats(self.model, version),
@@ -383,7 +383,7 @@ class SimReplica:
 
 def load(target: Target, options: Options) -> Any:
     """The handler, loaded and warmed as `sluice worker` does (without the registry)."""
-    from workers.models.handlers import load_handler
+    from workers.models.loading import load_handler
 
     if target.kind != "synthetic":
         # Before torch is imported: its OpenMP pool reads these at start.

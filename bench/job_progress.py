@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import orjson
 import redis.asyncio as aioredis
 
-from sluice.samples import Sample
-from sluice.streams import Delivered, Finished, StreamConsumer, StreamEntry
+from sluice.wire.samples import Sample
+from sluice.wire.streams import Delivered, Finished, StreamConsumer, StreamEntry
 
 EMBEDDING_DIM = 384
 

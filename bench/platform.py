@@ -98,7 +98,7 @@ def wait_done(platform: BenchPlatform, ids: Sequence[str], timeout_s: float, pol
     `window` pending jobs only, moving on to the next window when those are all final: the
     bench adds a few Redis commands per job, not one per job per poll.
     """
-    from sluice import keys
+    from sluice.wire import keys
 
     client = platform.redis()
     pending = list(ids)
@@ -122,7 +122,7 @@ def wait_done(platform: BenchPlatform, ids: Sequence[str], timeout_s: float, pol
 
 
 def read_jobs(platform: BenchPlatform, ids: Sequence[str]) -> list[dict[str, Any]]:
-    from sluice import keys
+    from sluice.wire import keys
 
     client = platform.redis()
     try:

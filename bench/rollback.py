@@ -172,7 +172,7 @@ class ForeignAnnouncements:
     async def listen(self) -> None:
         import redis.asyncio as aioredis
 
-        from sluice.events import channel as events_channel
+        from sluice.wire.events import channel as events_channel
 
         client = aioredis.Redis.from_url(self.redis_url)
         pubsub = client.pubsub(ignore_subscribe_messages=True)

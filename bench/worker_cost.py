@@ -1,6 +1,6 @@
 """The worker's CPU per job, split into the model's forward pass and everything else (issue 9).
 
-A real `workers.consumer.Worker` with the real MiniLM embedding handler (1 torch thread) runs in a
+A real `workers.worker.Worker` with the real MiniLM embedding handler (1 torch thread) runs in a
 process of its own (this module with `--serve`, on the event loop `sluice worker` uses), on a
 redis-server of the bench's own. This process queues jobs straight into Redis as the API does
 (record, then stream entry) and never runs the model, so the worker process's CPU is the
@@ -82,7 +82,7 @@ class TimedHandler(PassThroughHandler):
 
 
 def counting_redis(url: str) -> tuple[Any, list[int]]:
-    """The worker's client (`sluice.connections.connect`'s pool settings) on connections that
+    """The worker's client (`sluice.wire.connections.connect`'s pool settings) on connections that
     count what they send: one send is one round trip (a pipeline is one send)."""
     import redis.asyncio as aioredis
 
@@ -112,8 +112,8 @@ async def serve(args: argparse.Namespace) -> None:
     configure_torch(1)
     from sluice.artifacts import MINILM_URI, artifact_sha256, resolve_artifact
     from sluice.settings import Settings
-    from workers.consumer import Worker
-    from workers.models.handlers import load_handler
+    from workers.models.loading import load_handler
+    from workers.worker import Worker
 
     handler = TimedHandler(
         load_handler(
@@ -216,9 +216,9 @@ class WorkerProcess:
 
 
 def records_for(texts: Sequence[str]) -> list[Any]:
-    from sluice.jobs import JobRecord, JobStatus
-    from sluice.keys import new_job_id
     from sluice.kinds import token_estimate
+    from sluice.wire.jobs import JobRecord, JobStatus
+    from sluice.wire.keys import new_job_id
 
     now = time.time()
     return [
@@ -239,7 +239,7 @@ def records_for(texts: Sequence[str]) -> list[Any]:
 
 async def queue(redis: Any, texts: Sequence[str]) -> None:
     """As the API queues them: each record, then its stream entry (`streams.queue_jobs`)."""
-    from sluice.streams import queue_jobs
+    from sluice.wire.streams import queue_jobs
 
     pipe = redis.pipeline(transaction=False)
     queue_jobs(pipe, records_for(texts), result_ttl_s=3600)
@@ -248,7 +248,7 @@ async def queue(redis: Any, texts: Sequence[str]) -> None:
 
 async def wait_finished(redis: Any, total: int, *, timeout_s: float) -> None:
     """Until `total` samples are in the version's stream: one per job made final by the worker."""
-    from sluice import keys
+    from sluice.wire import keys
 
     deadline = time.monotonic() + timeout_s
     while await redis.xlen(keys.stats(MODEL, VERSION)) < total:

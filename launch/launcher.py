@@ -27,15 +27,16 @@ import redis.asyncio as aioredis
 
 from launch.embedded import EmbeddedStores, start_embedded
 from launch.seed import DEMO_VERSIONS, Seeded, seed
-from sluice import exposition, heartbeats
+from sluice import exposition
 from sluice.client import SluiceClient
-from sluice.connections import as_cluster_url, connect, connect_sync
 from sluice.errors import SluiceError
-from sluice.heartbeats import WorkerState
 from sluice.migrate import upgrade
 from sluice.processes import die_with_parent
 from sluice.registry.store import Registry
 from sluice.settings import Settings
+from sluice.wire import heartbeats
+from sluice.wire.connections import as_cluster_url, connect, connect_sync
+from sluice.wire.heartbeats import WorkerState
 
 log = logging.getLogger(__name__)
 

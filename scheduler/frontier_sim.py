@@ -1,4 +1,4 @@
-"""One warm worker replica in simulated time, batching as `workers.consumer.Worker` does.
+"""One warm worker replica in simulated time, batching as `workers.worker.Worker` does.
 
 The frontier sweep's simulator (scheduler/frontier.py). Jobs arrive on a trace and wait in the
 stream; the replica reads them into the real `sluice.batcher.MicroBatcher` while it holds fewer

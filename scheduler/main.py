@@ -29,13 +29,14 @@ from scheduler.quality import run_aggregator
 from scheduler.rollout import run_controller
 from scheduler.scaling import Autoscaler, publish, read_pools, scaled_versions, worker_config
 from scheduler.supervisor import Supervisor, VersionKey
-from sluice import events, exposition
-from sluice.connections import connect_sync
+from sluice import exposition
 from sluice.errors import ActuatorError, BrokerError, SluiceError
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.routing import RoutingSnapshot
 from sluice.settings import Settings
+from sluice.wire import events
+from sluice.wire.connections import connect_sync
 
 log = logging.getLogger(__name__)
 

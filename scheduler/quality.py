@@ -15,13 +15,13 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
-from sluice.connections import connect
 from sluice.errors import SluiceError
 from sluice.registry import quality, queries
 from sluice.registry.store import Registry
-from sluice.samples import read_samples
 from sluice.stats import summarise
 from sluice.versions import VersionState
+from sluice.wire.connections import connect
+from sluice.wire.samples import read_samples
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """The rollout controller: looks at each running rollout, decides, applies, records.
 
 For each running rollout, once per `policy.look_interval_s`, it reads the canary's and stable's
-samples over the current step's window (`sluice.samples`) and their live workers
-(`sluice.heartbeats`), asks the pure `guardrails.decide`, and hands the decision to
+samples over the current step's window (`sluice.wire.samples`) and their live workers
+(`sluice.wire.heartbeats`), asks the pure `guardrails.decide`, and hands the decision to
 `registry.rollouts.apply_decision`: the routing change (the same audited `set_routing` as the
 admin API) and the decision row commit together. A routing change is then announced on
 `sluice:events`, as the API does. Every look is recorded, `continue` included.
@@ -27,14 +27,14 @@ from datetime import UTC, datetime
 import redis.asyncio as aioredis
 
 from scheduler.guardrails import Decision, Evidence, Position, decide
-from sluice import heartbeats
-from sluice.connections import connect
 from sluice.errors import BrokerError, InvalidPolicy, SluiceError
-from sluice.events import announce_routing
 from sluice.registry import rollouts
 from sluice.registry.store import Registry
 from sluice.rollout_policy import Policy
-from sluice.samples import Sample, read_samples
+from sluice.wire import heartbeats
+from sluice.wire.connections import connect
+from sluice.wire.events import announce_routing
+from sluice.wire.samples import Sample, read_samples
 
 log = logging.getLogger(__name__)
 

@@ -29,12 +29,12 @@ from scheduler.autoscale import (
     allocate,
     need,
 )
-from sluice import keys
-from sluice.connections import translate_redis_errors
-from sluice.heartbeats import Heartbeat, WorkerState, live_since
 from sluice.metrics import DESIRED_REPLICAS, LIVE_REPLICAS, STREAM_LAG
 from sluice.routing import RoutingSnapshot, VersionInfo
 from sluice.versions import VersionState
+from sluice.wire import keys
+from sluice.wire.connections import translate_redis_errors
+from sluice.wire.heartbeats import Heartbeat, WorkerState, live_since
 
 log = logging.getLogger(__name__)
 

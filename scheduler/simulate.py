@@ -19,7 +19,7 @@ from scheduler.guardrails import Decision, Evidence, Position, decide
 from sluice.registry.rollouts import SHADOW_STEP
 from sluice.rollout_policy import Policy
 
-STREAM_CAP = 20_000  # the workers' samples stream keeps about this many (workers/consumer.py)
+STREAM_CAP = 20_000  # the workers' samples stream keeps about this many (workers/worker.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,8 @@ import httpx
 from sluice.client_admin import AdminCalls, AsyncAdminCalls
 from sluice.client_batches import AsyncBatchCalls, BatchCalls
 from sluice.errors import SluiceError
-from sluice.jobs import MAX_WAIT_IDS
 from sluice.webhooks import retry_after_s, verify
+from sluice.wire.jobs import MAX_WAIT_IDS
 
 FINAL = {"succeeded", "failed", "expired", "cancelled"}
 

@@ -24,8 +24,8 @@ import redis
 import redis.asyncio as aioredis
 from prometheus_client import start_http_server
 
-from sluice import keys
-from sluice.connections import translate_redis_errors
+from sluice.wire import keys
+from sluice.wire.connections import translate_redis_errors
 
 ADVERTISE_EVERY_S = 5.0
 # Three missed advertisements: a process that stopped drops out of discovery within this.

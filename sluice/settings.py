@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from sluice.connections import as_cluster_url, cluster_url
+from sluice.wire.connections import as_cluster_url, cluster_url
 
 
 class Settings(BaseSettings):
@@ -57,7 +57,7 @@ class Settings(BaseSettings):
     max_bulk_items: int = Field(default=1000, ge=1)
     max_wait_s: float = Field(default=60.0, ge=0)
 
-    # Durable accept (sluice/durability.py): answer 202 only once the store has fsynced the job,
+    # Durable accept (sluice/wire/durability.py): answer 202 only once the store has fsynced the job,
     # waiting up to the timeout, else 503 `not_durable` with the job withdrawn. Needs WAITAOF
     # (Redis >= 7.2 or Valkey) with appendonly on; checked at start-up.
     durable_accept: bool = False

@@ -1,4 +1,4 @@
-"""Per-version statistics over the finished-job samples (`sluice.samples`).
+"""Per-version statistics over the finished-job samples (`sluice.wire.samples`).
 
 Percentiles are exact over the window's samples (numpy's default 'linear' method, i.e.
 Hyndman-Fan type 7), not estimates from histogram buckets. A p99 needs P99_MIN_SAMPLES of them:
@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from sluice.jobs import CLOSE_REASONS
 from sluice.quality import summarise_quality
-from sluice.samples import Sample
+from sluice.wire.jobs import CLOSE_REASONS
+from sluice.wire.samples import Sample
 
 # DESIGN §9: a p99 of fewer than a few hundred samples is not reported as one. Of 100 samples it
 # is an interpolation between the two largest, so it says little more than the maximum does.

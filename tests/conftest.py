@@ -26,10 +26,10 @@ import redis
 from sqlalchemy import text
 
 from launch.seed import Seeded, seed
-from sluice import keys
-from sluice.connections import cluster_url, connect_sync
 from sluice.registry.store import Registry
 from sluice.settings import Settings
+from sluice.wire import keys
+from sluice.wire.connections import cluster_url, connect_sync
 from tests.support import (
     ApiServer,
     WorkerProcess,

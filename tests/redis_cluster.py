@@ -19,8 +19,8 @@ from pathlib import Path
 import redis
 from redis.crc import key_slot
 
-from sluice.connections import reply_text
-from sluice.keys import SLOTS
+from sluice.wire.connections import reply_text
+from sluice.wire.keys import SLOTS
 from tests.faults._support import REDIS_SERVER, RedisServer
 from tests.support import wait_until
 

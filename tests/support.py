@@ -35,17 +35,17 @@ from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
-from sluice import events, keys
-from sluice.connections import connect_sync
-from sluice.jobs import JobRecord, JobStatus
-from sluice.keys import new_job_id
 from sluice.kinds import token_estimate
 from sluice.migrate import upgrade
 from sluice.registry.store import normalise_url
-from sluice.samples import SAMPLES_MAXLEN, Sample
 from sluice.settings import Settings
-from sluice.streams import CLAIM_SCRIPT, Delivered, Finished, StreamEntry, claim_call, finish_call, queue_jobs
-from workers.consumer import Worker
+from sluice.wire import events, keys
+from sluice.wire.connections import connect_sync
+from sluice.wire.jobs import JobRecord, JobStatus
+from sluice.wire.keys import new_job_id
+from sluice.wire.samples import SAMPLES_MAXLEN, Sample
+from sluice.wire.streams import CLAIM_SCRIPT, Delivered, Finished, StreamEntry, claim_call, finish_call, queue_jobs
+from workers.worker import Worker
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"

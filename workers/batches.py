@@ -33,17 +33,17 @@ from typing import Any
 
 import redis as redis_sync
 
-from sluice import keys
 from sluice.batch_files import BatchFileError, Format, Row, count_rows, error_json, output_line, read_rows, write_output
-from sluice.connections import translate_redis_errors
 from sluice.errors import InvalidInput
-from sluice.jobs import FINAL_STATES, JobRecord, JobStatus
 from sluice.kinds import ModelKind, schema_text, validate_input
-from sluice.outbox import OutboxEntry
 from sluice.registry import batches as queries
 from sluice.registry.store import Registry
 from sluice.registry.tables import Model, ModelVersion
-from sluice.streams import CANCEL_SCRIPT, queue_jobs
+from sluice.wire import keys
+from sluice.wire.connections import translate_redis_errors
+from sluice.wire.jobs import FINAL_STATES, JobRecord, JobStatus
+from sluice.wire.outbox import OutboxEntry
+from sluice.wire.streams import CANCEL_SCRIPT, queue_jobs
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ CHUNK_ROWS = 128
 
 
 def job_id(batch_id: str, row: int, *, model: str, version: str) -> str:
-    """A row's job id: the same for every feeder of the batch, in its version's slot (`sluice.keys`)."""
+    """A row's job id: the same for every feeder of the batch, in its version's slot (`sluice.wire.keys`)."""
     return f"job_{keys.version_code(model, version)}.{batch_id.removeprefix('bat_')}_{row}"
 
 

@@ -24,10 +24,7 @@ from typing import cast
 import httpx
 import redis as redis_sync
 
-from sluice import keys
-from sluice.connections import connect_sync, translate_redis_errors
 from sluice.errors import SluiceError
-from sluice.jobs import JobRecord
 from sluice.metrics import WEBHOOK_ATTEMPTS
 from sluice.redact import scrub
 from sluice.registry import queries
@@ -50,6 +47,9 @@ from sluice.webhooks import (
     should_retry,
     signature,
 )
+from sluice.wire import keys
+from sluice.wire.connections import connect_sync, translate_redis_errors
+from sluice.wire.jobs import JobRecord
 
 log = logging.getLogger(__name__)
 

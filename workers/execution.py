@@ -20,7 +20,7 @@ from typing import Any
 
 from sluice.errors import InferenceError
 from sluice.redact import scrub
-from workers.models.handlers import ModelHandler
+from workers.models.loading import ModelHandler
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ import redis.asyncio as aioredis
 import uvloop
 
 from sluice import exposition
-from sluice.connections import connect
 from sluice.errors import EXIT_ARTIFACT_REFUSED, EXIT_WORKER_FAILED, ArtifactError, SluiceError, WorkerFailed
 from sluice.metrics import COLD_START, INT8_SPEEDUP, WORKER_INT8, WORKER_STATE
 from sluice.registry import queries
@@ -27,6 +26,7 @@ from sluice.registry.store import Registry
 from sluice.registry.tables import ModelVersion
 from sluice.settings import Settings
 from sluice.shutdown import install_two_stage
+from sluice.wire.connections import connect
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +46,9 @@ def run_worker(*, settings: Settings, model: str, version: str, threads: int | N
         # Before torch is imported: its OpenMP pool reads these at start.
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         os.environ.setdefault("MKL_NUM_THREADS", str(threads))
-    from workers.consumer import Worker
-    from workers.models.handlers import Sources, load_handler
+    from workers.models.loading import Sources, load_handler
     from workers.models.precision import PrecisionChoice, PrecisionPolicy
+    from workers.worker import Worker
 
     registry = Registry(url=settings.require_database_url(), pool_size=1)
     started = time.perf_counter()

@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sluice.batcher import Batch
-from sluice.jobs import CLOSE_REASONS, JobStatus
-from sluice.keys import LANES, Lane
 from sluice.metrics import (
     BATCH_CLOSED,
     BATCH_FILL,
@@ -22,6 +20,8 @@ from sluice.metrics import (
     PADDING_RATIO,
     QUEUE_WAIT,
 )
+from sluice.wire.jobs import CLOSE_REASONS, JobStatus
+from sluice.wire.keys import LANES, Lane
 from workers.execution import Outcome
 from workers.results import Delivery
 

@@ -1,7 +1,7 @@
 """The webhook relay: outbox stream entries in, Celery tasks out.
 
 The scripts that make a job final append `{delivery, job}` to their version's outbox
-(`keys.outbox`) in the same atomic step (`sluice.outbox`); batch callbacks go to the shared one
+(`keys.outbox`) in the same atomic step (`sluice.wire.outbox`); batch callbacks go to the shared one
 (`keys.WEBHOOK_OUTBOX`). The relay reads every outbox named in `keys.WEBHOOK_OUTBOXES` (rereading
 the set every few seconds) and the shared one, each with the `relay` consumer group, publishes
 one `deliver_webhook` task per entry with the delivery id as the task id, and only then
@@ -27,11 +27,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from sluice import keys
-from sluice.connections import reply_text, translate_redis_errors
 from sluice.errors import BrokerError
-from sluice.outbox import OutboxEntry
-from sluice.streams import ensure_group
+from sluice.wire import keys
+from sluice.wire.connections import reply_text, translate_redis_errors
+from sluice.wire.outbox import OutboxEntry
+from sluice.wire.streams import ensure_group
 
 log = logging.getLogger(__name__)
 

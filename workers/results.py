@@ -19,14 +19,14 @@ from typing import Any
 
 import orjson
 
-from sluice import keys
 from sluice.batcher import Batch, Item
-from sluice.connections import translate_redis_errors
-from sluice.jobs import OUTPUT_FIELD, SHADOW_TENANT, JobRecord, JobStatus
 from sluice.metrics import SHADOW_COPIES
 from sluice.quality import agreement, proxies
-from sluice.samples import Sample
-from sluice.streams import Finished, StreamConsumer
+from sluice.wire import keys
+from sluice.wire.connections import translate_redis_errors
+from sluice.wire.jobs import OUTPUT_FIELD, SHADOW_TENANT, JobRecord, JobStatus
+from sluice.wire.samples import Sample
+from sluice.wire.streams import Finished, StreamConsumer
 from workers.execution import Outcome
 
 

@@ -32,12 +32,12 @@ from celery import Celery, Task, bootsteps, signals
 from kombu.exceptions import KombuError
 
 from sluice import exposition
-from sluice.connections import connect, connect_sync
 from sluice.errors import BrokerError, BrokerUnavailable
 from sluice.logs import prepare_handler
 from sluice.registry.batches import to_dispatch
 from sluice.registry.store import Registry
 from sluice.settings import Settings
+from sluice.wire.connections import connect, connect_sync
 from workers.batches import BatchFeeder
 from workers.delivery import Deliverer
 from workers.outbox import OutboxRelay

@@ -22,8 +22,8 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import UploadFile
 
 from api.deps import AppState, CurrentKey, StateDep, checked_callback
-from api.resources import BatchList, BatchResource, ErrorResource
-from api.responses import JsonResponse
+from api.json_response import JsonResponse
+from api.response_models import BatchList, BatchResource, ErrorResource
 from sluice import batch_files
 from sluice.batch_files import FORMATS, BatchFileError, Format
 from sluice.errors import InvalidInput, InvalidJson, NotFound, PayloadTooLarge

@@ -16,19 +16,19 @@ from fastapi.responses import StreamingResponse
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
 
 from api.deps import AppState, CurrentKey, StateDep, checked_callback
+from api.json_response import JsonResponse
 from api.middleware import StrictJsonRoute
-from api.resources import BulkAccepted, ErrorResource, JobResource
-from api.responses import JsonResponse
-from sluice import keys, response_cache
+from api.response_models import BulkAccepted, ErrorResource, JobResource
 from sluice.errors import Conflict, InvalidInput, JobExpired, PayloadTooLarge, ServiceUnavailable, TooManyRequests
-from sluice.idempotency import IdempotencyClaim
-from sluice.jobs import JobRecord, JobStatus, JobView
-from sluice.keys import Lane
 from sluice.kinds import SCHEMA_KINDS, ModelKind, validate_input
 from sluice.logs import current_request_id
 from sluice.metrics import CACHE_LOOKUPS, JOBS_FINISHED, JOBS_REJECTED, JOBS_SUBMITTED
 from sluice.registry.queries import KeyInfo
 from sluice.routing import VersionInfo, hash_unit, route, shadow_target
+from sluice.wire import keys, response_cache
+from sluice.wire.idempotency import IdempotencyClaim
+from sluice.wire.jobs import JobRecord, JobStatus, JobView
+from sluice.wire.keys import Lane
 
 router = APIRouter(prefix="/v1", tags=["jobs"], route_class=StrictJsonRoute)
 

@@ -10,8 +10,9 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import AdminKey, AppState, CurrentKey, StateDep, announce_routing
+from api.field_types import Kind, Name, ServingState, State
 from api.queue_gauges import read_queues, serving_versions
-from api.resources import (
+from api.response_models import (
     AuditLog,
     ModelList,
     ModelResource,
@@ -23,12 +24,11 @@ from api.resources import (
     VersionChange,
     VersionResource,
 )
-from api.schemas import Kind, Name, ServingState, State
 from sluice.errors import InvalidInput, NotFound
 from sluice.registry import quality, queries
-from sluice.response_cache import MAX_TTL_S
 from sluice.stats import MAX_SERIES_BUCKETS, check_series_window, series, summarise
 from sluice.versions import Tier, VersionState
+from sluice.wire.response_cache import MAX_TTL_S
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 

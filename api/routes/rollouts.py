@@ -16,9 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
 from api.deps import AdminKey, StateDep, announce_routing
+from api.field_types import Name
 from api.middleware import StrictJsonRoute
-from api.resources import ErrorResource, RolloutList, RolloutResource
-from api.schemas import Name
+from api.response_models import ErrorResource, RolloutList, RolloutResource
 from sluice.errors import InvalidInput, InvalidPolicy
 from sluice.registry import rollouts
 from sluice.registry.tables import Rollout

@@ -11,9 +11,9 @@ from fastapi import APIRouter
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
 
 from api.deps import AdminKey, StateDep, checked_callback
+from api.json_response import JsonResponse
 from api.middleware import StrictJsonRoute
-from api.resources import ErrorResource, ScheduleList, ScheduleResource
-from api.responses import JsonResponse
+from api.response_models import ErrorResource, ScheduleList, ScheduleResource
 from sluice import batch_files
 from sluice.batch_files import Format
 from sluice.registry import batches as queries

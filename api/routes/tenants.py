@@ -9,9 +9,9 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import AdminKey, StateDep, announce_routing
-from api.schemas import Name
-from sluice import events
+from api.field_types import Name
 from sluice.registry import queries
+from sluice.wire import events
 
 router = APIRouter(prefix="/v1", tags=["tenants"])
 

@@ -20,10 +20,10 @@ from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
 from api.deps import AppState, CurrentKey, StateDep
-from api.events import FinalWatch
-from api.resources import ErrorResource, JobSet
+from api.event_hub import FinalWatch
+from api.response_models import ErrorResource, JobSet
 from sluice.errors import InvalidInput
-from sluice.jobs import MAX_WAIT_IDS, JobRecord
+from sluice.wire.jobs import MAX_WAIT_IDS, JobRecord
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 

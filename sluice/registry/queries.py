@@ -28,9 +28,9 @@ from sluice.registry.tables import (
     RoutingWeight,
     Tenant,
 )
-from sluice.response_cache import MAX_TTL_S
 from sluice.routing import ModelInfo, RoutingSnapshot, VersionInfo
 from sluice.versions import Tier, VersionState
+from sluice.wire.response_cache import MAX_TTL_S
 
 KEY_PREFIX = "sk"
 

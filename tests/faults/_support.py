@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from sluice import keys
+from sluice.wire import keys
 from tests.support import FINAL, stop_process, wait_until
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from sluice import keys
-from sluice.heartbeats import live_since
-from sluice.jobs import JobRecord, JobStatus
-from sluice.keys import new_job_id
 from sluice.registry import queries
 from sluice.registry.store import Registry
-from sluice.streams import queue_jobs
+from sluice.wire import keys
+from sluice.wire.heartbeats import live_since
+from sluice.wire.jobs import JobRecord, JobStatus
+from sluice.wire.keys import new_job_id
+from sluice.wire.streams import queue_jobs
 from tests.support import REPO, SYNTHETIC_SHA, fresh_database
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak]

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sluice import keys
+from sluice.wire import keys
 from tests.redis_cluster import LocalCluster
 from tests.support import http_client, make_settings, register_synthetic_model, serving, spawn_worker, unique
 

@@ -23,9 +23,9 @@ import httpx
 import pytest
 
 from scheduler.rollout import RolloutController
-from sluice import connections, events
 from sluice.registry import rollouts
 from sluice.registry.store import Registry
+from sluice.wire import connections, events
 from tests.support import REPO, unique
 
 INTENTS = REPO / "workers" / "models" / "data" / "intents.jsonl"

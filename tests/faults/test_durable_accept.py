@@ -24,10 +24,10 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from launch.embedded import VALKEY_CONFIG
-from sluice import keys
-from sluice.connections import connect
-from sluice.durability import DurabilityUnsupported, require_durable_store
 from sluice.settings import Settings
+from sluice.wire import keys
+from sluice.wire.connections import connect
+from sluice.wire.durability import DurabilityUnsupported, require_durable_store
 from tests.redis_cluster import running_cluster
 from tests.support import (
     ApiServer,

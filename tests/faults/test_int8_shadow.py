@@ -15,11 +15,11 @@ import pytest
 from bench.common import skewed_texts
 from scheduler.guardrails import SHADOW_STEP, Position, decide
 from scheduler.rollout import RolloutController, evidence_from_samples
-from sluice import connections
 from sluice.registry import rollouts
 from sluice.registry.store import Registry
 from sluice.rollout_policy import Policy
-from sluice.samples import read_samples
+from sluice.wire import connections
+from sluice.wire.samples import read_samples
 from tests.support import unique
 
 JOBS = 160

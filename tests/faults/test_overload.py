@@ -20,10 +20,10 @@ import pytest
 import redis
 from sqlalchemy import update
 
-from sluice import keys
-from sluice.events import channel as events_channel
 from sluice.registry.store import Registry
 from sluice.registry.tables import ModelVersion
+from sluice.wire import keys
+from sluice.wire.events import channel as events_channel
 from tests.support import spawn_worker
 
 from ._support import wait_statuses

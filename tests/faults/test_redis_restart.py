@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from launch.seed import Seeded
-from sluice import keys
 from sluice.settings import Settings
+from sluice.wire import keys
 from tests.support import ApiServer, WorkerProcess, http_client, make_settings, register_synthetic_model, wait_job
 
 from ._support import RedisServer

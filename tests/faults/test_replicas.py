@@ -28,9 +28,9 @@ import pytest
 import redis
 from sqlalchemy import update
 
-from sluice import keys
 from sluice.registry.store import Registry
 from sluice.registry.tables import ModelVersion, Tenant
+from sluice.wire import keys
 from tests.support import REPO, spawn_worker, stop_process, wait_until
 
 from ._support import free_port, wait_statuses

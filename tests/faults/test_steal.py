@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from sluice import keys
-from sluice.connections import connect
 from sluice.kinds import ModelKind
+from sluice.wire import keys
+from sluice.wire.connections import connect
 from tests.support import drive, queue_in_redis, unique
-from workers.consumer import Worker
+from workers.worker import Worker
 
 JOBS = 500
 CLAIM_AFTER_S = 1.0

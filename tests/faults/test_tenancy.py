@@ -2,7 +2,7 @@
 
 Another tenant's job must answer exactly as a job that does not exist: same status, same body
 shape and code, the same message once the id is taken out, the same headers. Job ids are
-unguessable: `job_`, the four characters naming the version's slot (`sluice.keys`; public, derived
+unguessable: `job_`, the four characters naming the version's slot (`sluice.wire.keys`; public, derived
 from the version), a dot, and 22 URL-safe characters (128 random bits).
 """
 
@@ -17,8 +17,8 @@ import httpx
 import pytest
 import redis
 
-from sluice import keys
-from sluice.keys import new_job_id
+from sluice.wire import keys
+from sluice.wire.keys import new_job_id
 
 ID_PATTERN = re.compile(r"^job_[0-9a-z]{4}\.[A-Za-z0-9_-]{22}$")
 # Headers that legitimately differ between two answers (sizes differ with the id's length only).

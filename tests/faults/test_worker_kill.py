@@ -18,7 +18,7 @@ import httpx
 import pytest
 import redis
 
-from sluice import keys
+from sluice.wire import keys
 
 from ._support import read_jobs, wait_statuses
 

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from sluice import keys
 from sluice.settings import Settings
+from sluice.wire import keys
 
 Snapshot = Callable[[str, str], Any]
 

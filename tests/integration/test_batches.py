@@ -18,11 +18,11 @@ import pyarrow.parquet as pq
 import pytest
 import redis as redis_sync
 
-from sluice import keys
-from sluice.connections import connect_sync
 from sluice.registry import batches as queries
 from sluice.registry.store import Registry
 from sluice.settings import Settings
+from sluice.wire import keys
+from sluice.wire.connections import connect_sync
 from workers.batches import BatchFeeder, job_id
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("batches_ended_after")]

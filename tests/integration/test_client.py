@@ -27,10 +27,10 @@ from sluice.client import (
     SluiceClient,
     WaitTimeout,
 )
-from sluice.connections import connect
+from sluice.wire.connections import connect
 from tests.support import ApiServer, unique
-from workers.consumer import Worker
 from workers.models.synthetic import SyntheticHandler
+from workers.worker import Worker
 
 
 @pytest.fixture

@@ -17,16 +17,16 @@ import redis
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
-from sluice import events, keys
-from sluice.broker import Broker
-from sluice.connections import connect, connect_sync
-from sluice.idempotency import IdempotencyClaim
-from sluice.jobs import JobRecord, JobStatus
-from sluice.quota import Refusal, TenantLimits
 from sluice.registry.store import Registry
-from sluice.samples import Sample
 from sluice.settings import Settings
-from sluice.streams import Finished, StreamConsumer
+from sluice.wire import events, keys
+from sluice.wire.broker import Broker
+from sluice.wire.connections import connect, connect_sync
+from sluice.wire.idempotency import IdempotencyClaim
+from sluice.wire.jobs import JobRecord, JobStatus
+from sluice.wire.quota import Refusal, TenantLimits
+from sluice.wire.samples import Sample
+from sluice.wire.streams import Finished, StreamConsumer
 from tests.redis_cluster import LocalCluster, running_cluster
 from tests.support import wait_until
 

@@ -16,13 +16,13 @@ import pytest
 import redis
 
 from launch.seed import Seeded
-from sluice import keys
-from sluice.connections import connect_sync
-from sluice.jobs import JobRecord, JobStatus
-from sluice.keys import new_job_id
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.webhooks import allowed_networks, verify
+from sluice.wire import keys
+from sluice.wire.connections import connect_sync
+from sluice.wire.jobs import JobRecord, JobStatus
+from sluice.wire.keys import new_job_id
 from tests.support import REPO, Receiver, receiving
 from workers.delivery import USER_AGENT, Deliverer
 

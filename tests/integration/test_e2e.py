@@ -98,8 +98,8 @@ def test_intent_labels_come_from_the_head_and_match_the_model_in_process(
     demo: httpx.Client, start_worker: Callable[..., Any], wait_jobs: Callable[..., Jobs],
 ) -> None:
     from sluice.artifacts import INTENT_HEAD_URI, artifact_sha256, resolve_artifact
-    from workers.models.handlers import load_handler
     from workers.models.head import read_head
+    from workers.models.loading import load_handler
 
     head_path = resolve_artifact(INTENT_HEAD_URI)
     labels = json.loads(read_head(head_path)[1]["labels"])

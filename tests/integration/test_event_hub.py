@@ -1,4 +1,4 @@
-"""The API's events loop (api/events.py) keeps waking long-polls while a routing reload waits on a
+"""The API's events loop (api/event_hub.py) keeps waking long-polls while a routing reload waits on a
 slow Postgres: a reload must never sit between a job's event and the caller waiting for it. A
 long-poll is woken by its job's final state only; an event stream by every change."""
 
@@ -15,10 +15,10 @@ import httpx
 import redis
 from sqlalchemy import text
 
-from api.events import EventHub
+from api.event_hub import EventHub
 from launch.seed import Seeded
-from sluice import connections, events
 from sluice.registry.store import Registry
+from sluice.wire import connections, events
 from tests.support import ApiServer, http_client, unique, wait_until
 
 WAIT_S = 8.0

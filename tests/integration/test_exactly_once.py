@@ -17,16 +17,16 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from sluice import events, keys
 from sluice.batcher import Batch, Item
-from sluice.connections import connect
 from sluice.errors import WorkerFailed
 from sluice.kinds import ModelKind
-from sluice.streams import DeadLetter, StreamConsumer
+from sluice.wire import events, keys
+from sluice.wire.connections import connect
+from sluice.wire.streams import DeadLetter, StreamConsumer
 from tests.support import drive, queue_in_redis, unique
-from workers.consumer import Worker
 from workers.execution import Outcome
 from workers.results import Delivery, ResultWriter
+from workers.worker import Worker
 
 
 @pytest.fixture

@@ -17,9 +17,9 @@ import pytest
 import redis
 
 from api.routes.jobs import SubmitJob, _request_hash
-from sluice import connections, keys
-from sluice.broker import Broker
 from sluice.settings import Settings
+from sluice.wire import connections, keys
+from sluice.wire.broker import Broker
 from tests.support import ApiServer, http_client, record_failures, serving, unique, wait_until
 
 SUBMIT = "/v1/models/{model}/jobs"

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from sluice.connections import connect
 from sluice.kinds import ModelKind
+from sluice.wire.connections import connect
 from tests.support import drive, queue_in_redis, unique
-from workers.consumer import Worker
+from workers.worker import Worker
 
 
 class BatchRecorder:

@@ -14,7 +14,8 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from sluice import exposition, keys
+from sluice import exposition
+from sluice.wire import keys
 from tests.support import ApiServer, WorkerProcess
 
 pytestmark = pytest.mark.slow

@@ -9,9 +9,9 @@ from collections.abc import Callable
 import redis
 
 from scheduler.quality import QualityAggregator
-from sluice import connections, keys
 from sluice.registry import quality
 from sluice.registry.store import Registry
+from sluice.wire import connections, keys
 
 WINDOW_S = 60
 NOW = 1_900_000_050.0  # 30 s into a window; the closed one starts at 1_899_999_960

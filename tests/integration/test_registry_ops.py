@@ -69,7 +69,7 @@ def test_stats_are_exact_per_version(
 def test_the_model_resource_shows_the_scheduler_s_decision_per_version(
     demo: httpx.Client, register_synthetic: Callable[..., str], rds: Any
 ) -> None:
-    from sluice import keys
+    from sluice.wire import keys
 
     model = register_synthetic("scaled", versions=("v1", "v2"))
     reason = "online 12.0/s forecast 8.0s ahead, backlog 40 (40 by then); 2 ready at 9.5/s each: 1.71 replicas"

@@ -18,7 +18,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from sluice import keys
+from sluice.wire import keys
 from tests.support import FAST_SYNTHETIC, SYNTHETIC_SHA, spawn_worker, unique, wait_job, wait_until
 
 TTL_S = 300

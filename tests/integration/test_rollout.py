@@ -1,7 +1,7 @@
 """The rollout controller against real Redis and Postgres, one look at a time on an injected clock.
 
 No model runs: samples are appended to the versions' stats streams in the workers' field layout
-(workers/consumer.py `_store`), with stream ids at the simulated time, and live workers are
+(workers/worker.py `_store`), with stream ids at the simulated time, and live workers are
 entries in the `live` sorted set, as heartbeats leave them.
 """
 
@@ -23,14 +23,14 @@ import redis.asyncio as aioredis
 from sqlalchemy import select
 
 from scheduler.rollout import Look, RolloutController
-from sluice import keys
-from sluice.connections import connect
 from sluice.errors import BadRequest, Conflict
-from sluice.events import channel as events_channel
 from sluice.registry import queries, rollouts
 from sluice.registry.store import Registry
 from sluice.registry.tables import AuditEntry, Rollout, RolloutDecision
 from sluice.rollout_policy import Policy
+from sluice.wire import keys
+from sluice.wire.connections import connect
+from sluice.wire.events import channel as events_channel
 
 POLICY = Policy(steps=(10, 50, 100), soak_s=60, min_samples=60, min_test_samples=50, look_interval_s=10)
 LABELS = {"billing": 0.4, "tech": 0.3, "account": 0.2, "other": 0.1}

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from sluice import keys
 from sluice.batcher import Batch, Item
-from sluice.connections import cluster_url
-from sluice.streams import CLAIM_SCRIPT, FINISH_SCRIPT, StreamConsumer
+from sluice.wire import keys
+from sluice.wire.connections import cluster_url
+from sluice.wire.streams import CLAIM_SCRIPT, FINISH_SCRIPT, StreamConsumer
 from tests.support import queue_in_redis, unique
 from workers.execution import Outcome
 from workers.results import Delivery, ResultWriter

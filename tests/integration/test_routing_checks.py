@@ -10,8 +10,8 @@ import httpx
 import pytest
 import redis
 
-from sluice import keys
 from sluice.settings import Settings
+from sluice.wire import keys
 from tests.support import ApiServer, http_client, record_failures, serving, unique, wait_until
 
 # --- shadow and staged versions serve only admins ----------------------------------------------------

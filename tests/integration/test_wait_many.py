@@ -16,13 +16,13 @@ from typing import Any
 import httpx
 import pytest
 
-from api.events import EventHub
+from api.event_hub import EventHub
 from launch.seed import Seeded
-from sluice import events
-from sluice.connections import connect
-from sluice.jobs import MAX_WAIT_IDS
-from sluice.keys import new_job_id
 from sluice.settings import Settings
+from sluice.wire import events
+from sluice.wire.connections import connect
+from sluice.wire.jobs import MAX_WAIT_IDS
+from sluice.wire.keys import new_job_id
 from tests.support import ApiServer, serving
 
 Submit = Callable[[httpx.Client, int], list[str]]

@@ -29,16 +29,16 @@ import pytest
 import redis
 
 from launch.seed import Seeded
-from sluice import keys
-from sluice.connections import connect
 from sluice.errors import BrokerUnavailable
-from sluice.jobs import JobRecord, JobStatus
-from sluice.keys import new_job_id
 from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.settings import Settings
-from sluice.streams import FINISH_SCRIPT
 from sluice.webhooks import verify
+from sluice.wire import keys
+from sluice.wire.connections import connect
+from sluice.wire.jobs import JobRecord, JobStatus
+from sluice.wire.keys import new_job_id
+from sluice.wire.streams import FINISH_SCRIPT
 from tests.support import (
     REPO,
     ApiServer,

@@ -17,8 +17,8 @@ import httpx
 import pytest
 import redis
 
-from sluice import keys
-from sluice.connections import is_cluster
+from sluice.wire import keys
+from sluice.wire.connections import is_cluster
 from tests.support import wait_until
 
 pytestmark = pytest.mark.slow

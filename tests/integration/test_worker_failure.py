@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from sluice.connections import connect
 from sluice.errors import WorkerFailed
 from sluice.kinds import ModelKind
+from sluice.wire.connections import connect
 from tests.support import queue_in_redis, unique
-from workers.consumer import Worker
+from workers.worker import Worker
 
 
 class BrokenPlanner:

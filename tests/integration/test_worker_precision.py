@@ -11,8 +11,8 @@ import httpx
 import pytest
 import redis
 
-from sluice import keys
-from sluice.heartbeats import Heartbeat
+from sluice.wire import keys
+from sluice.wire.heartbeats import Heartbeat
 from tests.support import WorkerProcess, unique
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]

@@ -315,7 +315,7 @@ def simulate_take(
 ) -> Run:
     """Replay arrivals against a model that runs one batch at a time for
     ``fixed + per_item * size`` simulated seconds and asks for the next batch
-    the moment it is free, as workers/consumer.py does."""
+    the moment it is free, as workers/worker.py does."""
     run = Run()
     wait_s = max_wait_ms / 1000
     fixed, per_item = model_s

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from redis.exceptions import ResponseError
 
-from sluice.durability import fsynced
+from sluice.wire.durability import fsynced
 
 
 @pytest.mark.parametrize(

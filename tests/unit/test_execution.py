@@ -10,8 +10,8 @@ import pytest
 
 from sluice.errors import InferenceError
 from sluice.kinds import ModelKind
-from workers.consumer import held_limit
 from workers.execution import fault_message, run_isolating
+from workers.worker import held_limit
 
 
 class Raising:

@@ -21,8 +21,8 @@ from transformers import AutoModel, AutoModelForSequenceClassification, AutoToke
 from sluice.errors import ArtifactError, InferenceError
 from sluice.kinds import ModelKind
 from tests.hf_models import MAX_POSITIONS, build_tiny_classifier, build_tiny_encoder
-from workers.models.handlers import ModelHandler
 from workers.models.hf import load_hf_classifier, load_hf_embedding
+from workers.models.loading import ModelHandler
 from workers.models.synthetic import POISON_TEXT
 
 TEXTS = [

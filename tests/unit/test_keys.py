@@ -1,4 +1,4 @@
-"""The key layout's slot arithmetic (`sluice.keys`): a job's record lands in its version's slot."""
+"""The key layout's slot arithmetic (`sluice.wire.keys`): a job's record lands in its version's slot."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 from redis.crc import key_slot
 
-from sluice import keys
+from sluice.wire import keys
 
 
 def test_slot_is_redis_clusters_own_arithmetic() -> None:

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from sluice import keys
+from sluice.wire import keys
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 BASE = DEPLOY / "base"

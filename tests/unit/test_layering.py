@@ -1,6 +1,6 @@
 """Dependencies point down: the composition root (`launch`) uses the parts (`api`, `workers`,
 `scheduler`), the parts use the kernel (`sluice`), and nothing imports upward or sideways. Routes
-share through `api.schemas` and `api.deps`, never through each other: a route module that imports
+share through `api.field_types` and `api.deps`, never through each other: a route module that imports
 another drags its router and its request models along. Imports inside functions count too."""
 
 from __future__ import annotations

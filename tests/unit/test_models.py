@@ -25,14 +25,14 @@ from sluice.artifacts import (
     text_sha256,
 )
 from sluice.errors import ArtifactError, ArtifactMismatch, InferenceError
-from workers.models.handlers import (
+from workers.models.head import write_degraded_head
+from workers.models.loading import (
     ClassifierHandler,
     EmbeddingHandler,
     ModelHandler,
     SyntheticHandler,
     load_handler,
 )
-from workers.models.head import write_degraded_head
 from workers.models.minilm import (
     DEFAULT_MAX_BATCH_TOKENS,
     DynamicInt8Linear,
@@ -314,7 +314,7 @@ def test_load_synthetic_from_uri() -> None:
 def test_synthetic_path_does_not_import_torch() -> None:
     code = (
         "import sys\n"
-        "from workers.models.handlers import load_handler\n"
+        "from workers.models.loading import load_handler\n"
         "from sluice.artifacts import artifact_sha256, resolve_artifact\n"
         "h = load_handler(kind='synthetic', artifact='synthetic:?fixed_s=0', sha256='')\n"
         "h.run([{'tokens': 3}])\n"

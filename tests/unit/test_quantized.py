@@ -20,7 +20,7 @@ from sluice.artifacts import (
     resolve_artifact,
 )
 from sluice.errors import ArtifactError, ArtifactMismatch, ModelError
-from workers.models.handlers import ClassifierHandler, EmbeddingHandler, load_handler
+from workers.models.loading import ClassifierHandler, EmbeddingHandler, load_handler
 from workers.models.minilm import (
     DEFAULT_FP32_LINEARS,
     BertConfig,
@@ -172,7 +172,7 @@ def test_auto_follows_the_measured_speedup_and_explicit_int8_runs_below_the_marg
     fp32 = load_handler(kind="embedding", artifact=auto, sha256=sha, precision=never)
     assert isinstance(fp32, EmbeddingHandler) and fp32.precision is not None
     assert (fp32.precision.precision, fp32.encoder.quantize) == ("fp32", None)
-    with caplog.at_level(logging.WARNING, logger="workers.models.handlers"):
+    with caplog.at_level(logging.WARNING, logger="workers.models.loading"):
         forced = load_handler(kind="embedding", artifact=INT8_URI, sha256=sha, precision=never)
     assert isinstance(forced, EmbeddingHandler) and forced.precision is not None
     assert (forced.precision.precision, forced.encoder.quantize, forced.precision.below_margin) == (

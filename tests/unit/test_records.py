@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from sluice import events
-from sluice.heartbeats import LIVE_WITHIN_S, Heartbeat, WorkerState, live_since
-from sluice.idempotency import IdempotencyRecord
-from sluice.jobs import JobRecord, JobStatus, JobView
-from sluice.outbox import DELIVERY_FIELD, JOB_FIELD, QUEUE_WEBHOOK, OutboxEntry
-from sluice.samples import Sample
-from sluice.streams import DeadLetter, StreamEntry
+from sluice.wire import events
+from sluice.wire.heartbeats import LIVE_WITHIN_S, Heartbeat, WorkerState, live_since
+from sluice.wire.idempotency import IdempotencyRecord
+from sluice.wire.jobs import JobRecord, JobStatus, JobView
+from sluice.wire.outbox import DELIVERY_FIELD, JOB_FIELD, QUEUE_WEBHOOK, OutboxEntry
+from sluice.wire.samples import Sample
+from sluice.wire.streams import DeadLetter, StreamEntry
 
 
 def _as_redis(fields: Mapping[str, str]) -> dict[bytes, bytes]:

@@ -1,4 +1,4 @@
-"""The API's response models pass the kernel's bodies through unchanged (api/resources.py).
+"""The API's response models pass the kernel's bodies through unchanged (api/response_models.py).
 
 A route validates `JobRecord.resource()` or `stats.summarise()` through its response model and
 answers what the model dumps with `exclude_unset`. These tests hold that dump equal to the dict,
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from api.resources import JobResource, ModelResource, StatsResource
-from sluice.jobs import JobRecord, JobStatus
+from api.response_models import JobResource, ModelResource, StatsResource
 from sluice.stats import Sample, summarise
+from sluice.wire.jobs import JobRecord, JobStatus
 
 
 def assert_identical(got: Any, want: Any, where: str = "$") -> None:

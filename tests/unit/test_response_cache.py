@@ -1,4 +1,4 @@
-"""The response cache's names and the record of a job it answers (sluice/response_cache.py)."""
+"""The response cache's names and the record of a job it answers (sluice/wire/response_cache.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import orjson
 
-from sluice import keys
-from sluice.jobs import JobRecord, JobStatus, JobView
-from sluice.response_cache import answered, cache_keys, digest
+from sluice.wire import keys
+from sluice.wire.jobs import JobRecord, JobStatus, JobView
+from sluice.wire.response_cache import answered, cache_keys, digest
 
 
 def _queued() -> JobRecord:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sluice.samples import Sample
 from sluice.stats import P99_MIN_SAMPLES, summarise
+from sluice.wire.samples import Sample
 
 
 def samples(n: int) -> list[Sample]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sluice.samples import Sample
 from sluice.stats import MAX_SERIES_BUCKETS, SERIES_P99_MIN_SAMPLES, series
+from sluice.wire.samples import Sample
 
 NOW = 1_000_007.5  # 7.5 s into the step that starts at 1_000_005 (steps of 5 s)
 

@@ -12,7 +12,7 @@ from sluice.handler import check_spec, import_handler, schemas_of
 from sluice.kinds import ModelKind, schema_text, validate_input
 from tests.own_models.scorer import TinyScorer, build_scorer
 from workers.execution import run_isolating
-from workers.models.custom import UserHandler, load_user_handler
+from workers.models.user_handler import UserHandler, load_user_handler
 
 SPEC = "tests.own_models.scorer:TinyScorer"
 

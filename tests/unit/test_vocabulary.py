@@ -13,7 +13,7 @@ from api.routes.models import CreateModel, RegisterVersion, UpdateVersion
 from sluice.kinds import ModelKind
 from sluice.registry.tables import Model, ModelVersion
 from sluice.versions import PRIMARY_STATES, SERVING_STATES, VersionState
-from workers.models.handlers import LOADERS
+from workers.models.loading import LOADERS
 
 
 def _check(table: Table, name: str) -> str:

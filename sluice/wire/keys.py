@@ -126,7 +126,7 @@ def rate_bucket(tenant: str) -> str:
 
 def queued_jobs(tenant: str) -> str:
     """Sorted set: job id -> when its place frees on its own, of this tenant's jobs accepted and not
-    yet started (the quota; `sluice.quota`). A new name: the counter it replaces was a string."""
+    yet started (the quota; `sluice.wire.quota`). A new name: the counter it replaces was a string."""
     return f"sluice:queued-jobs:{{{tenant}}}"
 
 
@@ -145,7 +145,7 @@ def live_workers(model: str, version: str) -> str:
 
 def outbox(model: str, version: str) -> str:
     """Stream of {delivery, job} written by the scripts that make a job of the version final
-    (sluice.outbox); the relay group turns each entry into a Celery task (workers/outbox.py)."""
+    (sluice.wire.outbox); the relay group turns each entry into a Celery task (workers/outbox.py)."""
     return f"sluice:{tag(model, version)}:webhooks"
 
 

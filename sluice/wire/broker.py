@@ -1,7 +1,7 @@
 """The job broker on Redis: the API's verbs on jobs (submit, read, cancel, idempotency, events).
 
 The stream protocol itself (entries, the consumer group, the transition scripts) is
-`sluice.streams`; this module is what a submitter needs of it. The client is built by the caller
+`sluice.wire.streams`; this module is what a submitter needs of it. The client is built by the caller
 and passed in.
 """
 
@@ -17,15 +17,15 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
-from sluice import events, keys, quota
-from sluice.connections import reply_text, translate_redis_errors
-from sluice.durability import fsynced, wait_fsynced
 from sluice.errors import BrokerError, Conflict, NotDurable, NotFound
-from sluice.idempotency import COMPLETE_SCRIPT, LEASE_S, RELEASE_SCRIPT, IdempotencyClaim, IdempotencyRecord
-from sluice.jobs import JobRecord, JobStatus, JobView
-from sluice.quota import ADMIT_SCRIPT, Refusal, TenantLimits, admit_call
-from sluice.samples import Sample, read_samples
-from sluice.streams import CANCEL_SCRIPT, QUEUE_SCRIPT, WITHDRAW_SCRIPT, free_places, queue_call
+from sluice.wire import events, keys, quota
+from sluice.wire.connections import reply_text, translate_redis_errors
+from sluice.wire.durability import fsynced, wait_fsynced
+from sluice.wire.idempotency import COMPLETE_SCRIPT, LEASE_S, RELEASE_SCRIPT, IdempotencyClaim, IdempotencyRecord
+from sluice.wire.jobs import JobRecord, JobStatus, JobView
+from sluice.wire.quota import ADMIT_SCRIPT, Refusal, TenantLimits, admit_call
+from sluice.wire.samples import Sample, read_samples
+from sluice.wire.streams import CANCEL_SCRIPT, QUEUE_SCRIPT, WITHDRAW_SCRIPT, free_places, queue_call
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Broker:
         self.result_ttl_s = result_ttl_s
         self.idempotency_ttl_s = idempotency_ttl_s
         self.idempotency_lease_s = idempotency_lease_s
-        # Set: durable accept (sluice.durability), waiting up to this long for the fsync.
+        # Set: durable accept (sluice.wire.durability), waiting up to this long for the fsync.
         self.durable_timeout_ms = durable_timeout_ms
         self._admit = redis.register_script(ADMIT_SCRIPT)
         self._cancel = redis.register_script(CANCEL_SCRIPT)
@@ -112,7 +112,7 @@ class Broker:
 
     async def _give_back(self, tenant: str, job_ids: list[str]) -> None:
         """The places a submission took and did not use (its write failed). Best effort: a place
-        not given back frees itself (`sluice.quota`)."""
+        not given back frees itself (`sluice.wire.quota`)."""
         try:
             with translate_redis_errors():
                 await free_places(self.redis, [(tenant, job_id) for job_id in job_ids])

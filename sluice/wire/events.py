@@ -14,8 +14,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from sluice import keys
-from sluice.connections import is_cluster, translate_redis_errors
+from sluice.wire import keys
+from sluice.wire.connections import is_cluster, translate_redis_errors
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +59,7 @@ def encode(event: Sent) -> str:
 
 
 # The Lua twin of `encode` for a JobChanged: the scripts that change a job's state
-# (sluice/streams.py) announce it in the same atomic step as the state they write.
+# (sluice/wire/streams.py) announce it in the same atomic step as the state they write.
 JOB_CHANGED_LUA = f"""
 local function job_changed(channel, id, status)
   redis.call('PUBLISH', channel, cjson.encode({{type='{_NAMES[JobChanged]}', id=id, status=status}}))

@@ -26,9 +26,9 @@ from typing import Any, cast
 import orjson
 import redis.asyncio as aioredis
 
-from sluice import keys
-from sluice.connections import translate_redis_errors
-from sluice.jobs import JobRecord, JobStatus
+from sluice.wire import keys
+from sluice.wire.connections import translate_redis_errors
+from sluice.wire.jobs import JobRecord, JobStatus
 
 # The most a version may keep an output: its registration and PATCH refuse more.
 MAX_TTL_S = 30 * 24 * 3600

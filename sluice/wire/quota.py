@@ -3,7 +3,7 @@
 
 Both, and the tenant's Idempotency-Keys, carry the tag `{tenant}`: one slot. A submission is
 checked and charged there in one atomic step before its jobs are written (in their version's slot,
-`sluice.streams.QUEUE_SCRIPT`): concurrent submissions cannot all pass a quota they each read
+`sluice.wire.streams.QUEUE_SCRIPT`): concurrent submissions cannot all pass a quota they each read
 before any of them was counted, and a refused submission takes no rate tokens.
 
 The surprising part: the quota is a sorted set of job ids, not a counter. A member's score is
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from sluice import keys
-from sluice.jobs import JobRecord
+from sluice.wire import keys
+from sluice.wire.jobs import JobRecord
 
 # Lua functions of the admission script; both take the time as the caller's clock says it.
 TENANT_LUA = """

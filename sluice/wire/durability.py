@@ -23,8 +23,8 @@ import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 from redis.asyncio.cluster import ClusterPipeline
 
-from sluice.connections import translate_redis_errors
 from sluice.errors import BrokerError, BrokerUnavailable
+from sluice.wire.connections import translate_redis_errors
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterable
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
-from sluice import events
-from sluice.jobs import FINAL_STATES
+from sluice.wire import events
+from sluice.wire.jobs import FINAL_STATES
 
 log = logging.getLogger(__name__)
 

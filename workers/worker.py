@@ -15,7 +15,7 @@ it can start within half the threshold (`held_limit`), so waiting work stays whe
 worker can read it.
 
 The worker is orchestration only: the stream protocol (reading, claiming, acknowledging, the
-heartbeat) is `sluice.streams`', and storing a batch's outcomes is `workers.results`'.
+heartbeat) is `sluice.wire.streams`', and storing a batch's outcomes is `workers.results`'.
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ import redis.asyncio as aioredis
 
 from sluice.batcher import DEFAULT_BUCKET_BOUNDS, Batch, Item, MicroBatcher
 from sluice.errors import BrokerError, HandlerHung, InferenceError, WorkerFailed
-from sluice.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
-from sluice.jobs import JobStatus
-from sluice.keys import Lane
-from sluice.streams import Delivered, StreamConsumer
+from sluice.wire.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
+from sluice.wire.jobs import JobStatus
+from sluice.wire.keys import Lane
+from sluice.wire.streams import Delivered, StreamConsumer
 from workers.execution import Outcome, run_isolating, timed_out
 from workers.metrics import BatchMetrics
-from workers.models.handlers import ModelHandler
+from workers.models.loading import ModelHandler
 from workers.results import Delivery, ResultWriter
 
 log = logging.getLogger(__name__)

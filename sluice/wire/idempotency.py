@@ -3,7 +3,7 @@
 Claimed with SET NX before anything is queued (ids still unknown) on a short lease (`LEASE_S`),
 so a key claimed by an API that died is free again within seconds, not after the key's TTL.
 Checked (still the claimer's own) and its lease renewed by the admission script
-(`sluice.quota.ADMIT_SCRIPT`), in the tenant's slot, before the jobs are written: a request that
+(`sluice.wire.quota.ADMIT_SCRIPT`), in the tenant's slot, before the jobs are written: a request that
 outlived its lease, and whose key another request took meanwhile, queues nothing. Completed with
 the ids once the jobs are written (`COMPLETE_SCRIPT`), so a replayed id always names a written
 job; an API that dies between the two leaves the key to lapse, and the client's retry queues the

@@ -5,7 +5,7 @@ Connections are built by the caller and passed in; nothing here keeps a client o
 A URL with the scheme `redis+cluster://` (or `rediss+cluster://`) names any node of a Redis
 Cluster (or Valkey cluster): the client is then redis-py's cluster client, which learns the slot
 map from that node and follows MOVED and ASK. It answers the same commands the code uses, each
-script's keys in one slot (`sluice.keys`), so it is handed out typed as the plain client.
+script's keys in one slot (`sluice.wire.keys`), so it is handed out typed as the plain client.
 `Settings.redis_cluster` (`SLUICE_REDIS_CLUSTER=1`) turns a plain URL into a cluster one.
 """
 

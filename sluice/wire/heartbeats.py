@@ -14,8 +14,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from sluice import keys
-from sluice.connections import translate_redis_errors
+from sluice.wire import keys
+from sluice.wire.connections import translate_redis_errors
 
 BEAT_EVERY_S = 2.0
 # Five missed beats: a worker busy on a long batch still beats (from its own task), so silence

@@ -18,11 +18,11 @@ from pydantic import BaseModel, Field
 from pydantic.config import JsonDict
 from pydantic.json_schema import SkipJsonSchema
 
-from sluice.jobs import CLOSE_REASONS, JobStatus
-from sluice.keys import Lane
 from sluice.kinds import ModelKind
 from sluice.registry.tables import ROLLOUT_ACTIONS, ROLLOUT_STATES
 from sluice.versions import Tier, VersionState
+from sluice.wire.jobs import CLOSE_REASONS, JobStatus
+from sluice.wire.keys import Lane
 
 __all__ = [
     "AuditResource",

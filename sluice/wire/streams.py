@@ -4,11 +4,11 @@ This module owns the `workers` consumer group end to end, as dramatiq's RedisBro
 consumer: queueing a job (record, then entry), reading with the group, reclaiming what a dead
 consumer left pending, claiming an entry's job (queued -> running), finishing it, noting an error,
 dead-lettering and acknowledging, and the Lua scripts behind the transitions. The job record's
-fields are `sluice.jobs`'; the heartbeat is `sluice.heartbeats`'.
+fields are `sluice.wire.jobs`'; the heartbeat is `sluice.wire.heartbeats`'.
 
 Transitions run in small scripts so that a cancel racing a worker, or a job delivered twice, still
 ends with exactly one final record: a final state is never overwritten. Each script touches the
-keys of one version's slot only (its streams, its outbox, its jobs' records: `sluice.keys`), so
+keys of one version's slot only (its streams, its outbox, its jobs' records: `sluice.wire.keys`), so
 they run unchanged on a Redis Cluster; what spans slots (a tenant's quota places, shadow copies to
 another version) is written beside them, in a second round trip (docs/ARCHITECTURE.md).
 """
@@ -22,13 +22,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from sluice import events, heartbeats, keys, samples
-from sluice.connections import reply_text, translate_redis_errors
 from sluice.errors import BrokerError
-from sluice.jobs import SHADOW_TENANT, JobRecord
-from sluice.keys import Lane
-from sluice.outbox import QUEUE_WEBHOOK
 from sluice.redact import scrub
+from sluice.wire import events, heartbeats, keys, samples
+from sluice.wire.connections import reply_text, translate_redis_errors
+from sluice.wire.jobs import SHADOW_TENANT, JobRecord
+from sluice.wire.keys import Lane
+from sluice.wire.outbox import QUEUE_WEBHOOK
 
 DEAD_LETTER_MAXLEN = 100_000
 
@@ -110,7 +110,7 @@ return replies
 # A whole batch in one atomic step: each outcome is written once (a job already final is left as
 # it is), and only the write that wins adds the job's webhook, event and sample, so a job
 # processed twice has one of each (and the worker queues a shadow copy only for a write that won);
-# a success whose record names a response-cache key (set at submission, `sluice.response_cache`, a
+# a success whose record names a response-cache key (set at submission, `sluice.wire.response_cache`, a
 # key of the version's slot) stores its output there. Then every job's entry is acknowledged and
 # deleted: never before its outcome is stored. A faulted job gets no outcome and keeps its entry;
 # its message is noted for its dead letter. Answers, per job, 1 where this write won, else 0.
@@ -298,7 +298,7 @@ class Finished:
 # finds its job, and a submission is queued whole or not at all. The answered jobs are written
 # final with their webhooks queued, as the other scripts that make a job final do; no job-final
 # event: nobody can be waiting on a job whose id has not been answered yet. The tenant's admission
-# (quota, rate, Idempotency-Key) is checked and charged before, in its own slot (`sluice.quota`).
+# (quota, rate, Idempotency-Key) is checked and charged before, in its own slot (`sluice.wire.quota`).
 QUEUE_SCRIPT = QUEUE_WEBHOOK + """
 local ttl, count = tonumber(ARGV[1]), tonumber(ARGV[2])
 local n = tonumber(ARGV[3])
@@ -358,7 +358,7 @@ async def free_places(redis: aioredis.Redis, jobs: Sequence[tuple[str, str]]) ->
     settled or cancelled): a tenant's places live in its own slot, not the job's, so this follows
     the script that moved the job, in a second round trip. Freeing a place twice, or one never
     taken, does nothing; a place this never frees (its process died in between) frees itself at
-    its score (`sluice.quota`)."""
+    its score (`sluice.wire.quota`)."""
     by_tenant: dict[str, list[str]] = {}
     for tenant, job_id in jobs:
         if tenant != SHADOW_TENANT:

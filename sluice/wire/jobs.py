@@ -1,7 +1,7 @@
 """The job record as stored in Redis (one hash, `keys.job`), and the job resource of the REST API.
 
 The record is written whole at submission (`to_redis`) and read whole (`from_redis`); the fields a
-job gains later are written by the transition scripts of `sluice.streams`.
+job gains later are written by the transition scripts of `sluice.wire.streams`.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class JobRecord:
     # `shadow_of` marks the copy, which names its primary and is never shown to a tenant.
     shadow: str | None = None
     shadow_of: str | None = None
-    # Set at submission when the version caches responses (`sluice.response_cache`): where the
+    # Set at submission when the version caches responses (`sluice.wire.response_cache`): where the
     # finish script stores this job's output once it succeeds, and for how long. Never shown.
     cache_key: str | None = None
     cache_ttl_s: int = 0

@@ -17,8 +17,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from sluice import keys
-from sluice.connections import translate_redis_errors
+from sluice.wire import keys
+from sluice.wire.connections import translate_redis_errors
 
 SAMPLES_MAXLEN = 20_000
 

@@ -1,6 +1,6 @@
 """The webhook outbox entry: `{delivery, job}` on a version's outbox (`keys.outbox`).
 
-Written inside the scripts that make a job final (`QUEUE_WEBHOOK`, used by sluice/streams.py), so
+Written inside the scripts that make a job final (`QUEUE_WEBHOOK`, used by sluice/wire/streams.py), so
 a final state and its webhook are queued in one atomic step; read by the relay (workers/outbox.py),
 which turns each entry into a Celery task.
 """

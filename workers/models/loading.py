@@ -88,7 +88,7 @@ class ModelHandler(Protocol):
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy re-export so `from workers.models.handlers import EmbeddingHandler` works without
+    # Lazy re-export so `from workers.models.loading import EmbeddingHandler` works without
     # paying for torch in processes that only ever run the synthetic handler.
     if name in ("EmbeddingHandler", "ClassifierHandler"):
         return getattr(importlib.import_module("workers.models.text_handlers"), name)
@@ -284,7 +284,7 @@ def _load_handler_class(artifact: str, sha256: str | None, device: str, threads:
     if not sources.handler:
         raise ArtifactError("a version of kind 'handler' names no handler class")
     path, dev = _own_artifact(ModelKind.handler, artifact, sha256, device, threads, sources)
-    from workers.models.custom import load_user_handler
+    from workers.models.user_handler import load_user_handler
 
     return load_user_handler(sources.handler, path, device=dev, input_schema=sources.input_schema,
                              output_schema=sources.output_schema)
