@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
+from sluice.backoff import Backoff
 from sluice.wire import events
 from sluice.wire.jobs import FINAL_STATES
 
@@ -100,17 +100,17 @@ class EventHub:
 
     async def run(self) -> None:
         """Listen forever, reconnecting with capped, jittered backoff; never floods the log."""
-        delay = 0.1
+        backoff = Backoff(base_s=0.1, cap_s=5.0, jitter=0.5)
         while True:
             pubsub = None
             try:
                 pubsub = await events.subscribe(self.redis)
                 self.connected.set()
-                if delay > 0.1:
+                if backoff.failures:
                     log.info("event subscription restored")
                     # Routing may have changed while we were deaf.
                     self.on_control(events.Resync())
-                delay = 0.1
+                backoff.succeeded()
                 while True:
                     message = await pubsub.get_message(timeout=30.0)
                     if message is None or message.get("type") != "message":
@@ -122,12 +122,11 @@ class EventHub:
                 raise
             except (redis_errors.RedisError, redis_errors.RedisClusterException, OSError) as exc:
                 self.connected.clear()
-                if delay <= 0.1:
+                if not backoff.failures:
                     log.warning("event subscription lost: %s", exc)
                 # Wake every waiter: they re-read the job and notice nothing changed.
                 self.wake_all()
-                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-                delay = min(delay * 2, 5.0)
+                await asyncio.sleep(backoff.failed())
             finally:
                 try:
                     if pubsub is not None:

@@ -39,12 +39,12 @@ from sluice.kinds import token_estimate
 from sluice.migrate import upgrade
 from sluice.registry.store import normalise_url
 from sluice.settings import Settings
-from sluice.wire import events, keys
+from sluice.wire import events, keys, scripts
 from sluice.wire.connections import connect_sync
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
 from sluice.wire.samples import SAMPLES_MAXLEN, Sample
-from sluice.wire.streams import CLAIM_SCRIPT, Delivered, Finished, StreamEntry, claim_call, finish_call, queue_jobs
+from sluice.wire.streams import Delivered, Finished, StreamEntry, claim_call, finish_call, queue_jobs
 from workers.worker import Worker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -393,14 +393,14 @@ def claim_one(rds: redis.Redis, model: str, job_id: str, tenant: str, *, worker:
     delivered = Delivered("online", "0-1", StreamEntry(job_id=job_id, tenant=tenant, cost=1, enqueued_at=time.time()))
     script_keys, args = claim_call(model, "v1", [delivered], now=time.time(), worker=worker, max_deliveries=3,
                                    channel=events.channel(rds))
-    [verdict] = rds.eval(CLAIM_SCRIPT, len(script_keys), *script_keys, *args)  # type: ignore[misc]
+    [verdict] = rds.eval(scripts.CLAIM, len(script_keys), *script_keys, *args)  # type: ignore[misc]
     rds.zrem(keys.queued_jobs(tenant), job_id)
     return verdict  # type: ignore[no-any-return]
 
 
 def finish_one_call(rds: redis.Redis | Any, model: str, job_id: str, output: str) -> list[Any]:
-    """FINISH_SCRIPT's arguments after `numkeys` for one job a worker ran and succeeded (with a
-    made-up entry id): `rds.eval(FINISH_SCRIPT, *finish_one_call(...))` answers `[1]` if its write won."""
+    """finish.lua's arguments after `numkeys` for one job a worker ran and succeeded (with a
+    made-up entry id): `rds.eval(scripts.FINISH, *finish_one_call(...))` answers `[1]` if its write won."""
     now = time.time()
     sample = Sample(status="succeeded", finished_at=now, queue_wait_ms=1.0, model_ms=1.0, total_ms=1.0, batch_size=1,
                     close_reason="size")

@@ -39,11 +39,11 @@ from sluice.kinds import ModelKind, schema_text, validate_input
 from sluice.registry import batches as queries
 from sluice.registry.store import Registry
 from sluice.registry.tables import Model, ModelVersion
-from sluice.wire import keys
+from sluice.wire import keys, scripts
 from sluice.wire.connections import translate_redis_errors
 from sluice.wire.jobs import FINAL_STATES, JobRecord, JobStatus
 from sluice.wire.outbox import OutboxEntry
-from sluice.wire.streams import CANCEL_SCRIPT, queue_jobs
+from sluice.wire.streams import queue_jobs
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class BatchFeeder:
         self.max_text_chars = max_text_chars
         self.poll_s = poll_s
         self.clock = clock
-        self._cancel = redis.register_script(CANCEL_SCRIPT)
+        self._cancel = redis.register_script(scripts.CANCEL)
         self._stop = threading.Event()
 
     def close(self) -> None:

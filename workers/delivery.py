@@ -2,9 +2,9 @@
 that finds attempts overdue. No Celery here: workers/tasks.py calls this from its tasks, and tests
 drive it directly.
 
-Each attempt is counted in Redis (BEGIN_SCRIPT) before the request is made and its outcome recorded
-(END_SCRIPT) after, under a lease, so duplicate messages and dead workers never add attempts beyond
-`max_attempts` and a delivered webhook is never sent again.
+Each attempt is counted in Redis (sluice/wire/lua/delivery_begin.lua) before the request is made
+and its outcome recorded (delivery_end.lua) after, under a lease, so duplicate messages and dead
+workers never add attempts beyond `max_attempts` and a delivered webhook is never sent again.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from sluice.webhooks import (
     should_retry,
     signature,
 )
-from sluice.wire import keys
+from sluice.wire import keys, scripts
 from sluice.wire.connections import connect_sync, translate_redis_errors
 from sluice.wire.jobs import JobRecord
 
@@ -58,50 +58,6 @@ USER_AGENT = "Sluice-Webhooks/1"
 EARLY_SLACK_S = 2.0
 
 Resolver = Callable[[str, int], list[IPAddress]]
-
-# KEYS[1] delivery hash, KEYS[2] due set; ARGV: now, job id, lease token, lease_s, max_attempts,
-# ttl_s, delivery id, early slack. Starts an attempt unless the delivery is done ('delivered',
-# 'failed'), another copy of the task holds its lease ('busy'), or its next attempt is not due
-# ('early': a duplicate message). The attempt is counted before it is made, so duplicates and
-# dead workers can never add attempts beyond max_attempts.
-BEGIN_SCRIPT = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status == 'delivered' or status == 'failed' then return {status} end
-local now = tonumber(ARGV[1])
-if tonumber(redis.call('HGET', KEYS[1], 'lease_until') or '0') > now then return {'busy'} end
-if tonumber(redis.call('HGET', KEYS[1], 'next_at') or '0') > now + tonumber(ARGV[8]) then return {'early'} end
-local attempts = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0')
-if attempts >= tonumber(ARGV[5]) then
-  redis.call('HSET', KEYS[1], 'status', 'failed', 'updated_at', ARGV[1])
-  redis.call('ZREM', KEYS[2], ARGV[7])
-  return {'failed'}
-end
-local lease_until = now + tonumber(ARGV[4])
-redis.call('HSET', KEYS[1], 'job', ARGV[2], 'status', 'sending', 'attempts', attempts + 1, 'lease', ARGV[3],
-  'lease_until', tostring(lease_until), 'updated_at', ARGV[1])
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[6]))
-redis.call('ZADD', KEYS[2], lease_until, ARGV[7])
-return {'go', tostring(attempts + 1)}
-"""
-
-# KEYS[1] delivery hash, KEYS[2] due set; ARGV: lease token, outcome (delivered, retrying or
-# failed), now, next attempt time ('' unless retrying), HTTP status ('' if none), error ('' if
-# none), delivery id. A delivered delivery stays delivered; an attempt whose lease was taken over
-# records only a success.
-END_SCRIPT = """
-if redis.call('HGET', KEYS[1], 'status') == 'delivered' then return 0 end
-if ARGV[2] ~= 'delivered' and redis.call('HGET', KEYS[1], 'lease') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[2], 'updated_at', ARGV[3], 'lease_until', '0',
-  'last_status', ARGV[5], 'last_error', ARGV[6])
-if ARGV[2] == 'delivered' then redis.call('HSET', KEYS[1], 'delivered_at', ARGV[3]) end
-if ARGV[2] == 'retrying' then
-  redis.call('HSET', KEYS[1], 'next_at', ARGV[4])
-  redis.call('ZADD', KEYS[2], tonumber(ARGV[4]), ARGV[7])
-else
-  redis.call('ZREM', KEYS[2], ARGV[7])
-end
-return 1
-"""
 
 
 def resolve(host: str, port: int) -> list[IPAddress]:
@@ -165,8 +121,8 @@ class Deliverer:
         self.resolver = resolver
         self.clock = clock
         self.rng = rng or random.Random()
-        self._begin = redis.register_script(BEGIN_SCRIPT)
-        self._end = redis.register_script(END_SCRIPT)
+        self._begin = redis.register_script(scripts.DELIVERY_BEGIN)
+        self._end = redis.register_script(scripts.DELIVERY_END)
         self._secrets: dict[str, tuple[str, float]] = {}
         self._lock = threading.Lock()
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from sluice.backoff import Backoff
 from sluice.errors import BrokerError
 from sluice.wire import keys
 from sluice.wire.connections import reply_text, translate_redis_errors
@@ -77,7 +78,7 @@ class OutboxRelay:
         self._stopping.set()
 
     async def run(self) -> None:
-        backoff = 0.1
+        backoff = Backoff(base_s=0.1, cap_s=5.0)
         grouped = False
         while not self._stopping.is_set():
             try:
@@ -85,17 +86,16 @@ class OutboxRelay:
                     await self.ensure_group()
                     grouped = True
                 await self.relay_once()
-                backoff = 0.1
+                backoff.succeeded()
             except Exception as exc:
                 # A relay that stopped would silently stop every webhook: log, back off, go on.
                 # (A Redis that lost its data also lost the groups: make them all again.)
                 grouped = False
                 self._outboxes = []
-                if backoff <= 0.1:
+                if not backoff.failures:
                     log.warning("relay %s: %s; retrying with backoff", self.name, exc,
                                 exc_info=not isinstance(exc, BrokerError))
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await asyncio.sleep(backoff.failed())
 
     async def ensure_group(self) -> None:
         """Learn the outboxes (`keys.WEBHOOK_OUTBOXES`, and the shared one) and make the relay

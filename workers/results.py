@@ -1,6 +1,6 @@
 """Storing a batch's outcomes: each job's final state, its sample, its event, its shadow copy.
 
-The whole batch is one script call (`streams.FINISH_SCRIPT`), one round trip: only the write that
+The whole batch is one script call (sluice/wire/lua/finish.lua), one round trip: only the write that
 makes a job final counts, and the outcome, sample, event and shadow copy of that write are one
 atomic step, so a job run twice (its entry taken over from a worker that stalled) still has one of
 each, and the copy is made exactly when the primary's outcome is. Entries are acknowledged in the

@@ -25,7 +25,6 @@ import contextlib
 import logging
 import math
 import os
-import random
 import socket
 import time
 from collections import deque
@@ -34,6 +33,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from sluice.backoff import Backoff
 from sluice.batcher import DEFAULT_BUCKET_BOUNDS, Batch, Item, MicroBatcher
 from sluice.errors import BrokerError, HandlerHung, InferenceError, WorkerFailed
 from sluice.wire.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
@@ -55,9 +55,10 @@ READ_BLOCK_MS = 250
 REFRESHES_PER_CLAIM = 3
 
 
-def jittered(delay: float) -> float:
-    """Between half and all of a retry delay, so workers cut off together do not retry in step."""
-    return delay * random.uniform(0.5, 1.0)
+def redis_backoff() -> Backoff:
+    """The retry delays of a worker loop cut off from Redis: jittered, so workers cut off together
+    do not retry in step."""
+    return Backoff(base_s=0.05, cap_s=5.0, jitter=0.5)
 
 
 async def _wait(event: asyncio.Event, timeout_s: float | None) -> None:
@@ -232,16 +233,15 @@ class Worker:
     # --- reading and batch formation -----------------------------------------------------------
 
     async def _read_loop(self) -> None:
-        backoff = 0.05
+        backoff = redis_backoff()
         while not self._stopping.is_set():
             try:
                 await self._read_once()
-                backoff = 0.05
+                backoff.succeeded()
             except BrokerError as exc:
-                if backoff <= 0.05:
+                if not backoff.failures:
                     log.warning("worker %s lost Redis, retrying with backoff: %s", self.name, exc)
-                await asyncio.sleep(jittered(backoff))
-                backoff = min(backoff * 2, 5.0)
+                await asyncio.sleep(backoff.failed())
 
     async def _read_once(self) -> None:
         # Cleared first: a batch completing or the model going idle during the reads below
@@ -401,7 +401,7 @@ class Worker:
         finished = self.clock()
         size = len(batch.items)
         model_ms = round(model_s * 1000.0, 3)
-        backoff = 0.05
+        backoff = redis_backoff()
         while True:
             try:
                 won = await self.results.store(batch, outcomes, started=started, finished=finished,
@@ -409,10 +409,9 @@ class Worker:
                 break
             except BrokerError as exc:
                 # Keep the results and retry: the model's work is not thrown away on a Redis blip.
-                if backoff <= 0.05:
+                if not backoff.failures:
                     log.warning("storing a batch failed, retrying: %s", exc)
-                await asyncio.sleep(jittered(backoff))
-                backoff = min(backoff * 2, 5.0)
+                await asyncio.sleep(backoff.failed())
         for item in batch.items:
             self._held.pop(item.id, None)
         self._wake_reader.set()

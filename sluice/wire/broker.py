@@ -1,8 +1,8 @@
 """The job broker on Redis: the API's verbs on jobs (submit, read, cancel, idempotency, events).
 
-The stream protocol itself (entries, the consumer group, the transition scripts) is
-`sluice.wire.streams`; this module is what a submitter needs of it. The client is built by the caller
-and passed in.
+The stream protocol itself (entries, the consumer group, the transition scripts' arguments) is
+`sluice.wire.streams`, the scripts themselves `sluice.wire.scripts`; this module is what a
+submitter needs of it. The client is built by the caller and passed in.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
 from sluice.errors import BrokerError, Conflict, NotDurable, NotFound
-from sluice.wire import events, keys, quota
+from sluice.wire import events, keys, quota, scripts
 from sluice.wire.connections import reply_text, translate_redis_errors
 from sluice.wire.durability import fsynced, wait_fsynced
-from sluice.wire.idempotency import COMPLETE_SCRIPT, LEASE_S, RELEASE_SCRIPT, IdempotencyClaim, IdempotencyRecord
+from sluice.wire.idempotency import LEASE_S, IdempotencyClaim, IdempotencyRecord
 from sluice.wire.jobs import JobRecord, JobStatus, JobView
-from sluice.wire.quota import ADMIT_SCRIPT, Refusal, TenantLimits, admit_call
+from sluice.wire.quota import Refusal, TenantLimits, admit_call
 from sluice.wire.samples import Sample, read_samples
-from sluice.wire.streams import CANCEL_SCRIPT, QUEUE_SCRIPT, WITHDRAW_SCRIPT, free_places, queue_call
+from sluice.wire.streams import free_places, queue_call
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +41,12 @@ class Broker:
         self.idempotency_lease_s = idempotency_lease_s
         # Set: durable accept (sluice.wire.durability), waiting up to this long for the fsync.
         self.durable_timeout_ms = durable_timeout_ms
-        self._admit = redis.register_script(ADMIT_SCRIPT)
-        self._cancel = redis.register_script(CANCEL_SCRIPT)
-        self._complete = redis.register_script(COMPLETE_SCRIPT)
-        self._queue = redis.register_script(QUEUE_SCRIPT)
-        self._release = redis.register_script(RELEASE_SCRIPT)
-        self._withdraw = redis.register_script(WITHDRAW_SCRIPT)
+        self._admit = redis.register_script(scripts.ADMIT)
+        self._cancel = redis.register_script(scripts.CANCEL)
+        self._complete = redis.register_script(scripts.IDEMPOTENCY_COMPLETE)
+        self._queue = redis.register_script(scripts.QUEUE)
+        self._release = redis.register_script(scripts.IDEMPOTENCY_RELEASE)
+        self._withdraw = redis.register_script(scripts.WITHDRAW)
 
     async def enqueue(self, records: Sequence[JobRecord], *, limits: TenantLimits,
                       idempotency: IdempotencyClaim | None = None) -> Refusal | None:
@@ -56,7 +56,7 @@ class Broker:
         step as the others, and take no quota place and no rate token.
 
         Three round trips, each atomic in one slot: admission charges the tenant
-        (`quota.ADMIT_SCRIPT`), `streams.QUEUE_SCRIPT` writes the jobs, `COMPLETE_SCRIPT` the key.
+        (admit.lua), queue.lua writes the jobs, idempotency_complete.lua the key.
         Should writing fail, the places are given back. In durable mode the write waits for the
         fsync; unconfirmed, the queued jobs are withdrawn and NotDurable (503) raised.
         """
@@ -89,7 +89,7 @@ class Broker:
         return None
 
     async def _write(self, script_keys: list[str], args: list[str]) -> object:
-        """Run QUEUE_SCRIPT; in durable mode followed, on the same connection, by the wait for its
+        """Run queue.lua; in durable mode followed, on the same connection, by the wait for its
         fsync, whose reply is answered (None otherwise)."""
         with translate_redis_errors():
             if self.durable_timeout_ms is None:
@@ -103,7 +103,7 @@ class Broker:
                 reply, fsync = await pipe.execute(raise_on_error=False)
                 if isinstance(reply, redis_errors.NoScriptError) and attempt == 1:
                     # A pipeline does not load scripts: load it (on every node) and go again.
-                    await self.redis.script_load(QUEUE_SCRIPT)
+                    await self.redis.script_load(scripts.QUEUE)
                     continue
                 if isinstance(reply, Exception):
                     raise reply

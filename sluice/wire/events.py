@@ -55,16 +55,9 @@ _NAMES = {cls: name for name, cls in _TYPES.items()}
 
 
 def encode(event: Sent) -> str:
+    # Its Lua twin for a JobChanged, sluice/wire/lua/lib/job_changed.lua, announces a job's state in
+    # the same atomic step as the script that writes it.
     return json.dumps({"type": _NAMES[type(event)], **asdict(event)}, separators=(",", ":"))
-
-
-# The Lua twin of `encode` for a JobChanged: the scripts that change a job's state
-# (sluice/wire/streams.py) announce it in the same atomic step as the state they write.
-JOB_CHANGED_LUA = f"""
-local function job_changed(channel, id, status)
-  redis.call('PUBLISH', channel, cjson.encode({{type='{_NAMES[JobChanged]}', id=id, status=status}}))
-end
-"""
 
 
 def parse(data: bytes | str) -> Event | None:

@@ -3,12 +3,12 @@
 Claimed with SET NX before anything is queued (ids still unknown) on a short lease (`LEASE_S`),
 so a key claimed by an API that died is free again within seconds, not after the key's TTL.
 Checked (still the claimer's own) and its lease renewed by the admission script
-(`sluice.wire.quota.ADMIT_SCRIPT`), in the tenant's slot, before the jobs are written: a request that
+(sluice/wire/lua/admit.lua), in the tenant's slot, before the jobs are written: a request that
 outlived its lease, and whose key another request took meanwhile, queues nothing. Completed with
-the ids once the jobs are written (`COMPLETE_SCRIPT`), so a replayed id always names a written
-job; an API that dies between the two leaves the key to lapse, and the client's retry queues the
-submission again (at least once, never lost). Released (if still its own) when the request fails,
-so a retry of it runs again.
+the ids once the jobs are written (idempotency_complete.lua), so a replayed id always names a
+written job; an API that dies between the two leaves the key to lapse, and the client's retry
+queues the submission again (at least once, never lost). Released (if still its own,
+idempotency_release.lua) when the request fails, so a retry of it runs again.
 """
 
 from __future__ import annotations
@@ -19,22 +19,6 @@ from dataclasses import dataclass
 # How long an in-progress claim holds its key. A submission spends milliseconds between claiming
 # and queueing; one slower than this is refused (the fence above) rather than run twice.
 LEASE_S = 5.0
-
-# KEYS[1] the key's record; ARGV[1] the in-progress marker the caller set. Deletes it only if it is
-# still that marker: never a completed record, nor another request's claim.
-RELEASE_SCRIPT = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
-# KEYS[1] the key's record; ARGV: the in-progress marker, the completed record, its TTL (s). Completes
-# the key only if it is still that marker; answers 1 if it did.
-COMPLETE_SCRIPT = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
-return 1
-"""
-
 
 @dataclass(frozen=True, slots=True)
 class IdempotencyRecord:

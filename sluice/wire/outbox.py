@@ -1,8 +1,8 @@
 """The webhook outbox entry: `{delivery, job}` on a version's outbox (`keys.outbox`).
 
-Written inside the scripts that make a job final (`QUEUE_WEBHOOK`, used by sluice/wire/streams.py), so
-a final state and its webhook are queued in one atomic step; read by the relay (workers/outbox.py),
-which turns each entry into a Celery task.
+Written inside the scripts that make a job final (sluice/wire/lua/lib/queue_webhook.lua, which
+spells these field names too), so a final state and its webhook are queued in one atomic step; read
+by the relay (workers/outbox.py), which turns each entry into a Celery task.
 """
 
 from __future__ import annotations
@@ -30,17 +30,3 @@ class OutboxEntry:
             return None
         return cls(delivery_id=delivery.decode(), job_id=job.decode())
 
-
-# Every script that makes a job final ends with this: a job submitted with a callback_url gets its
-# webhook queued on the outbox stream in the same atomic step as its final state, so no crash can
-# keep one without the other, and since a final state is written only once, a job processed twice
-# still queues one delivery. The delivery id is derived from the job id: one job, one delivery id.
-QUEUE_WEBHOOK = f"""
-local function queue_webhook(job, outbox)
-  if redis.call('HEXISTS', job, 'callback_url') == 0 then return end
-  local id = redis.call('HGET', job, 'id')
-  local delivery = 'dlv_' .. string.sub(redis.sha1hex('sluice-webhook:' .. id), 1, 32)
-  redis.call('HSET', job, 'delivery_id', delivery)
-  redis.call('XADD', outbox, '*', '{DELIVERY_FIELD}', delivery, '{JOB_FIELD}', id)
-end
-"""

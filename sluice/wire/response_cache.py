@@ -4,7 +4,7 @@ keyed on the version (`keys.cache`), the tenant and the canonical input.
 The API looks a submission's inputs up in one MGET (`lookup`); a hit becomes a job answered at
 once (`answered`): written `succeeded` with `cache_hit`, never given a stream entry, so no worker
 sees it. A miss is queued as usual, carrying its cache key and the TTL its version had at
-submission; the finish script (`streams.FINISH_SCRIPT`) stores its output there if it succeeds,
+submission; the finish script (sluice/wire/lua/finish.lua) stores its output there if it succeeds,
 in the step that makes it final. Failed jobs and shadow copies (which carry no key) never do.
 
 The surprising parts: the tenant is part of the digest, so one tenant's traffic never answers
@@ -12,7 +12,7 @@ another's (nor tells it, by a fast answer, what the other asked); the version is
 so a new version starts empty and never serves an old one's output, and every key of its cache
 is in its slot, beside the jobs whose outputs fill it. A submission that mixes hits and misses is
 admitted as one (the misses take quota places) and written by one script
-(`streams.QUEUE_SCRIPT`), so a refused submission leaves no answered job behind.
+(sluice/wire/lua/queue.lua), so a refused submission leaves no answered job behind.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Finished-job samples: one capped stream entry per finished job, per version (`keys.stats`).
 
-Workers append them in the script that stores the job's outcome (`streams.FINISH_SCRIPT`, from
+Workers append them in the script that stores the job's outcome (sluice/wire/lua/finish.lua, from
 workers/results.py, capped at `SAMPLES_MAXLEN`), so only the write that wins adds one; `/stats`, the
 rollout controller, the quality aggregator and the API's circuit breakers read them. A sample
 carries timings, batch facts and the job's quality proxies (`sluice.quality`), never its input or

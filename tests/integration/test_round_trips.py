@@ -18,9 +18,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from sluice.batcher import Batch, Item
-from sluice.wire import keys
+from sluice.wire import keys, scripts
 from sluice.wire.connections import cluster_url
-from sluice.wire.streams import CLAIM_SCRIPT, FINISH_SCRIPT, StreamConsumer
+from sluice.wire.streams import StreamConsumer
 from tests.support import queue_in_redis, unique
 from workers.execution import Outcome
 from workers.results import Delivery, ResultWriter
@@ -45,8 +45,8 @@ async def counted(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     await client.ping()  # the connection's hello and database selection are not the worker's
     # A server that does not know a script answers NOSCRIPT and the client loads it (two more
     # round trips, once per server): what is counted here is every call after that.
-    await client.script_load(CLAIM_SCRIPT)
-    await client.script_load(FINISH_SCRIPT)
+    await client.script_load(scripts.CLAIM)
+    await client.script_load(scripts.FINISH)
     yield client
     await client.aclose()
 

@@ -34,11 +34,10 @@ from sluice.registry import queries
 from sluice.registry.store import Registry
 from sluice.settings import Settings
 from sluice.webhooks import verify
-from sluice.wire import keys
+from sluice.wire import keys, scripts
 from sluice.wire.connections import connect
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
-from sluice.wire.streams import FINISH_SCRIPT
 from tests.support import (
     REPO,
     ApiServer,
@@ -360,7 +359,7 @@ def test_a_job_finished_twice_has_one_delivery_id_and_one_delivery(
     wait_until(lambda: rds.xlen(stream) == 0 and pending(model, "v1") == 0, timeout_s=30,
                what="the redelivered entry acknowledged")
     # ... and a worker that ran it all the same stores nothing a second time.
-    again = rds.eval(FINISH_SCRIPT, *finish_one_call(rds, model, job_id, '{"echo":"again"}'))
+    again = rds.eval(scripts.FINISH, *finish_one_call(rds, model, job_id, '{"echo":"again"}'))
     assert again == [0]
     # The relay died after publishing, before acknowledging: the same entry is relayed again.
     rds.xadd(keys.WEBHOOK_OUTBOX, {"delivery": delivery_id, "job": job_id})
@@ -378,12 +377,12 @@ def test_a_job_finished_twice_has_one_delivery_id_and_one_delivery(
 
 
 def _final_job_with_callback(rds: redis.Redis, tenant: Tenant, model: str, callback_url: str) -> tuple[str, str]:
-    """A succeeded job written straight to Redis, finished by FINISH_SCRIPT; answer (job, delivery) ids."""
+    """A succeeded job written straight to Redis, finished by finish.lua; answer (job, delivery) ids."""
     now = time.time()
     record = JobRecord(id=new_job_id(model, "v1"), tenant=tenant.id, model=model, version="v1", lane="online",
                        status=JobStatus.running, input={"text": "x"}, enqueued_at=now, callback_url=callback_url)
     rds.hset(keys.job(record.id), mapping=record.to_redis())  # type: ignore[arg-type]
-    assert rds.eval(FINISH_SCRIPT, *finish_one_call(rds, model, record.id, '{"echo":"x"}')) == [1]
+    assert rds.eval(scripts.FINISH, *finish_one_call(rds, model, record.id, '{"echo":"x"}')) == [1]
     return record.id, str(rds.hget(keys.job(record.id), "delivery_id"))
 
 
@@ -430,7 +429,7 @@ def test_the_celery_relay_takes_over_an_entry_left_by_a_dead_relay(
     # so the live relay never sees it as new.
     pipe = rds.pipeline(transaction=True)
     # EVAL by name: a cluster pipeline blocks its eval() method, not the command.
-    pipe.execute_command("EVAL", FINISH_SCRIPT, *finish_one_call(rds, model, record.id, '{"echo":"x"}'))
+    pipe.execute_command("EVAL", scripts.FINISH, *finish_one_call(rds, model, record.id, '{"echo":"x"}'))
     pipe.xreadgroup(keys.RELAY_GROUP, "relay-dead", {outbox: ">"}, count=100)
     finished_ok, read = pipe.execute()
     assert finished_ok == [1] and read, read
