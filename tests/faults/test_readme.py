@@ -1,4 +1,4 @@
-"""The README runs as printed, top to bottom, after a plain `sluice up`.
+"""The README runs as printed, top to bottom, after a plain `sluice up` (less its demo run).
 
 Every ```sh block of the README is either run here or marked, on the line just above its fence,
 `<!-- readme-test: skip (why) -->` or `<!-- readme-test: long-running (what) -->`: a block that is
@@ -242,3 +242,5 @@ def check_batch_scoring(said: dict[str, str], here: Path) -> None:
     assert {row["status"] for row in rows} == {"succeeded"}
     scheduled = json.loads(said_by(said, "curl -s -XPOST $API/v1/schedules "))
     assert scheduled["id"].startswith("sch_"), scheduled
+    runs = json.loads(said_by(said, 'curl -s "$API/v1/batches?schedule_id=$SCHEDULE"'))
+    assert "error" not in runs, runs
