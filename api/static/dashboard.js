@@ -5,6 +5,9 @@
 // Every string from the API reaches the page as a text node or an attribute value (`el`, `svg`),
 // never as markup: model names, reasons and actors are data, not HTML. The admin key lives in
 // sessionStorage (this tab only) and goes out only as the Authorization header of the API calls.
+// It is typed into the form, or handed over in the address as `#key=sk_…` (an automated browser's
+// way in): a fragment never reaches the server or its logs, and the page drops it from the address
+// bar and the history once read.
 "use strict";
 
 (() => {
@@ -576,7 +579,20 @@
 
   // --- start -----------------------------------------------------------------------------------
 
+  function takeKeyFromAddress() {
+    const p = params();
+    const key = (p.get("key") || "").trim();
+    if (!p.has("key")) return;
+    p.delete("key");
+    const rest = p.toString();
+    history.replaceState(history.state, "", `${location.pathname}${location.search}${rest ? `#${rest}` : ""}`);
+    if (!key) return;
+    sessionStorage.setItem(KEY_STORE, key);
+    state.key = key;
+  }
+
   function start() {
+    takeKeyFromAddress();
     const select = $("window");
     select.replaceChildren(...WINDOWS.map((w) => el("option", { value: w.window }, w.label)));
     select.value = String(currentWindow().window);

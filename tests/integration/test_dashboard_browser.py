@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -259,3 +260,22 @@ def test_a_key_that_is_not_an_admin_key_gets_a_clear_message(
     assert all("Failed to load resource" in e for e in errors), errors
     with pytest.raises(Error):
         page.wait_for_selector("section.version", timeout=1_000)
+
+
+def test_an_admin_key_in_the_address_fragment_opens_the_dashboard_without_typing(
+    chromium: Any, api: ApiServer, seeded: Seeded, register_synthetic: Callable[..., str],
+) -> None:
+    """How an automated browser signs in: `#key=…` never reaches the server, and the page takes
+    it out of the address (the bar and the history) as soon as it has read it."""
+    model = register_synthetic("dash-fragment")
+    errors: list[str] = []
+    page = open_page(chromium, f"{api.url}/dashboard#key={quote(seeded.admin_key)}&model={model}", errors)
+    page.wait_for_selector(f'div.model[data-model="{model}"] section.version[data-version="v1"]', timeout=15_000)
+    assert page.locator("#login").is_hidden()
+    assert page.locator('table.weights tr[data-version="v1"] td.weight').text_content() == "100"
+    assert page.evaluate("location.hash") == f"#model={model}", "the key is gone from the address"
+    assert seeded.admin_key not in page.evaluate("location.href")
+    assert page.evaluate("sessionStorage.getItem('sluice.dashboard.key')") == seeded.admin_key
+    page.wait_for_timeout(3500)  # a second poll with the stored key
+    assert page.locator("section.version").count() == 1
+    assert not errors, errors
