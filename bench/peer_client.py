@@ -33,7 +33,7 @@ from datetime import datetime
 from typing import Any
 
 from bench.common import Sent, open_loop, poisson_timetable, skewed_texts
-from sluice.client import AsyncClient, ClientError
+from sluice_client import AsyncClient, ClientError
 
 RETRY_AFTER_S = 1.0  # the API's smallest Retry-After
 WARMUP_JOBS = 16

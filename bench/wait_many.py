@@ -49,7 +49,7 @@ from bench.common import (
     write_json,
 )
 from bench.rollback import private_redis
-from sluice.client import AsyncClient
+from sluice_client import AsyncClient
 
 MODEL = "waitmany-bench"
 MODES = ("per-job", "one-poll")

@@ -11,8 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from launch.api_client import KeyOption, UrlOption, api_client, api_errors
-from sluice.client import SluiceClient
+from launch.api_client import ApiClient, KeyOption, UrlOption, api_client, api_errors
 
 batch_app = typer.Typer(no_args_is_help=True, help="Batch scoring: submit a file, follow it, download the output.")
 console = Console(soft_wrap=True)
@@ -34,7 +33,7 @@ def _summary(batch: dict[str, Any]) -> str:
     return line
 
 
-def _follow(client: SluiceClient, batch_id: str) -> dict[str, Any]:
+def _follow(client: ApiClient, batch_id: str) -> dict[str, Any]:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), _RowRate(),
                TextColumn("ETA"), TimeRemainingColumn())
     batch: dict[str, Any] = {}

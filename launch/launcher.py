@@ -25,10 +25,10 @@ import httpx
 import redis
 import redis.asyncio as aioredis
 
+from launch.api_client import ApiClient
 from launch.embedded import EmbeddedStores, start_embedded
 from launch.seed import DEMO_VERSIONS, Seeded, seed
 from sluice import exposition
-from sluice.client import SluiceClient
 from sluice.errors import SluiceError
 from sluice.migrate import upgrade
 from sluice.processes import die_with_parent
@@ -291,7 +291,7 @@ class Platform:
 def run_demo(api_url: str, demo_key: str) -> list[dict[str, Any]]:
     """Submit a few texts to both demo models and wait for the answers."""
     results = []
-    with SluiceClient(base_url=api_url, api_key=demo_key) as client:
+    with ApiClient(base_url=api_url, api_key=demo_key) as client:
         submitted = [("minilm", client.submit("minilm", {"text": t})) for t in DEMO_TEXTS]
         submitted += [("intent", client.submit("intent", {"text": t})) for t in DEMO_TEXTS]
         for model, job in submitted:

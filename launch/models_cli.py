@@ -17,8 +17,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from launch.api_client import KeyOption, UrlOption, api_client, api_errors
-from sluice.client import ClientError
+from launch.api_client import ApiError, KeyOption, UrlOption, api_client, api_errors
 from sluice.errors import ArtifactError, ModelError
 from sluice.handler import import_handler, schemas_of
 from sluice.kinds import SCHEMA_KINDS, ModelKind
@@ -128,7 +127,7 @@ def register(
     with api_errors(console), api_client(url, key) as client:
         try:
             existing = client.model(name)
-        except ClientError as exc:
+        except ApiError as exc:
             if exc.status != 404:
                 raise
             client.create_model(name, kind)

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 from launch.cli import app
 from launch.seed import Seeded
-from sluice.client import AsyncClient, NotFoundError, SluiceClient
 from sluice.registry.batches import to_dispatch
+from sluice_client import AsyncClient, NotFoundError, SluiceClient
 from tests.support import ApiServer
 from workers.batches import BatchFeeder
 

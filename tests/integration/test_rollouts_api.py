@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from launch.cli import app
 from launch.seed import Seeded
-from sluice.client import AsyncClient, Client, ConflictError, InvalidRequest, NotFoundError, SluiceClient
+from sluice_client import AsyncClient, Client, ConflictError, InvalidRequest, NotFoundError, SluiceClient
 from tests.integration.test_openapi import conforms
 from tests.support import SYNTHETIC_SHA, ApiServer, unique
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sluice.client import SluiceClient
+from sluice_client import SluiceClient
 from tests.faults._up import start_up
 from tests.support import wait_until
 

@@ -21,16 +21,18 @@ from typing import Any
 
 import httpx
 
-from sluice.client_admin import AdminCalls, AsyncAdminCalls
-from sluice.client_batches import AsyncBatchCalls, BatchCalls
-from sluice.errors import SluiceError
-from sluice.webhooks import retry_after_s, verify
-from sluice.wire.jobs import MAX_WAIT_IDS
-
-FINAL = {"succeeded", "failed", "expired", "cancelled"}
+from sluice_client.admin import AdminCalls, AsyncAdminCalls
+from sluice_client.batches import AsyncBatchCalls, BatchCalls
+from sluice_client.jobs import FINAL, MAX_WAIT_IDS
+from sluice_client.webhooks import retry_after_s, verify
 
 # The longest single long-poll a client asks for; the API may cap it lower (`max_wait_s`).
 POLL_S = 20.0
+
+
+class SluiceError(Exception):
+    """Root of every error the client raises on purpose. The client shares no code with the
+    server, so this is its own root, not the server's `sluice.errors.SluiceError`."""
 
 
 class ClientError(SluiceError):
@@ -397,6 +399,7 @@ __all__ = [
     "NotFoundError",
     "RateLimited",
     "SluiceClient",
+    "SluiceError",
     "Unavailable",
     "WaitTimeout",
     "verify",
