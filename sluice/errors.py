@@ -84,7 +84,7 @@ class InvalidPolicy(SluiceError):
     """A rollout policy's values are out of range or contradict each other."""
 
 
-# --- API-facing errors: each maps to one status and code of DESIGN §6 ------------------------
+# --- API-facing errors: each maps to one status and code of the REST API --------------------
 
 
 class ApiError(SluiceError):

@@ -18,7 +18,7 @@ from sluice.quality import summarise_quality
 from sluice.wire.jobs import CLOSE_REASONS
 from sluice.wire.samples import Sample
 
-# DESIGN §9: a p99 of fewer than a few hundred samples is not reported as one. Of 100 samples it
+# A p99 of fewer than a few hundred samples is not reported as one. Of 100 samples it
 # is an interpolation between the two largest, so it says little more than the maximum does.
 P99_MIN_SAMPLES = 300
 

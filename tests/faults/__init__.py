@@ -1,1 +1,1 @@
-"""Fault, overload and security tests (issue 3): real stores, real processes."""
+"""Fault, overload and security tests: real stores, real processes."""

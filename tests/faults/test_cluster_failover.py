@@ -1,4 +1,4 @@
-"""A Redis Cluster master killed under load (issue 14): its replica takes over and the platform
+"""A Redis Cluster master killed under load: its replica takes over and the platform
 carries on, through redis-py's cluster client alone.
 
 Three masters with a replica each (tests/redis_cluster.py), a failure detected after 1 s. The API

@@ -1,4 +1,4 @@
-"""Fuzzing every route of the OpenAPI schema with schemathesis: zero 5xx (issue 3; DESIGN §6).
+"""Fuzzing every route of the OpenAPI schema with schemathesis: zero 5xx.
 
 Two passes, each over every operation, in positive (schema-valid) and negative (schema-invalid)
 generation modes:

@@ -1,4 +1,4 @@
-"""Admission control under overload (issue 3; DESIGN §6): load shedding, rate limit, quota.
+"""Admission control under overload (ARCHITECTURE, "Admission"): load shedding, rate limit, quota.
 
 Load shedding is driven open-loop (a fixed arrival timetable: each request is sent at its
 scheduled time whatever happened to the earlier ones) at about 10x what one worker can serve.

@@ -1,4 +1,4 @@
-"""Postgres stopped under a running API (issue 3; DESIGN §4, §6).
+"""Postgres stopped under a running API (ARCHITECTURE, "Faults").
 
 The registry is a Postgres cluster of the test's own. Once the API has loaded its routing table
 and seen a key, stopping Postgres must not stop submissions: they are admitted on the cached

@@ -1,4 +1,4 @@
-"""Part of the suite, run again on a Redis Cluster (issue 14): three masters of the machine's
+"""Part of the suite, run again on a Redis Cluster: three masters of the machine's
 `redis-server` on local ports (tests/redis_cluster.py), and a pytest of its own pointed at them.
 
 The modules below cover the job path (single, bulk, long-poll, events), idempotency, cancel,

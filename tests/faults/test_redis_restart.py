@@ -1,4 +1,4 @@
-"""Redis restarted under queued jobs (issue 3).
+"""Redis restarted under queued jobs (ARCHITECTURE, "Faults").
 
 A redis-server of the test's own (append-only, fsync always) holds the queue. Jobs are accepted
 while no worker runs, Redis is shut down and started again on the same port and directory, and

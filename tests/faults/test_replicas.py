@@ -1,4 +1,4 @@
-"""Admission across API replicas (issue 14, "Several API replicas").
+"""Admission across API replicas (ARCHITECTURE, "Admission").
 
 Two `sluice api` processes on their own ports, one Redis and one Postgres, and the overload of
 test_overload.py (open loop at about 10x what one synthetic worker serves) split across them,

@@ -1,4 +1,4 @@
-"""A secret planted in an input never reaches a log or a metric label (issue 3; sluice/redact.py).
+"""A secret planted in an input never reaches a log or a metric label (sluice/redact.py; ARCHITECTURE, "Logs").
 
 The inputs carry an email address, a card number and a unique marker string (which no redaction
 pattern could recognise, so only never logging inputs keeps it out). They go through the API and

@@ -1,4 +1,4 @@
-"""One tenant can neither see nor touch another's jobs, nor learn that they exist (issue 3; DESIGN §6).
+"""One tenant can neither see nor touch another's jobs, nor learn that they exist.
 
 Another tenant's job must answer exactly as a job that does not exist: same status, same body
 shape and code, the same message once the id is taken out, the same headers. Job ids are

@@ -1,4 +1,4 @@
-"""A worker SIGKILLed in the middle of a 500-job run loses no job (DESIGN §2, §9; issue 3).
+"""A worker SIGKILLed in the middle of a 500-job run loses no job (ARCHITECTURE, "Taking over, only from the dead").
 
 Worker A reads ahead (up to `prefetch_batches` batches) and claims what it reads (status
 `running`, attempts 1), so at the kill it holds a batch on the model and several more in memory,

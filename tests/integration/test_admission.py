@@ -211,7 +211,7 @@ def test_the_enqueue_script_writes_every_record_and_entry_as_their_codecs_say(rd
 
 # --- over HTTP: lanes, the tenant's quota and its rate tokens -------------------------------------
 
-# What one warm MiniLM worker serves on this 2-core machine (DESIGN §3, §9: 71.9 texts/s in process):
+# What one warm MiniLM worker serves on this 2-core machine (71.9 texts/s in process):
 # an idle platform, as admission sees it, is one live worker reporting this rate and no backlog.
 MINILM_ITEMS_PER_S = 72.0
 

@@ -1,4 +1,4 @@
-"""Every rejection of DESIGN §6 over the real API: the right status, the error envelope, and
+"""Every rejection the REST API documents, over the real API: the right status, the error envelope, and
 nothing queued (no stream entry, no job record). Also the happy paths of submit, read, cancel.
 
 The model under test is a synthetic one registered per module (v1 takes all traffic, v2 is
@@ -358,7 +358,7 @@ def test_bulk_submit_queues_every_input(demo: httpx.Client, model: str, queue_st
     body = response.json()
     assert (body["count"], body["model"], body["version"]) == (25, model, "v1")
     assert len(set(body["ids"])) == 25
-    # A bulk submission goes to the bulk lane unless it says otherwise (DESIGN §2, §6).
+    # A bulk submission goes to the bulk lane unless it says otherwise (ARCHITECTURE, "Lanes").
     assert queue_state(model, "v1").bulk == before.bulk + 25
     assert demo.get(f"/v1/jobs/{body['ids'][-1]}").json()["status"] == "queued"
 

@@ -1,4 +1,4 @@
-"""Idempotency-Key on the submit path, over the real API and Redis (DESIGN §2, §6).
+"""Idempotency-Key on the submit path, over the real API and Redis (ARCHITECTURE, "Idempotency-Key").
 
 A key claimed by an API that then died must not lock its tenant out for a day; a replay of an
 accepted request gets the original answer whatever the API's state (draining, a breaker open on

@@ -1,4 +1,4 @@
-"""The published schema describes what the API answers (DESIGN §6; api/response_models.py).
+"""The published schema describes what the API answers (api/response_models.py).
 
 `/openapi.json` names a response model for every resource route, and real bodies from the
 running API (a queued, a cancelled, a succeeded and a failed job, a model, a version, stats)

@@ -1,4 +1,4 @@
-"""The per-version response cache over the real API, Redis and `sluice worker` (DESIGN §2, §6).
+"""The per-version response cache over the real API, Redis and `sluice worker` (ARCHITECTURE, "Response cache").
 
 A hit is a job answered at submission: `succeeded`, `cache_hit: true`, the stored output, and no
 stream entry, so no worker ever sees it. The cache is keyed on the tenant, the version and the

@@ -1,4 +1,4 @@
-"""A rollback reaches every API replica through the `sluice:events` channel (issue 4).
+"""A rollback reaches every API replica through the `sluice:events` channel.
 
 Replica A is the session's API, replica B a second one on the same Redis and Postgres with its
 own event loop, connections and event subscription (both in this process, as tests/support.py

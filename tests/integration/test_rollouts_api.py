@@ -1,4 +1,4 @@
-"""Rollouts as REST resources (DESIGN §6), and the clients that use them: the Python clients'
+"""Rollouts as REST resources (ARCHITECTURE, "Rollouts"), and the clients that use them: the Python clients'
 admin calls and `sluice rollout` / `sluice stats`, which reach the registry only through the API.
 
 Over the session's real API, Redis and Postgres; no worker runs, so no controller moves a

@@ -1,5 +1,5 @@
 """The routing checks of the submit path, over the real API: which versions a caller may name, and
-who spends a half-open circuit breaker's probe slot (DESIGN §4, §6)."""
+who spends a half-open circuit breaker's probe slot (ARCHITECTURE, "Circuit breaker")."""
 
 from __future__ import annotations
 

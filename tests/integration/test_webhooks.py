@@ -1,4 +1,4 @@
-"""Webhooks end to end (issue 3): real Redis and Postgres, the in-process API, a real `sluice
+"""Webhooks end to end: real Redis and Postgres, the in-process API, a real `sluice
 worker`, a real Celery worker process (`celery -A workers.tasks worker --beat`) and a real HTTP
 receiver on 127.0.0.1.
 

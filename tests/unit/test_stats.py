@@ -1,4 +1,5 @@
-"""`/stats` percentiles (sluice/stats.py): exact, and no p99 from too few samples (DESIGN §9)."""
+"""`/stats` percentiles (sluice/stats.py): exact, and no p99 from too few samples
+(ARCHITECTURE, "Stats and quality")."""
 
 from __future__ import annotations
 
