@@ -23,7 +23,7 @@ from functools import partial
 import redis.asyncio as aioredis
 
 from sluice.errors import TooManyRequests
-from sluice.registry.queries import KeyInfo
+from sluice.registry.tenants import KeyInfo
 from sluice.routing import VersionInfo
 from sluice.wire import heartbeats, keys
 from sluice.wire.broker import Broker

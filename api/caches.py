@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from anyio import to_thread
 
 from sluice.errors import RegistryError, ServiceUnavailable, Unauthenticated
-from sluice.registry import queries
+from sluice.registry import routing_table, tenants
 from sluice.registry.store import Registry
 from sluice.routing import RoutingSnapshot
 
@@ -57,7 +57,7 @@ class RoutingCache:
 
     def _read(self) -> RoutingSnapshot:
         with self.registry.session() as session:
-            return queries.routing_snapshot(session)
+            return routing_table.routing_snapshot(session)
 
     def request_reload(self) -> None:
         """Have `refresh_forever` reload soon, without waiting for it. Requests made while a reload
@@ -80,7 +80,7 @@ class RoutingCache:
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
-    key: queries.KeyInfo | None
+    key: tenants.KeyInfo | None
     expires_at: float
 
 
@@ -100,8 +100,8 @@ class AuthCache:
         else:
             self._entries.pop(key_hash, None)
 
-    async def authenticate(self, raw_key: str) -> queries.KeyInfo:
-        digest = queries.hash_key(raw_key)
+    async def authenticate(self, raw_key: str) -> tenants.KeyInfo:
+        digest = tenants.hash_key(raw_key)
         now = time.monotonic()
         entry = self._entries.get(digest)
         if entry is None or entry.expires_at <= now:
@@ -120,6 +120,6 @@ class AuthCache:
             raise Unauthenticated("the API key is not valid")
         return entry.key
 
-    def _lookup(self, raw_key: str) -> queries.KeyInfo | None:
+    def _lookup(self, raw_key: str) -> tenants.KeyInfo | None:
         with self.registry.session() as session:
-            return queries.lookup_key(session, raw_key)
+            return tenants.lookup_key(session, raw_key)

@@ -15,8 +15,8 @@ from api.breakers import BreakerBoard
 from api.caches import AuthCache, RoutingCache
 from api.event_hub import EventHub
 from sluice.errors import Forbidden, InvalidInput, Unauthenticated
-from sluice.registry.queries import KeyInfo
 from sluice.registry.store import Registry
+from sluice.registry.tenants import KeyInfo
 from sluice.settings import Settings
 from sluice.webhooks import CallbackRefused, allowed_networks, check_callback_url
 from sluice.wire import events

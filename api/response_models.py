@@ -1,6 +1,6 @@
 """The response models of the REST API (DESIGN §6): what `/openapi.json` promises clients get back.
 
-The kernel builds these bodies as plain dicts (`JobRecord.resource()`, `queries.model_resource`,
+The kernel builds these bodies as plain dicts (`JobRecord.resource()`, `catalog.model_resource`,
 `stats.summarise`); the routes validate them through these models on the way out.
 
 The surprising part: some keys are optional by *absence*, not by null. A job has `output`,

@@ -120,14 +120,14 @@ def api_process(*, redis_url: str, database_url: str, home: Path) -> AbstractCon
 def bench_tenant(database_url: str, home: Path) -> str:
     """A seeded registry (minilm v1, kind embedding) and a tenant no phase can rate-limit; its key."""
     from launch.seed import seed
-    from sluice.registry import queries
+    from sluice.registry import tenants
     from sluice.registry.store import Registry
 
     registry = Registry(url=database_url, pool_size=1)
     try:
         seed(registry, home=home)
         with registry.session() as session:
-            _, key = queries.create_tenant(
+            _, key = tenants.create_tenant(
                 session, tenant_id=TENANT, actor="bench", rate_limit_per_s=1e6, max_queued=1_000_000_000
             )
         return key.secret

@@ -179,13 +179,13 @@ def _wait_celery(stack: Stack, timeout_s: float = 180.0) -> None:
 
 
 def _version_artifact(database_url: str, version: str) -> tuple[str, str]:
-    from sluice.registry import queries
+    from sluice.registry import catalog
     from sluice.registry.store import Registry
 
     registry = Registry(url=database_url, pool_size=1)
     try:
         with registry.session() as session:
-            row = queries.get_version(session, MODEL, version)
+            row = catalog.get_version(session, MODEL, version)
             return row.artifact, row.sha256
     finally:
         registry.dispose()

@@ -571,7 +571,7 @@ class BenchPlatform:
         from launch.seed import seed
         from sluice.artifacts import artifact_sha256, resolve_artifact
         from sluice.migrate import upgrade
-        from sluice.registry import queries
+        from sluice.registry import catalog
         from sluice.registry.store import Registry
         from sluice.registry.tables import ModelVersion
 
@@ -594,7 +594,7 @@ class BenchPlatform:
             with registry.session() as session:
                 for extra in self.extra_versions:
                     if session.get(ModelVersion, (extra.model, extra.version)) is None:
-                        queries.register_version(
+                        catalog.register_version(
                             session, model=extra.model, version=extra.version, artifact=extra.artifact,
                             sha256=artifact_sha256(resolve_artifact(extra.artifact)), actor="bench",
                             state="staged", max_batch_size=extra.max_batch_size, max_wait_ms=extra.max_wait_ms,

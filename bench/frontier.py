@@ -103,7 +103,7 @@ def resolve_target(model: str, version: str | None) -> Target:
 
 def _registered(model: str, version: str | None) -> Target:
     from sluice.errors import SluiceError
-    from sluice.registry import queries
+    from sluice.registry import catalog
     from sluice.registry.store import Registry
     from sluice.settings import Settings
 
@@ -115,11 +115,11 @@ def _registered(model: str, version: str | None) -> Target:
     try:
         with registry.session() as session:
             if version is None:
-                weights = queries.routing_weights(session, model)
+                weights = catalog.routing_weights(session, model)
                 if not weights:
                     raise LookupError(f"model {model!r} has no routed version in the registry; pass --version")
                 version = max(weights, key=weights.__getitem__)
-            row = queries.get_version(session, model, version)
+            row = catalog.get_version(session, model, version)
             return Target(f"{model} {version}", row.model_row.kind, row.artifact, row.sha256)
     except SluiceError as exc:  # not found, or no registry there
         raise LookupError(f"{model!r} {version or ''}: {exc}") from None

@@ -265,11 +265,11 @@ class Bench:
 
     async def direct_round(self, index: int, registry: Any) -> Round:
         """A rollback nobody announces: only the replicas' periodic reload can pick it up."""
-        from sluice.registry import queries
+        from sluice.registry import routing_table
 
         def write() -> None:
             with registry.session() as session:
-                queries.rollback(session, model=MODEL, actor="bench", reason=f"bench direct {index}")
+                routing_table.rollback(session, model=MODEL, actor="bench", reason=f"bench direct {index}")
 
         # At a random phase of the replicas' reload timers: rounds would otherwise start just after
         # the tick that ended the previous one, and each would wait the whole interval.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from sluice.artifacts import artifact_sha256, resolve_artifact
 from sluice.kinds import ModelKind
-from sluice.registry import queries
+from sluice.registry import catalog, routing_table, tenants
 from sluice.registry.store import Registry
 from sluice.registry.tables import Model, ModelVersion
 from sluice.versions import VersionState
@@ -60,19 +60,19 @@ def seed(registry: Registry, *, home: Path, bootstrap_admin_key: str | None = No
     demo_key = _stored_key(home / "demo.key", "demo")
     admin_key = bootstrap_admin_key or _stored_key(home / "admin.key", "admin")
     with registry.session() as session:
-        queries.ensure_tenant_key(session, tenant_id=DEMO_TENANT, raw_key=demo_key, is_admin=False)
-        queries.ensure_tenant_key(session, tenant_id=ADMIN_TENANT, raw_key=admin_key, is_admin=True)
+        tenants.ensure_tenant_key(session, tenant_id=DEMO_TENANT, raw_key=demo_key, is_admin=False)
+        tenants.ensure_tenant_key(session, tenant_id=ADMIN_TENANT, raw_key=admin_key, is_admin=True)
         for demo in versions:
             if session.get(Model, demo.model) is None:
-                queries.create_model(session, name=demo.model, kind=demo.kind, actor="seed")
+                catalog.create_model(session, name=demo.model, kind=demo.kind, actor="seed")
             if session.get(ModelVersion, (demo.model, demo.version)) is None:
                 sha = artifact_sha256(resolve_artifact(demo.artifact))
-                queries.register_version(
+                catalog.register_version(
                     session, model=demo.model, version=demo.version, artifact=demo.artifact, sha256=sha,
                     actor="seed", state=VersionState.stable, max_batch_size=demo.max_batch_size,
                     max_wait_ms=demo.max_wait_ms,
                 )
-            if not queries.routing_weights(session, demo.model):
-                queries.set_routing(session, model=demo.model, weights={demo.version: 100.0}, actor="seed",
+            if not catalog.routing_weights(session, demo.model):
+                routing_table.set_routing(session, model=demo.model, weights={demo.version: 100.0}, actor="seed",
                                     reason="initial seed")
     return Seeded(demo_key=demo_key, admin_key=admin_key)

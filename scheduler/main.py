@@ -31,7 +31,7 @@ from scheduler.scaling import Autoscaler, publish, read_pools, scaled_versions, 
 from scheduler.supervisor import Supervisor, VersionKey
 from sluice import exposition
 from sluice.errors import ActuatorError, BrokerError, SluiceError
-from sluice.registry import queries
+from sluice.registry import routing_table
 from sluice.registry.store import Registry
 from sluice.routing import RoutingSnapshot
 from sluice.settings import Settings
@@ -89,7 +89,7 @@ class Scheduler:
             self._advertise()
         try:
             with self.registry.session() as session:
-                self._snapshot = queries.routing_snapshot(session)
+                self._snapshot = routing_table.routing_snapshot(session)
         except SluiceError as exc:
             if self._snapshot is None:
                 log.warning("registry unreachable, keeping the current pools: %s", exc)

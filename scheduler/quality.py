@@ -16,7 +16,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 
 from sluice.errors import SluiceError
-from sluice.registry import quality, queries
+from sluice.registry import quality, routing_table
 from sluice.registry.store import Registry
 from sluice.stats import summarise
 from sluice.versions import VersionState
@@ -39,7 +39,7 @@ class QualityAggregator:
         end = (self.clock() // self.window_s) * self.window_s
         start = end - self.window_s
         with self.registry.session() as session:
-            snapshot = queries.routing_snapshot(session)
+            snapshot = routing_table.routing_snapshot(session)
         written = 0
         for model in snapshot.models.values():
             for version in model.versions.values():

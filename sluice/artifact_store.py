@@ -44,9 +44,12 @@ from urllib.parse import quote, unquote, urlparse
 from sluice.artifacts import (
     MANIFEST_NAME,
     file_sha256,
+    is_remote,
     manifest_text,
     normalized_sha256,
+    parse_artifact,
     parse_manifest,
+    resolve_artifact,
     text_sha256,
     verify_artifact,
 )
@@ -508,3 +511,24 @@ def _install(tmp: Path, entry: Path, expected: str, filename: str | None, uri: s
         return cached
     log.info("fetched %s into %s", uri, entry)
     return entry / filename if filename is not None else entry
+
+
+def resolve_and_verify(uri: str, sha256: str | None, *, cache_dir: Path | None = None,
+                       ca_bundle: Path | None = None) -> Path:
+    """Resolve ``uri`` and check its hash; a missing hash is refused for real artifacts.
+
+    Local URIs (``pkg:``, ``file:``, paths) are verified in place. Store URIs (``https://``,
+    ``s3://``, ...) are fetched into ``cache_dir`` (required for them) and verified there before
+    the path is returned; ``ca_bundle`` replaces the system trust store for ``https://``.
+    """
+    if not sha256:
+        raise ArtifactError(f"no sha256 recorded for artifact {uri!r}; refusing to load it")
+    location = parse_artifact(uri).location
+    if is_remote(location):
+        if cache_dir is None:
+            raise ArtifactError(f"artifact {location!r} is in a store, and no artifact cache directory is set "
+                                "to fetch it into")
+        return fetch(location, sha256, cache_dir=cache_dir, ca_bundle=ca_bundle)
+    path = resolve_artifact(location)
+    verify_artifact(path, sha256, name=f"{location} ({path})" if location != str(path) else None)
+    return path

@@ -12,7 +12,8 @@ URI forms:
 * ``file:///abs/path``, ``file:rel/path``, or a plain absolute/relative path: used in place.
 * ``https://``, ``http://``, ``s3://``, ``gs://``, ``memory://``, ... (any fsspec protocol whose
   filesystem package is installed): an artifact in a store, fetched into a local cache by
-  :func:`sluice.artifact_store.fetch` and verified before use (see :func:`resolve_and_verify`).
+  :func:`sluice.artifact_store.fetch` and verified before use (see
+  :func:`sluice.artifact_store.resolve_and_verify`).
 * ``synthetic:?fixed_s=0.001&per_token_s=0.00001``: no file; see :func:`parse_synthetic`.
 
 Every URI but a plain path or a synthetic one may end in load options, e.g.
@@ -165,7 +166,7 @@ def _resource(package: str, resource: str) -> Path:
 
 def resolve_artifact(uri: str) -> Path:
     """Map a local artifact URI (load options ignored) to a path (file or model directory) that
-    exists. Store URIs are refused: they resolve through :func:`resolve_and_verify`, which
+    exists. Store URIs are refused: they resolve through :func:`sluice.artifact_store.resolve_and_verify`, which
     fetches them into a cache."""
     if not uri:
         raise ArtifactError("empty artifact URI")
@@ -381,26 +382,3 @@ def normalized_sha256(sha256: str) -> str:
     if not _SHA256_HEX.fullmatch(value):
         raise ArtifactError(f"not a sha256 (64 hex digits): {sha256[:80]!r}")
     return value
-
-
-def resolve_and_verify(uri: str, sha256: str | None, *, cache_dir: Path | None = None,
-                       ca_bundle: Path | None = None) -> Path:
-    """Resolve ``uri`` and check its hash; a missing hash is refused for real artifacts.
-
-    Local URIs (``pkg:``, ``file:``, paths) are verified in place. Store URIs (``https://``,
-    ``s3://``, ...) are fetched into ``cache_dir`` (required for them) and verified there before
-    the path is returned; ``ca_bundle`` replaces the system trust store for ``https://``.
-    """
-    if not sha256:
-        raise ArtifactError(f"no sha256 recorded for artifact {uri!r}; refusing to load it")
-    location = parse_artifact(uri).location
-    if is_remote(location):
-        if cache_dir is None:
-            raise ArtifactError(f"artifact {location!r} is in a store, and no artifact cache directory is set "
-                                "to fetch it into")
-        from sluice.artifact_store import fetch
-
-        return fetch(location, sha256, cache_dir=cache_dir, ca_bundle=ca_bundle)
-    path = resolve_artifact(location)
-    verify_artifact(path, sha256, name=f"{location} ({path})" if location != str(path) else None)
-    return path

@@ -27,7 +27,7 @@ import redis as redis_sync
 from sluice.errors import SluiceError
 from sluice.metrics import WEBHOOK_ATTEMPTS
 from sluice.redact import scrub
-from sluice.registry import queries
+from sluice.registry import tenants
 from sluice.registry.batches import batch_resource
 from sluice.registry.store import Registry
 from sluice.registry.tables import Batch
@@ -228,7 +228,7 @@ class Deliverer:
         if cached is not None and cached[1] > now:
             return cached[0]
         with self.registry.session() as session:
-            secret = queries.tenant_secret(session, tenant)
+            secret = tenants.tenant_secret(session, tenant)
         if secret is not None:
             with self._lock:
                 self._secrets[tenant] = (secret, now + self.secret_cache_s)

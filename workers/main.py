@@ -21,7 +21,7 @@ import uvloop
 from sluice import exposition
 from sluice.errors import EXIT_ARTIFACT_REFUSED, EXIT_WORKER_FAILED, ArtifactError, SluiceError, WorkerFailed
 from sluice.metrics import COLD_START, INT8_SPEEDUP, WORKER_INT8, WORKER_STATE
-from sluice.registry import queries
+from sluice.registry import catalog
 from sluice.registry.store import Registry
 from sluice.registry.tables import ModelVersion
 from sluice.settings import Settings
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 def _load_version(registry: Registry, model: str, version: str) -> tuple[str, ModelVersion]:
     with registry.session() as session:
-        row = queries.get_version(session, model, version)
+        row = catalog.get_version(session, model, version)
         kind = row.model_row.kind
         session.expunge(row)
         return kind, row
@@ -65,7 +65,7 @@ def run_worker(*, settings: Settings, model: str, version: str, threads: int | N
         log.error("version %s/%s refused: %s", model, version, exc)
         try:
             with registry.session() as session:
-                queries.record_version_error(session, model=model, version=version, message=str(exc))
+                catalog.record_version_error(session, model=model, version=version, message=str(exc))
         except SluiceError:
             pass
         return EXIT_ARTIFACT_REFUSED

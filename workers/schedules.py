@@ -17,7 +17,7 @@ from zoneinfo import ZoneInfo
 from sluice.batch_files import format_of, local_path, render_template
 from sluice.errors import SluiceError
 from sluice.registry import batches as queries
-from sluice.registry.queries import routing_snapshot
+from sluice.registry.routing_table import routing_snapshot
 from sluice.registry.store import Registry
 from sluice.routing import route
 

@@ -28,7 +28,7 @@ from sluice import batch_files
 from sluice.batch_files import FORMATS, BatchFileError, Format
 from sluice.errors import InvalidInput, InvalidJson, NotFound, PayloadTooLarge
 from sluice.registry import batches as queries
-from sluice.registry.queries import KeyInfo
+from sluice.registry.tenants import KeyInfo
 from sluice.routing import route
 
 router = APIRouter(prefix="/v1", tags=["batches"])

@@ -23,7 +23,7 @@ from sluice.errors import Conflict, InvalidInput, JobExpired, PayloadTooLarge, S
 from sluice.kinds import SCHEMA_KINDS, ModelKind, validate_input
 from sluice.logs import current_request_id
 from sluice.metrics import CACHE_LOOKUPS, JOBS_FINISHED, JOBS_REJECTED, JOBS_SUBMITTED
-from sluice.registry.queries import KeyInfo
+from sluice.registry.tenants import KeyInfo
 from sluice.routing import VersionInfo, hash_unit, route, shadow_target
 from sluice.wire import keys, response_cache
 from sluice.wire.idempotency import IdempotencyClaim

@@ -25,7 +25,7 @@ from api.response_models import (
     VersionResource,
 )
 from sluice.errors import InvalidInput, NotFound
-from sluice.registry import quality, queries
+from sluice.registry import audit, catalog, quality, routing_table
 from sluice.stats import MAX_SERIES_BUCKETS, check_series_window, series, summarise
 from sluice.versions import Tier, VersionState
 from sluice.wire.response_cache import MAX_TTL_S
@@ -104,7 +104,7 @@ class SetRouting(BaseModel):
 async def list_models(_: CurrentKey, state: StateDep) -> dict[str, Any]:
     def read() -> list[dict[str, Any]]:
         with state.registry.session() as session:
-            return queries.list_models(session)
+            return catalog.list_models(session)
 
     return {"models": await _with_replicas(state, await to_thread.run_sync(read))}
 
@@ -123,10 +123,10 @@ async def _with_replicas(state: AppState, resources: list[dict[str, Any]]) -> li
 async def create_model(body: CreateModel, key: AdminKey, state: StateDep) -> dict[str, Any]:
     def write() -> dict[str, Any]:
         with state.registry.session() as session:
-            queries.create_model(session, name=body.name, kind=body.kind, tier=body.tier,
+            catalog.create_model(session, name=body.name, kind=body.kind, tier=body.tier,
                                  actor=f"key:{key.key_id}")
         with state.registry.session() as session:
-            return queries.model_resource(session, body.name)
+            return catalog.model_resource(session, body.name)
 
     resource = await to_thread.run_sync(write)
     await announce_routing(state, body.name)
@@ -137,7 +137,7 @@ async def create_model(body: CreateModel, key: AdminKey, state: StateDep) -> dic
 async def get_model(model: str, _: CurrentKey, state: StateDep) -> dict[str, Any]:
     def read() -> dict[str, Any]:
         with state.registry.session() as session:
-            return queries.model_resource(session, model)
+            return catalog.model_resource(session, model)
 
     [resource] = await _with_replicas(state, [await to_thread.run_sync(read)])
     return resource
@@ -147,14 +147,14 @@ async def get_model(model: str, _: CurrentKey, state: StateDep) -> dict[str, Any
 async def register_version(model: str, body: RegisterVersion, key: AdminKey, state: StateDep) -> dict[str, Any]:
     def write() -> dict[str, Any]:
         with state.registry.session() as session:
-            row = queries.register_version(
+            row = catalog.register_version(
                 session, model=model, version=body.version, artifact=body.artifact, sha256=body.sha256,
                 actor=f"key:{key.key_id}", state=body.state, max_batch_size=body.batching.max_batch_size,
                 max_wait_ms=body.batching.max_wait_ms, isolate_tenants=body.batching.isolate_tenants,
                 min_replicas=body.min_replicas, max_replicas=body.max_replicas, cache_ttl_s=body.cache_ttl_s,
                 handler=body.handler, input_schema=body.input_schema, output_schema=body.output_schema,
             )
-            return queries.version_resource(row)
+            return catalog.version_resource(row)
 
     resource = await to_thread.run_sync(write)
     await announce_routing(state, model)
@@ -165,9 +165,9 @@ async def register_version(model: str, body: RegisterVersion, key: AdminKey, sta
 async def set_routing(model: str, body: SetRouting, key: AdminKey, state: StateDep) -> dict[str, Any]:
     def write() -> dict[str, Any]:
         with state.registry.session() as session:
-            entry = queries.set_routing(session, model=model, weights=body.weights,
+            entry = routing_table.set_routing(session, model=model, weights=body.weights,
                                         actor=f"key:{key.key_id}", reason=body.reason)
-            return {"routing": queries.routing_weights(session, model), "audit": queries.audit_resource(entry)}
+            return {"routing": catalog.routing_weights(session, model), "audit": audit.audit_resource(entry)}
 
     result = await to_thread.run_sync(write)
     await announce_routing(state, model)
@@ -178,7 +178,7 @@ async def set_routing(model: str, body: SetRouting, key: AdminKey, state: StateD
 async def get_version(model: str, version: str, _: CurrentKey, state: StateDep) -> dict[str, Any]:
     def read() -> dict[str, Any]:
         with state.registry.session() as session:
-            return queries.version_resource(queries.get_version(session, model, version))
+            return catalog.version_resource(catalog.get_version(session, model, version))
 
     return await to_thread.run_sync(read)
 
@@ -190,7 +190,7 @@ async def update_version(model: str, version: str, body: UpdateVersion, key: Adm
 
     def write() -> dict[str, Any]:
         with state.registry.session() as session:
-            row, entry = queries.update_version(
+            row, entry = catalog.update_version(
                 session, model=model, version=version, actor=f"key:{key.key_id}", reason=body.reason,
                 state=body.state, min_replicas=body.min_replicas, max_replicas=body.max_replicas,
                 cache_ttl_s=body.cache_ttl_s, max_batch_size=batching.max_batch_size if batching else None,
@@ -198,8 +198,8 @@ async def update_version(model: str, version: str, body: UpdateVersion, key: Adm
                 isolate_tenants=batching.isolate_tenants if batching else None,
             )
             if body.tier is not None:
-                queries.set_tier(session, model=model, tier=body.tier, actor=f"key:{key.key_id}", reason=body.reason)
-            return {**queries.version_resource(row), "audit": queries.audit_resource(entry)}
+                catalog.set_tier(session, model=model, tier=body.tier, actor=f"key:{key.key_id}", reason=body.reason)
+            return {**catalog.version_resource(row), "audit": audit.audit_resource(entry)}
 
     result = await to_thread.run_sync(write)
     await announce_routing(state, model)
@@ -210,9 +210,9 @@ async def update_version(model: str, version: str, body: UpdateVersion, key: Adm
 async def rollback(model: str, key: AdminKey, state: StateDep, body: Rollback | None = None) -> dict[str, Any]:
     def write() -> dict[str, Any]:
         with state.registry.session() as session:
-            entry = queries.rollback(session, model=model, actor=f"key:{key.key_id}",
+            entry = routing_table.rollback(session, model=model, actor=f"key:{key.key_id}",
                                      reason=body.reason if body else None)
-            return {"routing": queries.routing_weights(session, model), "audit": queries.audit_resource(entry)}
+            return {"routing": catalog.routing_weights(session, model), "audit": audit.audit_resource(entry)}
 
     result = await to_thread.run_sync(write)
     await announce_routing(state, model)
@@ -273,7 +273,7 @@ async def audit_log(
     """Who changed the model's versions, weights, pins and tier, when and why: newest first."""
     def read() -> list[dict[str, Any]]:
         with state.registry.session() as session:
-            return [queries.audit_resource(e) for e in queries.audit_entries(session, model, limit=limit,
+            return [audit.audit_resource(e) for e in audit.audit_entries(session, model, limit=limit,
                                                                               before_id=before)]
 
     return {"entries": await to_thread.run_sync(read)}
@@ -287,7 +287,7 @@ async def version_quality(
     """The version's quality aggregates per closed window, oldest first."""
     def read() -> list[dict[str, Any]]:
         with state.registry.session() as session:
-            queries.get_version(session, model, version)
+            catalog.get_version(session, model, version)
             return quality.windows(session, model=model, version=version, since=time.time() - hours * 3600)
 
     return {"model": model, "version": version, "windows": await to_thread.run_sync(read)}

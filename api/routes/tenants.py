@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import AdminKey, StateDep, announce_routing
 from api.field_types import Name
-from sluice.registry import queries
+from sluice.registry import audit, routing_table, tenants
 from sluice.wire import events
 
 router = APIRouter(prefix="/v1", tags=["tenants"])
@@ -34,7 +34,7 @@ class SetPin(BaseModel):
     version: Annotated[str, Field(min_length=1, max_length=64)]
 
 
-def _key_body(key: queries.IssuedKey, tenant: str, admin: bool) -> dict[str, Any]:
+def _key_body(key: tenants.IssuedKey, tenant: str, admin: bool) -> dict[str, Any]:
     return {"id": key.key_id, "tenant": tenant, "admin": admin, "secret": key.secret}
 
 
@@ -42,7 +42,7 @@ def _key_body(key: queries.IssuedKey, tenant: str, admin: bool) -> dict[str, Any
 async def create_tenant(body: CreateTenant, key: AdminKey, state: StateDep) -> dict[str, Any]:
     def write() -> dict[str, Any]:
         with state.registry.session() as session:
-            tenant, issued = queries.create_tenant(
+            tenant, issued = tenants.create_tenant(
                 session, tenant_id=body.id, actor=f"key:{key.key_id}", is_admin=body.admin,
                 rate_limit_per_s=body.rate_limit_per_s, max_queued=body.max_queued,
             )
@@ -59,7 +59,7 @@ async def create_tenant(body: CreateTenant, key: AdminKey, state: StateDep) -> d
 async def issue_key(tenant: str, body: IssueKey, key: AdminKey, state: StateDep) -> dict[str, Any]:
     def write() -> dict[str, Any]:
         with state.registry.session() as session:
-            issued = queries.issue_key(session, tenant_id=tenant, actor=f"key:{key.key_id}", is_admin=body.admin)
+            issued = tenants.issue_key(session, tenant_id=tenant, actor=f"key:{key.key_id}", is_admin=body.admin)
             return _key_body(issued, tenant, body.admin)
 
     return await to_thread.run_sync(write)
@@ -69,7 +69,7 @@ async def issue_key(tenant: str, body: IssueKey, key: AdminKey, state: StateDep)
 async def revoke_key(key_id: str, key: AdminKey, state: StateDep) -> dict[str, Any]:
     def write() -> str:
         with state.registry.session() as session:
-            return queries.revoke_key(session, key_id=key_id, actor=f"key:{key.key_id}")
+            return tenants.revoke_key(session, key_id=key_id, actor=f"key:{key.key_id}")
 
     key_hash = await to_thread.run_sync(write)
     state.auth.forget(key_hash)
@@ -81,10 +81,10 @@ async def revoke_key(key_id: str, key: AdminKey, state: StateDep) -> dict[str, A
 async def set_pin(tenant: str, model: str, body: SetPin, key: AdminKey, state: StateDep) -> dict[str, Any]:
     def write() -> dict[str, Any]:
         with state.registry.session() as session:
-            entry = queries.set_pin(session, tenant_id=tenant, model=model, version=body.version,
+            entry = routing_table.set_pin(session, tenant_id=tenant, model=model, version=body.version,
                                     actor=f"key:{key.key_id}")
             return {"tenant": tenant, "model": model, "version": body.version,
-                    "audit": queries.audit_resource(entry)}
+                    "audit": audit.audit_resource(entry)}
 
     result = await to_thread.run_sync(write)
     await announce_routing(state, model)
@@ -95,8 +95,8 @@ async def set_pin(tenant: str, model: str, body: SetPin, key: AdminKey, state: S
 async def delete_pin(tenant: str, model: str, key: AdminKey, state: StateDep) -> dict[str, Any]:
     def write() -> dict[str, Any]:
         with state.registry.session() as session:
-            entry = queries.delete_pin(session, tenant_id=tenant, model=model, actor=f"key:{key.key_id}")
-            return {"tenant": tenant, "model": model, "version": None, "audit": queries.audit_resource(entry)}
+            entry = routing_table.delete_pin(session, tenant_id=tenant, model=model, actor=f"key:{key.key_id}")
+            return {"tenant": tenant, "model": model, "version": None, "audit": audit.audit_resource(entry)}
 
     result = await to_thread.run_sync(write)
     await announce_routing(state, model)

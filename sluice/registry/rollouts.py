@@ -1,7 +1,7 @@
 """Rollouts in the registry: start, apply a decision, abort, and read them back.
 
-Every weight change goes through `queries.set_routing` and every state change through
-`queries.update_version`, so a rollout's changes land in the same audit log as an admin's, in
+Every weight change goes through `routing_table.set_routing` and every state change through
+`catalog.update_version`, so a rollout's changes land in the same audit log as an admin's, in
 the same transaction as the decision row that caused them. While a rollout runs it owns the
 model's weights: `{stable: 100 - w, canary: w}` at each step, other versions at 0. A canary in
 state `shadow` starts in a shadow phase (step -1) where its weight is, as always for a shadow
@@ -21,7 +21,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from sluice.errors import BadRequest, Conflict, NotFound
-from sluice.registry import queries
+from sluice.registry import catalog, routing_table
 from sluice.registry.tables import AuditEntry, Model, ModelVersion, Rollout, RolloutDecision
 from sluice.versions import PRIMARY_STATES, VersionState
 
@@ -49,7 +49,7 @@ def _step_weights(rollout: Rollout, step: int) -> dict[str, float]:
 
 def _default_stable(session: Session, model: str, canary: str) -> str:
     """The most heavily weighted other serving version, else the last promoted stable one."""
-    weights = queries.routing_weights(session, model)
+    weights = catalog.routing_weights(session, model)
     states = {row.version: row.state for row in session.scalars(select(ModelVersion)
                                                                 .where(ModelVersion.model == model))}
     others = sorted(((w, v) for v, w in weights.items()
@@ -81,9 +81,9 @@ def start_rollout(session: Session, *, model: str, canary: str, policy: dict[str
     `reason` (the operator's why) goes into the start decision and its audit row."""
     if session.scalar(select(Rollout.id).where(Rollout.model == model, Rollout.state == "running")):
         raise Conflict(f"model '{model}' already has a running rollout")
-    candidate = queries.get_version(session, model, canary)
+    candidate = catalog.get_version(session, model, canary)
     stable = stable or _default_stable(session, model, canary)
-    baseline = queries.get_version(session, model, stable)
+    baseline = catalog.get_version(session, model, stable)
     if stable == canary:
         raise BadRequest("the canary and the stable version must differ")
     for row in (candidate, baseline):
@@ -91,11 +91,11 @@ def start_rollout(session: Session, *, model: str, canary: str, policy: dict[str
             raise Conflict(f"version '{row.version}' is retired")
     step = SHADOW_STEP if candidate.state == VersionState.shadow else 0
     if step == SHADOW_STEP and (baseline.state != VersionState.stable
-                                or not queries.routing_weights(session, model).get(canary)):
+                                or not catalog.routing_weights(session, model).get(canary)):
         raise BadRequest(f"a shadow phase needs '{stable}' in state stable and a weight on '{canary}' (the "
                          "percentage of stable's jobs copied to it)")
     rollout = Rollout(model=model, canary=canary, stable=stable, policy=policy,
-                      initial_weights=queries.routing_weights(session, model),
+                      initial_weights=catalog.routing_weights(session, model),
                       canary_initial_state=candidate.state, step_index=step, state="running", actor=actor,
                       started_at=now, step_started_at=now)
     session.add(rollout)
@@ -104,9 +104,9 @@ def start_rollout(session: Session, *, model: str, canary: str, policy: dict[str
     audit = None
     if step != SHADOW_STEP:
         if candidate.state != VersionState.canary:
-            queries.update_version(session, model=model, version=canary, actor=actor, state=VersionState.canary,
+            catalog.update_version(session, model=model, version=canary, actor=actor, state=VersionState.canary,
                                    reason=f"rollout {rollout.id} started{why}")
-        audit = queries.set_routing(session, model=model, weights=_step_weights(rollout, step), actor=actor,
+        audit = routing_table.set_routing(session, model=model, weights=_step_weights(rollout, step), actor=actor,
                                     reason=f"rollout {rollout.id}: canary '{canary}' at "
                                            f"{step_weight(rollout, step):g} %{why}")
     _record(session, rollout, at=now, action="start", audit=audit, evidence={"policy": policy},
@@ -158,21 +158,22 @@ def apply_decision(session: Session, *, rollout_id: int, expected_step: int, act
         if to_step is None or not 0 <= to_step < len(rollout.policy["steps"]):
             raise BadRequest(f"no step {to_step} to promote to")
         if final:
-            audit = queries.set_routing(session, model=rollout.model, weights={rollout.canary: 100.0}, actor=actor,
-                                        reason=f"rollout {rollout.id}: '{rollout.canary}' promoted to stable")
-            queries.update_version(session, model=rollout.model, version=rollout.canary, actor=actor,
+            audit = routing_table.set_routing(session, model=rollout.model, weights={rollout.canary: 100.0},
+                                              actor=actor,
+                                              reason=f"rollout {rollout.id}: '{rollout.canary}' promoted to stable")
+            catalog.update_version(session, model=rollout.model, version=rollout.canary, actor=actor,
                                    state=VersionState.stable, reason=f"rollout {rollout.id} promoted")
         else:
             if rollout.step_index == SHADOW_STEP:
-                queries.update_version(session, model=rollout.model, version=rollout.canary, actor=actor,
+                catalog.update_version(session, model=rollout.model, version=rollout.canary, actor=actor,
                                        state=VersionState.canary, reason=f"rollout {rollout.id}: shadow phase passed")
-            audit = queries.set_routing(session, model=rollout.model, weights=_step_weights(rollout, to_step),
+            audit = routing_table.set_routing(session, model=rollout.model, weights=_step_weights(rollout, to_step),
                                         actor=actor, reason=f"rollout {rollout.id}: canary '{rollout.canary}' "
                                                             f"to {step_weight(rollout, to_step):g} %")
     elif action == "rollback":
-        audit = queries.set_routing(session, model=rollout.model, weights=_rollback_weights(rollout),
+        audit = routing_table.set_routing(session, model=rollout.model, weights=_rollback_weights(rollout),
                                     actor=actor, reason=f"rollout {rollout.id} rolled back: {reason}")
-        queries.update_version(session, model=rollout.model, version=rollout.canary, actor=actor,
+        catalog.update_version(session, model=rollout.model, version=rollout.canary, actor=actor,
                                state=VersionState.staged, reason=f"rollout {rollout.id} rolled back")
     elif action != "continue":
         raise BadRequest(f"unknown rollout action '{action}'")
@@ -205,10 +206,10 @@ def abort_rollout(session: Session, *, model: str, actor: str, now: datetime, re
         raise Conflict(f"model '{model}' has no running rollout")
     why = reason or "aborted by an operator"
     weights = {v: float(w) for v, w in rollout.initial_weights.items()}
-    audit = queries.set_routing(session, model=model, weights=weights, actor=actor,
+    audit = routing_table.set_routing(session, model=model, weights=weights, actor=actor,
                                 reason=f"rollout {rollout.id} aborted: {why}")
-    if queries.get_version(session, model, rollout.canary).state != rollout.canary_initial_state:
-        queries.update_version(session, model=model, version=rollout.canary, actor=actor,
+    if catalog.get_version(session, model, rollout.canary).state != rollout.canary_initial_state:
+        catalog.update_version(session, model=model, version=rollout.canary, actor=actor,
                                state=rollout.canary_initial_state, reason=f"rollout {rollout.id} aborted")
     _record(session, rollout, at=now, action="abort", reason=why, evidence={"restored_weights": weights},
             audit=audit)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from sluice.registry import queries
+from sluice.registry import catalog
 from sluice.registry.store import Registry
 from sluice.wire import keys
 from sluice.wire.heartbeats import live_since
@@ -46,8 +46,8 @@ def private_registry(*models: tuple[str, str], cost: str = COST, max_replicas: i
         try:
             with registry.session() as session:
                 for model, tier in models:
-                    queries.create_model(session, name=model, kind="synthetic", tier=tier, actor="test")
-                    queries.register_version(session, model=model, version=VERSION, artifact=f"synthetic:?{cost}",
+                    catalog.create_model(session, name=model, kind="synthetic", tier=tier, actor="test")
+                    catalog.register_version(session, model=model, version=VERSION, artifact=f"synthetic:?{cost}",
                                              sha256=SYNTHETIC_SHA, actor="test", state="stable", max_batch_size=8,
                                              max_wait_ms=5, min_replicas=1, max_replicas=max_replicas,
                                              isolate_tenants=isolate_tenants)
@@ -173,7 +173,7 @@ def test_a_patch_of_isolate_tenants_reaches_the_running_pool_by_a_rolling_replac
         registry = Registry(url=database_url, pool_size=1)
         try:
             with registry.session() as session:
-                queries.update_version(session, model=model, version=VERSION, actor="test", reason="test",
+                catalog.update_version(session, model=model, version=VERSION, actor="test", reason="test",
                                        isolate_tenants=True)
         finally:
             registry.dispose()

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from sluice.artifact_store import fetch, publish, store_uri
-from sluice.artifacts import MANIFEST_NAME, artifact_sha256, resolve_and_verify
+from sluice.artifact_store import fetch, publish, resolve_and_verify, store_uri
+from sluice.artifacts import MANIFEST_NAME, artifact_sha256
 from sluice.errors import ArtifactError, ArtifactMismatch
 from tests.hf_models import build_tiny_encoder
 from tests.support import WorkerProcess, unique, wait_job

@@ -261,7 +261,7 @@ def test_a_finished_batch_s_callback_is_queued_once_and_posts_the_signed_batch(
     import random
 
     from sluice import webhooks
-    from sluice.registry import queries as registry_queries
+    from sluice.registry import tenants
     from sluice.registry.tables import Batch
     from tests.support import receiving
     from workers.batches import callback_delivery_id
@@ -295,5 +295,5 @@ def test_a_finished_batch_s_callback_is_queued_once_and_posts_the_signed_batch(
     body = json.loads(request.body)
     assert (body["id"], body["status"], body["done"]) == (batch["id"], "succeeded", 2)
     with registry.session() as session:
-        secret = registry_queries.tenant_secret(session, "demo")
+        secret = tenants.tenant_secret(session, "demo")
     assert secret and webhooks.verify(secret, request.headers["sluice-signature"], request.body)

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from launch.seed import Seeded
-from sluice.registry import queries
+from sluice.registry import tenants
 from sluice.registry.store import Registry
 from sluice.webhooks import allowed_networks, verify
 from sluice.wire import keys
@@ -99,7 +99,7 @@ def test_an_attempt_posts_the_signed_job_once(
     assert (attempt.outcome, attempt.number, attempt.detail) == ("delivered", 1, "answered 200")
     [request] = receiver.received("/direct")
     with registry.session() as session:
-        secret = queries.tenant_secret(session, "demo")
+        secret = tenants.tenant_secret(session, "demo")
     assert secret and verify(secret, request.headers["sluice-signature"], request.body, now=deliverer.clock())
     assert request.headers["sluice-delivery"] == delivery_id
     assert request.headers["user-agent"] == USER_AGENT

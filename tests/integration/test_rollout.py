@@ -24,7 +24,7 @@ from sqlalchemy import select
 
 from scheduler.rollout import Look, RolloutController
 from sluice.errors import BadRequest, Conflict
-from sluice.registry import queries, rollouts
+from sluice.registry import catalog, rollouts, routing_table
 from sluice.registry.store import Registry
 from sluice.registry.tables import AuditEntry, Rollout, RolloutDecision
 from sluice.rollout_policy import Policy
@@ -62,9 +62,9 @@ def make_model(
     name = f"roll-{secrets.token_hex(3)}"
     states = states or {"v1": "stable", "v2": "staged"}
     with registry.session() as session:
-        queries.create_model(session, name=name, kind=kind, actor="test")
+        catalog.create_model(session, name=name, kind=kind, actor="test")
         for version, state in states.items():
-            queries.register_version(
+            catalog.register_version(
                 session,
                 model=name,
                 version=version,
@@ -73,7 +73,7 @@ def make_model(
                 actor="test",
                 state=state,
             )
-        queries.set_routing(session, model=name, weights=weights or {"v1": 100.0}, actor="test", reason="setup")
+        routing_table.set_routing(session, model=name, weights=weights or {"v1": 100.0}, actor="test", reason="setup")
     return name
 
 
@@ -124,7 +124,7 @@ def beat(rds: redis.Redis, model: str, *versions: str, at: float) -> None:
 
 def weights(registry: Registry, model: str) -> dict[str, float]:
     with registry.session() as session:
-        return queries.routing_weights(session, model)
+        return catalog.routing_weights(session, model)
 
 
 def decision_rows(registry: Registry, rollout_id: int) -> list[RolloutDecision]:
@@ -200,7 +200,7 @@ async def test_a_healthy_canary_is_promoted_along_the_steps(
         row = session.get(Rollout, rollout_id)
         assert row is not None and (row.state, row.step_index) == ("promoted", 2)
         assert row.finished_at is not None
-        assert queries.get_version(session, model, "v2").state == "stable"
+        assert catalog.get_version(session, model, "v2").state == "stable"
     assert await looks_at(controller, model) == [], "a finished rollout is not looked at"
 
     rows = decision_rows(registry, rollout_id)
@@ -242,7 +242,7 @@ async def test_an_erroring_canary_is_rolled_back(registry: Registry, rds: redis.
     with registry.session() as session:
         row = session.get(Rollout, rollout_id)
         assert row is not None and row.state == "rolled_back"
-        assert queries.get_version(session, model, "v2").state == "staged"
+        assert catalog.get_version(session, model, "v2").state == "staged"
     rows = decision_rows(registry, rollout_id)
     assert [r.action for r in rows] == ["start", "rollback"]
     assert rows[-1].evidence["correction"] == {
@@ -309,7 +309,7 @@ async def test_a_shadow_phase_passes_on_agreement_to_the_first_step(
     with pytest.raises(BadRequest, match="a shadow phase needs"):
         start(registry, model, clock)
     with registry.session() as session:  # 20 % of stable's jobs copied to the shadow
-        queries.set_routing(session, model=model, weights={"v1": 100.0, "v2": 20.0}, actor="test", reason=None)
+        routing_table.set_routing(session, model=model, weights={"v1": 100.0, "v2": 20.0}, actor="test", reason=None)
     rollout_id = start(registry, model, clock)
     assert weights(registry, model) == {"v1": 100.0, "v2": 20.0}, "the shadow phase keeps the copy rate"
     controller = RolloutController(registry=registry, redis=aredis, clock=clock)
@@ -323,7 +323,7 @@ async def test_a_shadow_phase_passes_on_agreement_to_the_first_step(
     assert "latency" not in {t["test"] for t in look.decision.evidence["tests"]}, "copies wait in the bulk lane"
     assert weights(registry, model) == {"v1": 90.0, "v2": 10.0}
     with registry.session() as session:
-        assert queries.get_version(session, model, "v2").state == "canary"
+        assert catalog.get_version(session, model, "v2").state == "canary"
         rollouts.abort_rollout(session, model=model, actor="test", now=datetime.now(UTC))
     assert [r.step_index for r in decision_rows(registry, rollout_id)] == [-1, -1, 0]
     assert weights(registry, model) == {"v1": 100.0, "v2": 20.0}
@@ -347,7 +347,7 @@ async def test_a_shadow_that_disagrees_is_rolled_back_and_copies_stop(
     assert (look.decision.action, look.decision.reason) == ("rollback", "guardrail breach: agreement")
     assert weights(registry, model) == {"v1": 100.0}, "a shadow percentage is not given to stable"
     with registry.session() as session:
-        assert queries.get_version(session, model, "v2").state == "staged"
+        assert catalog.get_version(session, model, "v2").state == "staged"
 
 
 async def test_abort_restores_the_weights_and_drops_a_stale_decision(
@@ -367,7 +367,7 @@ async def test_abort_restores_the_weights_and_drops_a_stale_decision(
         rollouts.abort_rollout(session, model=model, actor="test", now=datetime.now(UTC), reason="changed my mind")
     assert weights(registry, model) == {"v1": 70.0, "v3": 30.0}
     with registry.session() as session:
-        assert queries.get_version(session, model, "v2").state == "stable", "the canary's state is restored"
+        assert catalog.get_version(session, model, "v2").state == "stable", "the canary's state is restored"
         stale = rollouts.apply_decision(
             session,
             rollout_id=rollout_id,
@@ -414,8 +414,8 @@ def test_a_manual_rollback_after_a_completed_rollout_restores_the_replaced_versi
     assert rolled.json()["audit"]["before"] == {"v2": 100.0}
     assert weights(registry, model) == {"v1": 100.0}
     with registry.session() as session:
-        assert queries.get_version(session, model, "v1").state == "stable"
-        assert queries.get_version(session, model, "v2").state == "staged", "the rolled-back version stops serving"
+        assert catalog.get_version(session, model, "v1").state == "stable"
+        assert catalog.get_version(session, model, "v2").state == "staged", "the rolled-back version stops serving"
         [demoted] = session.scalars(
             select(AuditEntry).where(
                 AuditEntry.model == model, AuditEntry.action == "version.update", AuditEntry.actor.startswith("key:")

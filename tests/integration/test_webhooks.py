@@ -30,7 +30,7 @@ import redis
 
 from launch.seed import Seeded
 from sluice.errors import BrokerUnavailable
-from sluice.registry import queries
+from sluice.registry import tenants
 from sluice.registry.store import Registry
 from sluice.settings import Settings
 from sluice.webhooks import verify
@@ -288,7 +288,7 @@ def test_a_finished_job_is_posted_once_signed_with_the_tenant_secret(
     signature = request.headers["sluice-signature"]
     assert verify(tenant.webhook_secret, signature, request.body)
     with registry.session() as session:
-        demo_secret = queries.tenant_secret(session, "demo")
+        demo_secret = tenants.tenant_secret(session, "demo")
     assert demo_secret and not verify(demo_secret, signature, request.body)
     assert json.loads(request.body) == resource  # the same JSON as GET /v1/jobs/{id}
     state = wait_delivery(rds, str(delivery_id), "delivered")

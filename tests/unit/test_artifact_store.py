@@ -16,7 +16,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from sluice.artifact_store import PublishedArtifact, fetch, publish, store_uri
+from sluice.artifact_store import PublishedArtifact, fetch, publish, resolve_and_verify, store_uri
 from sluice.artifacts import (
     DIR_WEIGHTS_FILE,
     INTENT_HEAD_URI,
@@ -30,7 +30,6 @@ from sluice.artifacts import (
     manifest_text,
     parse_artifact,
     parse_manifest,
-    resolve_and_verify,
     resolve_artifact,
     text_sha256,
     verify_artifact,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from sluice.artifact_store import resolve_and_verify
 from sluice.artifacts import (
     DIR_WEIGHTS_FILE,
     MINILM_PACKAGE,
@@ -22,7 +23,6 @@ from sluice.artifacts import (
     is_synthetic,
     parse_artifact,
     parse_synthetic,
-    resolve_and_verify,
     resolve_artifact,
 )
 from sluice.errors import ArtifactError, ArtifactMismatch, ModelError
