@@ -8,14 +8,14 @@ timetable fixed in advance, each stamped with its *scheduled* arrival time, so a
 cannot hide latency (no coordinated omission). Texts are the benches' skewed length mix
 (`bench.common.skewed_texts`). Latency is the worker's own `total_ms` sample: scheduled arrival to
 the end of the job's forward pass. The procedure (capacity probe, ladder of rates, keep-up rule)
-is `scheduler.frontier.sweep`.
+is `scheduler.planning.frontier.sweep`.
 
 Every phase at the same step of the ladder replays the same arrival pattern (stretched to its
 rate) and the same run of texts, whatever the configuration, and every probe the same texts:
 with a few hundred jobs a phase, two configurations that met different bursts would differ more
 by their luck than by their settings.
 
-The simulated series runs the same grid, ladder and arrivals through `scheduler.frontier_sim`
+The simulated series runs the same grid, ladder and arrivals through `scheduler.planning.frontier_sim`
 with the real `MicroBatcher`, at a cost fitted (least squares) to the forward passes the real
 series timed, so the two frontiers differ only where the model of the worker is wrong.
 
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import PassThroughHandler
-from scheduler.frontier import (
+from scheduler.planning.frontier import (
     CostFit,
     Rung,
     Series,
@@ -51,7 +51,7 @@ from scheduler.frontier import (
     poisson_arrivals,
     sweep,
 )
-from scheduler.frontier_sim import PassPlan, SimJob, run_replica
+from scheduler.planning.frontier_sim import PassPlan, SimJob, run_replica
 from sluice.kinds import token_estimate
 
 if TYPE_CHECKING:
@@ -347,7 +347,7 @@ class RealReplica:
 
 
 class SimReplica:
-    """The same probes and phases in `scheduler.frontier_sim`, at a fitted cost."""
+    """The same probes and phases in `scheduler.planning.frontier_sim`, at a fitted cost."""
 
     def __init__(self, *, fit: CostFit, pool: TextPool, passes: PassPlan | None, options: Options,
                  prefetch_batches: int) -> None:

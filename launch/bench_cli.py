@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from scheduler.capacity_plan import PlanRow
-    from scheduler.frontier import Series
+    from scheduler.planning.capacity_plan import PlanRow
+    from scheduler.planning.frontier import Series
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print a table and write a plot.")
 
@@ -88,7 +88,7 @@ def frontier(
 
 
 def _series(path: Path, name: str) -> Series:
-    from scheduler.frontier import load_series
+    from scheduler.planning.frontier import load_series
 
     try:
         return load_series(json.loads(path.read_text()), name)
@@ -132,8 +132,8 @@ def plan(
     """Replicas and cost per device type for a peak rate: each replica at the frontier's best
     throughput within the p99 budget, replicas = ceil(peak x (1 + headroom) / that), and the cost per
     million requests at the peak rate and at full per-replica use."""
-    from scheduler.capacity_plan import parse_device, plan_device
-    from scheduler.frontier import SERIES
+    from scheduler.planning.capacity_plan import parse_device, plan_device
+    from scheduler.planning.frontier import SERIES
 
     if series not in SERIES:
         raise typer.BadParameter(f"one of {', '.join(SERIES)}", param_hint="--series")
