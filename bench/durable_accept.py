@@ -25,20 +25,11 @@ from typing import Any
 
 import httpx
 
-from bench.common import (
-    PERCENTILE_METHOD,
-    command_line,
-    fmt,
-    free_port,
-    machine_info,
-    open_loop,
-    percentiles,
-    poisson_timetable,
-    sigterm_as_interrupt,
-    sluice_api,
-    table,
-    write_json,
-)
+from bench.load import open_loop, poisson_timetable
+from bench.machine import machine_info
+from bench.output import command_line, fmt, table, write_json
+from bench.percentiles import PERCENTILE_METHOD, percentiles
+from bench.processes import free_port, sigterm_as_interrupt, sluice_api
 
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 MODES = ("default", "durable")

@@ -34,29 +34,15 @@ from typing import Any
 
 import httpx
 
-from bench.common import (
-    MIN_SAMPLES_P99,
-    PERCENTILE_METHOD,
-    SKEWED,
-    BenchPlatform,
-    CpuWindow,
-    ExtraVersion,
-    command_line,
-    cpu_seconds,
-    fmt,
-    machine_info,
-    open_loop,
-    percentiles,
-    poisson_timetable,
-    sigterm_as_interrupt,
-    skewed_texts,
-    table,
-    token_lengths,
-    uniform_timetable,
-    wait_quiet,
-    write_json,
-)
+from bench.batch_plans import token_lengths
 from bench.inprocess import run_parallel, run_plans_isolated
+from bench.load import open_loop, poisson_timetable, uniform_timetable
+from bench.machine import CpuWindow, cpu_seconds, machine_info, wait_quiet
+from bench.output import command_line, fmt, table, write_json
+from bench.percentiles import MIN_SAMPLES_P99, PERCENTILE_METHOD, percentiles
+from bench.platform_harness import BenchPlatform, ExtraVersion
+from bench.processes import sigterm_as_interrupt
+from scheduler.planning.text_mix import SKEWED, skewed_texts
 
 MODEL = "minilm"
 BATCHED = "v1"  # the seeded version: max_batch_size 32, max_wait_ms 10

@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 from scipy import stats as sps
 
-from bench.common import command_line, machine_info, table, write_json
+from bench.machine import machine_info
+from bench.output import command_line, table, write_json
 from scheduler.guardrails import SHADOW_STEP
 from scheduler.rollout_sim import SimulationResult, VersionProfile, simulate
 from sluice.rollout_policy import Policy

@@ -36,18 +36,11 @@ from typing import Any
 
 import httpx
 
-from bench.common import (
-    PERCENTILE_METHOD,
-    BenchPlatform,
-    CpuWindow,
-    command_line,
-    fmt,
-    machine_info,
-    percentiles,
-    sigterm_as_interrupt,
-    table,
-    write_json,
-)
+from bench.machine import CpuWindow, machine_info
+from bench.output import command_line, fmt, table, write_json
+from bench.percentiles import PERCENTILE_METHOD, percentiles
+from bench.platform_harness import BenchPlatform
+from bench.processes import sigterm_as_interrupt
 from bench.rollback import private_redis
 from sluice.client import AsyncClient
 
