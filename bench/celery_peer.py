@@ -43,10 +43,9 @@ from typing import Any
 
 from bench.celery_baseline import ARTIFACT_ENV, SHA256_ENV, URL_ENV
 from bench.machine import CpuWindow, cpu_seconds, machine_info, wait_quiet
-from bench.output import command_line, write_json
+from bench.output import PERCENTILE_METHOD, command_line, write_json
 from bench.peer_client import COLUMNS
 from bench.peer_report import SYSTEMS, phase_report, print_summary, progress_line, summarise
-from bench.percentiles import PERCENTILE_METHOD
 from bench.platform_harness import BenchPlatform
 from bench.processes import REPO, private_redis, sigterm_as_interrupt, stop_processes
 from scheduler.planning.text_mix import SKEWED

@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# How the results' percentiles are computed (`sluice.stats.percentiles`), recorded beside them.
+PERCENTILE_METHOD = ("exact over all samples: numpy.percentile(method='linear'), i.e. Hyndman-Fan type 7 "
+                     "(linear interpolation between closest ranks)")
 
 
 def fmt(value: Any, digits: int = 2) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.output import fmt, table
-from bench.percentiles import percentiles
+from sluice.stats import percentiles
 
 SYSTEMS = ("celery", "sluice")
 GROUPS = ("sluice api", "sluice workers", "celery workers", "redis-server", "client")

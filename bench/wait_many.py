@@ -37,12 +37,12 @@ from typing import Any
 import httpx
 
 from bench.machine import CpuWindow, machine_info
-from bench.output import command_line, fmt, table, write_json
-from bench.percentiles import PERCENTILE_METHOD, percentiles
+from bench.output import PERCENTILE_METHOD, command_line, fmt, table, write_json
 from bench.platform_harness import BenchPlatform
 from bench.processes import sigterm_as_interrupt
 from bench.rollback import private_redis
 from sluice.client import AsyncClient
+from sluice.stats import percentiles
 
 MODEL = "waitmany-bench"
 MODES = ("per-job", "one-poll")
