@@ -13,7 +13,7 @@ else stops the bench).
 
 The load comes from another process (`bench.rawhttp`, kept-alive connections, closed loop:
 each connection sends its next request when the answer is in), so the client's CPU is not
-counted. Texts follow the skewed mix (`bench.common.skewed_texts`). Phases, each measured from
+counted. Texts follow the skewed mix (`scheduler.planning.text_mix.skewed_texts`). Phases, each measured from
 /proc (user + system CPU of the API process, of redis-server, of the client) around one drive:
 
 * `submit`: `POST /v1/models/minilm/jobs` with `{"input": {"text": ...}}`, online lane;
@@ -61,21 +61,13 @@ from pathlib import Path
 from typing import Any
 
 from bench import pyspy, rawhttp
-from bench.common import (
-    CpuWindow,
-    command_line,
-    cpu_seconds,
-    fmt,
-    machine_info,
-    sigterm_as_interrupt,
-    skewed_texts,
-    sluice_api,
-    table,
-    write_json,
-)
 from bench.durable_accept import database
 from bench.job_progress import Progress, finish_jobs
+from bench.machine import CpuWindow, cpu_seconds, machine_info
+from bench.output import command_line, fmt, table, write_json
+from bench.processes import sigterm_as_interrupt, sluice_api
 from bench.rollback import private_redis
+from scheduler.planning.text_mix import skewed_texts
 
 MODEL, VERSION = "minilm", "v1"
 TENANT = "bench"

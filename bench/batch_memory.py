@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import command_line, machine_info, table, write_json
+from bench.machine import machine_info
+from bench.output import command_line, table, write_json
 
 _PROBE = """
 import json, sys

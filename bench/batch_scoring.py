@@ -26,21 +26,14 @@ from typing import Any
 
 import httpx
 
-from bench.common import (
-    PERCENTILE_METHOD,
-    BenchPlatform,
-    command_line,
-    machine_info,
-    open_loop,
-    percentiles,
-    poisson_timetable,
-    sigterm_as_interrupt,
-    skewed_texts,
-    stop_processes,
-    table,
-    write_json,
-)
+from bench.load import open_loop, poisson_timetable
+from bench.machine import machine_info
+from bench.output import PERCENTILE_METHOD, command_line, table, write_json
 from bench.platform import read_jobs, wait_done
+from bench.platform_harness import BenchPlatform
+from bench.processes import sigterm_as_interrupt, stop_processes
+from scheduler.planning.text_mix import skewed_texts
+from sluice.stats import percentiles
 
 MODEL, VERSION = "minilm", "v1"
 # Every this-many-th JSONL row is not a valid input: it must fail alone, with its row number.

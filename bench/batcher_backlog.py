@@ -33,17 +33,10 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from bench.common import (
-    SKEWED,
-    command_line,
-    machine_info,
-    padding_ratio,
-    skewed_texts,
-    sorted_batches,
-    table,
-    token_lengths,
-    write_json,
-)
+from bench.batch_plans import padding_ratio, sorted_batches, token_lengths
+from bench.machine import machine_info
+from bench.output import command_line, table, write_json
+from scheduler.planning.text_mix import SKEWED, skewed_texts
 
 # Calibrated on MiniLM, 1 torch thread, CPU time of one encode() call: ~10 ms per call (tokenising,
 # Python, small kernels) + ~0.26 ms per padded token (batches of 1-32, 16-220 tokens).

@@ -3,7 +3,7 @@ submitting ONE job and waiting for ITS result (issue 9, point 1).
 
 * **Celery** (`bench.celery_baseline`): one task per request, `--pool prefork --concurrency 2`,
   each child with the platform's own MiniLM handler and one torch thread.
-* **Sluice**: the platform as a user runs it (`bench.common.BenchPlatform`: `sluice api` and 2
+* **Sluice**: the platform as a user runs it (`bench.platform_harness.BenchPlatform`: `sluice api` and 2
   `sluice worker` processes x 1 thread for `minilm` v1, batches of up to 32 after 10 ms).
 
 Both run side by side on one private redis-server (Sluice on DB 0, Celery's broker and result
@@ -42,23 +42,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.celery_baseline import ARTIFACT_ENV, SHA256_ENV, URL_ENV
-from bench.common import (
-    PERCENTILE_METHOD,
-    REPO,
-    SKEWED,
-    BenchPlatform,
-    CpuWindow,
-    command_line,
-    cpu_seconds,
-    machine_info,
-    private_redis,
-    sigterm_as_interrupt,
-    stop_processes,
-    wait_quiet,
-    write_json,
-)
+from bench.machine import CpuWindow, cpu_seconds, machine_info, wait_quiet
+from bench.output import PERCENTILE_METHOD, command_line, write_json
 from bench.peer_client import COLUMNS
 from bench.peer_report import SYSTEMS, phase_report, print_summary, progress_line, summarise
+from bench.platform_harness import BenchPlatform
+from bench.processes import REPO, private_redis, sigterm_as_interrupt, stop_processes
+from scheduler.planning.text_mix import SKEWED
 
 MODEL, VERSION = "minilm", "v1"  # the seeded demo version: max_batch_size 32, max_wait_ms 10
 SLUICE_WORKERS = CELERY_CHILDREN = 2  # x 1 torch thread each

@@ -25,20 +25,11 @@ from typing import Any
 
 import httpx
 
-from bench.common import (
-    PERCENTILE_METHOD,
-    command_line,
-    fmt,
-    free_port,
-    machine_info,
-    open_loop,
-    percentiles,
-    poisson_timetable,
-    sigterm_as_interrupt,
-    sluice_api,
-    table,
-    write_json,
-)
+from bench.load import open_loop, poisson_timetable
+from bench.machine import machine_info
+from bench.output import PERCENTILE_METHOD, command_line, fmt, table, write_json
+from bench.processes import free_port, sigterm_as_interrupt, sluice_api
+from sluice.stats import percentiles
 
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 MODES = ("default", "durable")
@@ -167,7 +158,7 @@ def main() -> None:
     rows: list[list[Any]] = [
         [
             mode,
-            int(stats[mode]["n"] or 0),
+            len(samples[mode]),
             refused[mode],
             fmt(stats[mode]["p50"]),
             fmt(stats[mode]["p95"]),

@@ -26,21 +26,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from bench.common import (
-    SKEWED,
-    CpuWindow,
-    arrival_batches,
-    bucketed_batches,
-    command_line,
-    fmt,
-    machine_info,
-    padding_ratio,
-    skewed_texts,
-    sorted_batches,
-    table,
-    wait_quiet,
-    write_json,
-)
+from bench.batch_plans import arrival_batches, bucketed_batches, padding_ratio, sorted_batches
+from bench.machine import CpuWindow, machine_info, wait_quiet
+from bench.output import command_line, fmt, table, write_json
+from scheduler.planning.text_mix import SKEWED, skewed_texts
 
 PLANS = ("sorted", "buckets", "arrival", "single", "chunked")
 # Larger than any batch: the encoder runs the plan's batch as one pass.

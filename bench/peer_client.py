@@ -12,7 +12,7 @@ Every request submits ONE job and waits for ITS result, as a user's request hand
 
 `spec["pool"]` bounds both alike: the AsyncClient's connections, the Celery client's threads.
 
-Two load shapes: `open` (a Poisson timetable fixed in advance, `bench.common.open_loop`; latency
+Two load shapes: `open` (a Poisson timetable fixed in advance, `bench.load.open_loop`; latency
 counts from the scheduled send time) and `closed` (`concurrency` clients, each sending its next
 job when the last one's result is in: the saturation run).
 
@@ -32,7 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any
 
-from bench.common import Sent, open_loop, poisson_timetable, skewed_texts
+from bench.load import Sent, open_loop, poisson_timetable
+from scheduler.planning.text_mix import skewed_texts
 from sluice_client import AsyncClient, ClientError
 
 RETRY_AFTER_S = 1.0  # the API's smallest Retry-After

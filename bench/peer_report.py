@@ -13,7 +13,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from bench.common import fmt, percentiles, table
+from bench.output import fmt, table
+from sluice.stats import percentiles
 
 SYSTEMS = ("celery", "sluice")
 GROUPS = ("sluice api", "sluice workers", "celery workers", "redis-server", "client")

@@ -34,29 +34,15 @@ from typing import Any
 
 import httpx
 
-from bench.common import (
-    MIN_SAMPLES_P99,
-    PERCENTILE_METHOD,
-    SKEWED,
-    BenchPlatform,
-    CpuWindow,
-    ExtraVersion,
-    command_line,
-    cpu_seconds,
-    fmt,
-    machine_info,
-    open_loop,
-    percentiles,
-    poisson_timetable,
-    sigterm_as_interrupt,
-    skewed_texts,
-    table,
-    token_lengths,
-    uniform_timetable,
-    wait_quiet,
-    write_json,
-)
+from bench.batch_plans import token_lengths
 from bench.inprocess import run_parallel, run_plans_isolated
+from bench.load import open_loop, poisson_timetable, uniform_timetable
+from bench.machine import CpuWindow, cpu_seconds, machine_info, wait_quiet
+from bench.output import PERCENTILE_METHOD, command_line, fmt, table, write_json
+from bench.platform_harness import BenchPlatform, ExtraVersion
+from bench.processes import sigterm_as_interrupt
+from scheduler.planning.text_mix import SKEWED, skewed_texts
+from sluice.stats import P99_MIN_SAMPLES, percentiles
 
 MODEL = "minilm"
 BATCHED = "v1"  # the seeded version: max_batch_size 32, max_wait_ms 10
@@ -622,8 +608,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.lanes = [lane.strip() for lane in args.lanes.split(",") if lane.strip()]
     if not args.lanes or any(lane not in ("bulk", "online") for lane in args.lanes):
         parser.error("--lanes takes bulk and/or online")
-    if args.min_samples < MIN_SAMPLES_P99:
-        parser.error(f"--min-samples must be >= {MIN_SAMPLES_P99} to report a p99")
+    if args.min_samples < P99_MIN_SAMPLES:
+        parser.error(f"--min-samples must be >= {P99_MIN_SAMPLES} to report a p99")
 
     command = command_line("bench.platform")
     info = machine_info()

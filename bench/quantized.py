@@ -37,20 +37,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    SKEWED,
-    CpuWindow,
-    command_line,
-    fmt,
-    machine_info,
-    percentiles,
-    skewed_texts,
-    sorted_batches,
-    table,
-    wait_quiet,
-    write_json,
-)
+from bench.batch_plans import sorted_batches
 from bench.inprocess import configure_torch, warmup
+from bench.machine import CpuWindow, machine_info, wait_quiet
+from bench.output import command_line, fmt, table, write_json
+from scheduler.planning.text_mix import SKEWED, skewed_texts
+from sluice.stats import percentiles
 
 CONFIGS = ("fp32", "int8", "int8-all")
 # Read by torch, MKL, fbgemm and oneDNN when they load: set before torch is imported.

@@ -42,19 +42,10 @@ from typing import Any
 
 import httpx
 
-from bench.common import (
-    BenchPlatform,
-    CpuWindow,
-    command_line,
-    cpu_seconds,
-    fmt,
-    free_port,
-    private_redis,
-    sigterm_as_interrupt,
-    stop_processes,
-    table,
-    write_json,
-)
+from bench.machine import CpuWindow, cpu_seconds
+from bench.output import command_line, fmt, table, write_json
+from bench.platform_harness import BenchPlatform
+from bench.processes import free_port, private_redis, sigterm_as_interrupt, stop_processes
 
 MODEL = "rollback-bench"
 ROUTING_KEYS = ("k0", "k1", "k2", "k3")

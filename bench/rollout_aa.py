@@ -14,7 +14,7 @@ moved by a total-variation distance of 0.15, or 12 Zipf-weighted labels deranged
 tests/faults/test_degraded_canary.py) at the 5 % step, and how many canary samples the rollback
 took.
 
-Every rollout runs `scheduler.simulate.simulate`, which calls the controller's own
+Every rollout runs `scheduler.rollout_sim.simulate`, which calls the controller's own
 `guardrails.decide`. Seeds are 0 .. N-1 per scenario, so a run is reproducible.
 
 Run: ``python -m bench.rollout_aa [--seeds 200] [--processes 2]`` (about 4 min on one core).
@@ -32,9 +32,10 @@ from typing import Any
 import numpy as np
 from scipy import stats as sps
 
-from bench.common import command_line, machine_info, table, write_json
+from bench.machine import machine_info
+from bench.output import command_line, table, write_json
 from scheduler.guardrails import SHADOW_STEP
-from scheduler.simulate import SimulationResult, VersionProfile, simulate
+from scheduler.rollout_sim import SimulationResult, VersionProfile, simulate
 from sluice.rollout_policy import Policy
 
 LABELS = {"billing": 0.4, "tech": 0.3, "account": 0.2, "other": 0.1}

@@ -36,19 +36,12 @@ from typing import Any
 
 import httpx
 
-from bench.common import (
-    PERCENTILE_METHOD,
-    BenchPlatform,
-    CpuWindow,
-    command_line,
-    fmt,
-    machine_info,
-    percentiles,
-    sigterm_as_interrupt,
-    table,
-    write_json,
-)
+from bench.machine import CpuWindow, machine_info
+from bench.output import PERCENTILE_METHOD, command_line, fmt, table, write_json
+from bench.platform_harness import BenchPlatform
+from bench.processes import sigterm_as_interrupt
 from bench.rollback import private_redis
+from sluice.stats import percentiles
 from sluice_client import AsyncClient
 
 MODEL = "waitmany-bench"

@@ -18,7 +18,7 @@ Two traffic patterns, interleaved `--repeats` times:
   so batches are small and the cost around each batch is shared by few jobs;
 * `backlog`: `--backlog-jobs` jobs queued at once (one pipeline), so batches are full.
 
-Texts are the skewed mix (`bench.common.skewed_texts`, a new seed per run). Every figure is CPU
+Texts are the skewed mix (`scheduler.planning.text_mix.skewed_texts`, a new seed per run). Every figure is CPU
 time, except the wall-clock throughput, which moves with the machine's other load.
 Run: ``python -m bench.worker_cost [--repeats 3] [--rate 20] [--profile DIR]``.
 """
@@ -41,19 +41,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    CpuWindow,
-    PassThroughHandler,
-    command_line,
-    fmt,
-    machine_info,
-    poisson_timetable,
-    sigterm_as_interrupt,
-    skewed_texts,
-    stop_processes,
-    table,
-    write_json,
-)
+from bench.load import poisson_timetable
+from bench.machine import CpuWindow, machine_info
+from bench.output import command_line, fmt, table, write_json
+from bench.processes import sigterm_as_interrupt, stop_processes
+from launch.frontier_run import PassThroughHandler
+from scheduler.planning.text_mix import skewed_texts
 
 MODEL, VERSION = "minilm", "v1"
 PATTERNS = ("single", "backlog")

@@ -16,12 +16,13 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from scheduler.capacity_plan import PlanRow
-    from scheduler.frontier import Series
+    from scheduler.planning.capacity_plan import PlanRow
+    from scheduler.planning.frontier import Series
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print a table and write a plot.")
 
-DEFAULT_OUT = Path("bench/results/frontier")
+# Relative: a folder in the directory the command runs in, wherever `sluice` is installed.
+DEFAULT_OUT = Path("frontier")
 
 
 def _console() -> Console:
@@ -61,14 +62,14 @@ def frontier(
     texts: Annotated[int, typer.Option(min=16, help="Size of the skewed-mix text pool")] = 1024,
     min_ratio: Annotated[float, typer.Option(min=0.5, max=1.0, help="Kept up: finished at least this share of "
                                                                     "the offered rate")] = 0.95,
-    redis_url: Annotated[str | None, typer.Option(help="Redis to run on (default: a private redis-server)")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="Redis to run on (default: a private Valkey)")] = None,
     out: Annotated[Path, typer.Option(help="Where frontier.json, frontier.md and frontier.png go")] = DEFAULT_OUT,
 ) -> None:
     """p99 against sustained throughput for every (max_batch_size, max_wait_ms) of a grid, on one
     real worker replica (real handler, real Redis, open-loop Poisson load of the skewed length mix)
     and in the simulator at a cost fitted to the real run; a table, frontier.json and frontier.png."""
-    from bench.frontier import Options, run
-    from bench.frontier_report import rich_table, write
+    from launch.frontier_report import rich_table, write
+    from launch.frontier_run import Options, run
 
     options = Options(
         model=model, version=version, batch_sizes=tuple(int(b) for b in _numbers(batch_sizes, "--batch-sizes", int)),
@@ -78,6 +79,7 @@ def frontier(
     if 0 in options.batch_sizes or 0 in options.fractions:
         raise typer.BadParameter("batch sizes and fractions must be > 0")
     console = _console()
+    console.print(f"writing to {out.resolve()}")
     try:
         document = run(options, log=console.print)
     except LookupError as exc:
@@ -88,7 +90,7 @@ def frontier(
 
 
 def _series(path: Path, name: str) -> Series:
-    from scheduler.frontier import load_series
+    from scheduler.planning.frontier import load_series
 
     try:
         return load_series(json.loads(path.read_text()), name)
@@ -132,8 +134,8 @@ def plan(
     """Replicas and cost per device type for a peak rate: each replica at the frontier's best
     throughput within the p99 budget, replicas = ceil(peak x (1 + headroom) / that), and the cost per
     million requests at the peak rate and at full per-replica use."""
-    from scheduler.capacity_plan import parse_device, plan_device
-    from scheduler.frontier import SERIES
+    from scheduler.planning.capacity_plan import parse_device, plan_device
+    from scheduler.planning.frontier import SERIES
 
     if series not in SERIES:
         raise typer.BadParameter(f"one of {', '.join(SERIES)}", param_hint="--series")

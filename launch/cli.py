@@ -279,7 +279,7 @@ def stats(model: str,
 
 
 @app.command()
-def simulate(
+def simulate_capacity(
     trace: Annotated[str, typer.Option(help="steady, diurnal, spike (10x for 3 min) or periodic bursts")] = "spike",
     policy: Annotated[str, typer.Option(help="lag (the scheduler's) or utilization (HPA-like)")] = "lag",
     compare: Annotated[str | None, typer.Option(help="A second policy to run on the same arrivals")] = None,
@@ -295,7 +295,7 @@ def simulate(
     import json
     from pathlib import Path
 
-    from scheduler.capacity_sim import POLICIES, CostModel, SimConfig, plot, simulate, traces
+    from scheduler.planning.capacity_sim import POLICIES, CostModel, SimConfig, plot, simulate, traces
 
     shapes = traces(rate)
     chosen = [policy, *([compare] if compare else [])]

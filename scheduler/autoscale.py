@@ -14,7 +14,7 @@ lane of a version:
 recommendations, by at most ``max_step_down`` a decision, so a periodic load does not flap;
 ``allocate`` shares a budget of worker slots between versions: the latency tier before the batch
 tier, online need before bulk, and in proportion to need when a round cannot be met in full.
-The scheduler and the simulator (`scheduler/capacity_sim.py`) run exactly this code.
+The scheduler and the simulator (`scheduler/planning/capacity_sim.py`) run exactly this code.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,12 +24,19 @@ from sluice.wire.samples import Sample
 P99_MIN_SAMPLES = 300
 
 
+def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 95, 99), *,
+                p99_min: int = P99_MIN_SAMPLES) -> dict[str, float | None]:
+    """Exact percentiles (type 7), unrounded, keyed `p50`, `p99.9`...; None where there are no
+    values, and for a p99 or higher from fewer than `p99_min`. The benchmarks report with it too,
+    so their figures and `/stats` are computed alike."""
+    data = np.asarray(values, dtype=float)
+    return {f"p{q:g}": None if len(data) == 0 or (q >= 99 and len(data) < p99_min)
+            else float(np.percentile(data, q, method="linear")) for q in qs}
+
+
 def _percentiles(values: list[float], *, p99_min: int = P99_MIN_SAMPLES) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p95": None, "p99": None}
-    p50, p95, p99 = np.percentile(np.asarray(values), [50, 95, 99], method="linear")
-    return {"p50": round(float(p50), 3), "p95": round(float(p95), 3),
-            "p99": round(float(p99), 3) if len(values) >= p99_min else None}
+    return {key: None if value is None else round(value, 3)
+            for key, value in percentiles(values, p99_min=p99_min).items()}
 
 
 def summarise(samples: list[Sample], *, window_s: float) -> dict[str, Any]:

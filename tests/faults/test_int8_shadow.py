@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.common import skewed_texts
 from scheduler.guardrails import SHADOW_STEP, Position, decide
+from scheduler.planning.text_mix import skewed_texts
 from scheduler.rollout import RolloutController, evidence_from_samples
 from sluice.registry import rollouts
 from sluice.registry.store import Registry

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer
 
-from bench.common import skewed_texts
+from scheduler.planning.text_mix import skewed_texts
 from sluice.artifacts import MINILM_URI, resolve_artifact
 from workers.models.minilm import MiniLMEncoder, needs_reduce_range
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.capacity_sim import SimResult, simulate, traces
+from scheduler.planning.capacity_sim import SimResult, simulate, traces
 
 TRACES = traces(40.0)
 
@@ -40,11 +40,11 @@ def test_the_same_seed_gives_the_same_run() -> None:
     assert simulate(short, "lag").line() == simulate(short, "lag").line()
 
 
-def test_sluice_simulate_prints_one_json_line_per_policy_and_writes_the_plot(tmp_path: Path) -> None:
+def test_sluice_simulate_capacity_prints_one_json_line_per_policy_and_writes_the_plot(tmp_path: Path) -> None:
     png = tmp_path / "spike.png"
     done = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "simulate", "--trace", "spike", "--compare", "utilization", "--json",
-         "--png", str(png)],
+        [sys.executable, "-m", "launch.cli", "simulate-capacity", "--trace", "spike", "--compare", "utilization",
+         "--json", "--png", str(png)],
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert done.returncode == 0, done.stderr
@@ -53,6 +53,6 @@ def test_sluice_simulate_prints_one_json_line_per_policy_and_writes_the_plot(tmp
     for line in lines:
         assert {"p50_ms", "p95_ms", "p99_ms", "replica_minutes", "scale_changes"} <= line.keys()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    refused = subprocess.run([sys.executable, "-m", "launch.cli", "simulate", "--trace", "tsunami"],
+    refused = subprocess.run([sys.executable, "-m", "launch.cli", "simulate-capacity", "--trace", "tsunami"],
                              capture_output=True, text=True, timeout=60, check=False)
     assert refused.returncode == 2 and "tsunami" not in refused.stdout

@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from launch.cli import app
-from scheduler.capacity_plan import DeviceSpec, parse_device, plan_device
-from scheduler.capacity_sim import CostModel
-from scheduler.frontier import (
+from scheduler.planning.capacity_plan import DeviceSpec, parse_device, plan_device
+from scheduler.planning.capacity_sim import CostModel
+from scheduler.planning.frontier import (
     ConfigRun,
     Point,
     Rung,
@@ -27,7 +27,7 @@ from scheduler.frontier import (
     poisson_arrivals,
     sweep,
 )
-from scheduler.frontier_sim import SimJob, run_replica
+from scheduler.planning.frontier_sim import SimJob, run_replica
 
 
 def rung(offered: float, p99: float | None, *, kept_up: bool = True, throughput: float | None = None) -> Rung:

@@ -21,6 +21,7 @@ from scheduler.guardrails import (
     rank_test_greater,
     total_variation,
 )
+from scheduler.rollout_sim import VersionProfile, simulate
 from scheduler.sequential import (
     BET_FRACTIONS,
     LABEL_SPREAD,
@@ -31,7 +32,6 @@ from scheduler.sequential import (
     normal_mixture_p,
     rate_ratio_p,
 )
-from scheduler.simulate import VersionProfile, simulate
 from sluice.errors import InvalidPolicy
 from sluice.rollout_policy import STEP_TESTS, TESTS_PER_PHASE, Policy
 

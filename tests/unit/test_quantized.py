@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from bench.common import skewed_texts, sorted_batches
+from bench.batch_plans import sorted_batches
+from scheduler.planning.text_mix import skewed_texts
 from sluice.artifacts import (
     INTENT_HEAD_URI,
     MINILM_URI,

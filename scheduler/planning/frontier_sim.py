@@ -1,6 +1,6 @@
 """One warm worker replica in simulated time, batching as `workers.worker.Worker` does.
 
-The frontier sweep's simulator (scheduler/frontier.py). Jobs arrive on a trace and wait in the
+The frontier sweep's simulator (scheduler/planning/frontier.py). Jobs arrive on a trace and wait in the
 stream; the replica reads them into the real `sluice.batcher.MicroBatcher` while it holds fewer
 than its prefetch (`prefetch_batches` x `max_batch_size`, held = read and not yet finished), takes
 the most urgent batch whenever the model is free, and runs it at `CostModel`'s cost (fixed + per
@@ -8,7 +8,7 @@ job + per padded token). A handler that plans its own forward passes (MiniLM) ge
 bucket and its batch split by `passes`, the pass holding the oldest job first, each pass finishing
 its own jobs, and the other passes run before any new batch: as the worker runs them.
 
-Not `scheduler.capacity_sim`: that one is a pool under an autoscaler with its own batcher settings
+Not `scheduler.planning.capacity_sim`: that one is a pool under an autoscaler with its own batcher settings
 (length buckets and top-up always on, nothing held back); this one is a single replica with
 exactly the worker's batcher settings (top-up off, buckets only where the handler pads).
 Redis round trips and the time to store results are not modelled.
@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from scheduler.capacity_sim import CostModel
+from scheduler.planning.capacity_sim import CostModel
 from sluice.batcher import DEFAULT_BUCKET_BOUNDS, Batch, Item, MicroBatcher
 
 # The model token counts of a formed batch's jobs -> its forward passes, as positions in that list

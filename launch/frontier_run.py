@@ -5,24 +5,24 @@ The real series runs `workers.worker.Worker` (the real class, its real handler, 
 this process, one replica with `--threads` torch threads, a fresh one for every phase. Jobs go
 straight into Redis as the API queues them (record, then stream entry) on an open-loop Poisson
 timetable fixed in advance, each stamped with its *scheduled* arrival time, so a late feeder
-cannot hide latency (no coordinated omission). Texts are the benches' skewed length mix
-(`bench.common.skewed_texts`). Latency is the worker's own `total_ms` sample: scheduled arrival to
+cannot hide latency (no coordinated omission). Texts are the skewed length mix
+(`scheduler.planning.text_mix`). Latency is the worker's own `total_ms` sample: scheduled arrival to
 the end of the job's forward pass. The procedure (capacity probe, ladder of rates, keep-up rule)
-is `scheduler.frontier.sweep`.
+is `scheduler.planning.frontier.sweep`.
 
 Every phase at the same step of the ladder replays the same arrival pattern (stretched to its
 rate) and the same run of texts, whatever the configuration, and every probe the same texts:
 with a few hundred jobs a phase, two configurations that met different bursts would differ more
 by their luck than by their settings.
 
-The simulated series runs the same grid, ladder and arrivals through `scheduler.frontier_sim`
+The simulated series runs the same grid, ladder and arrivals through `scheduler.planning.frontier_sim`
 with the real `MicroBatcher`, at a cost fitted (least squares) to the forward passes the real
 series timed, so the two frontiers differ only where the model of the worker is wrong.
 
 Every phase uses a version of its own (`b8-w5-r2`) of a model named for the run, so nothing is
-shared with the next phase; its keys are deleted afterwards. By default Redis is a redis-server
-of the run's own (`bench.common.private_redis`): the worker's job events and heartbeats then
-reach nobody else's processes.
+shared with the next phase; its keys are deleted afterwards. By default Redis is a Valkey of the
+run's own (`launch.private_valkey`, the binary `sluice up` embeds): the worker's job events and
+heartbeats then reach nobody else's processes.
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.common import PassThroughHandler
-from scheduler.frontier import (
+from scheduler.planning.frontier import (
     CostFit,
     Rung,
     Series,
@@ -51,7 +50,8 @@ from scheduler.frontier import (
     poisson_arrivals,
     sweep,
 )
-from scheduler.frontier_sim import PassPlan, SimJob, run_replica
+from scheduler.planning.frontier_sim import PassPlan, SimJob, run_replica
+from scheduler.planning.text_mix import skewed_texts
 from sluice.kinds import token_estimate
 
 if TYPE_CHECKING:
@@ -147,6 +147,26 @@ class Options:
 # --- the handler, timed ---------------------------------------------------------------------------
 
 
+class PassThroughHandler:
+    """A model handler that hands everything to `inner`; a measurement subclasses it to time `run`.
+    One place passes the whole handler surface through: a wrapper that forgot `passes` once left
+    the worker's runner dead on its first batch of two."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.kind = inner.kind
+        self.length_buckets = inner.length_buckets
+
+    def warmup(self) -> None:
+        self.inner.warmup()
+
+    def passes(self, inputs: Sequence[Any]) -> list[list[int]]:
+        return self.inner.passes(inputs)  # type: ignore[no-any-return]
+
+    def run(self, inputs: Sequence[Any]) -> list[dict[str, Any]]:
+        return self.inner.run(inputs)  # type: ignore[no-any-return]
+
+
 class RecordingHandler(PassThroughHandler):
     """The handler the worker runs, timing every call (one forward pass: the worker hands a
     handler that plans passes one pass at a time) as (jobs, longest tokens, seconds)."""
@@ -193,8 +213,6 @@ class TextPool:
 
 
 def text_pool(handler: Any, n: int, seed: int) -> TextPool:
-    from bench.common import skewed_texts
-
     texts = skewed_texts(n, seed=seed)
     return TextPool(texts=tuple(texts), costs=tuple(token_estimate(t) for t in texts),
                     tokens=tuple(model_tokens(handler, texts)))
@@ -347,7 +365,7 @@ class RealReplica:
 
 
 class SimReplica:
-    """The same probes and phases in `scheduler.frontier_sim`, at a fitted cost."""
+    """The same probes and phases in `scheduler.planning.frontier_sim`, at a fitted cost."""
 
     def __init__(self, *, fit: CostFit, pool: TextPool, passes: PassPlan | None, options: Options,
                  prefetch_batches: int) -> None:
@@ -400,9 +418,9 @@ def redis_for(url: str | None) -> Iterator[str]:
     if url:
         yield url
         return
-    from bench.common import private_redis
+    from launch.private_valkey import private_valkey
 
-    with private_redis() as (private_url, _):
+    with private_valkey() as private_url:
         yield private_url
 
 
@@ -465,7 +483,7 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
 
 
 def command_for(options: Options) -> str:
-    """The command that repeats this sweep (on a private Redis)."""
+    """The command that repeats this sweep (on a private Valkey)."""
     import shlex
 
     def listed(values: Sequence[float]) -> str:

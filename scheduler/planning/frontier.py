@@ -4,7 +4,7 @@ A sweep runs one worker replica at every (max_batch_size, max_wait_ms) of a grid
 size it first measures a capacity (how fast a backlog drains), then, for each wait, offers open-loop
 Poisson load at a ladder of fractions of that capacity, lowest first, and stops at the first rung
 the replica does not keep up with. The same procedure (`sweep`) drives the real worker
-(bench/frontier.py) and the simulator (scheduler/frontier_sim.py); only the `probe` and `rung`
+(launch/frontier_run.py) and the simulator (scheduler/planning/frontier_sim.py); only the `probe` and `rung`
 callables differ.
 
 The surprising parts:
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from scheduler.capacity_sim import CostModel
+from scheduler.planning.capacity_sim import CostModel
 
 SERIES = ("real", "sim")
 # Backlog samples per rung for the growth slope; the phase's first fifth is the warm-in.
@@ -247,7 +247,7 @@ class Series:
 
 
 def load_series(document: Mapping[str, Any], name: str) -> Series:
-    """One series of a frontier.json document (see `bench/frontier.py`)."""
+    """One series of a frontier.json document (see `launch/frontier_run.py`)."""
     series = document.get("series", {})
     if name not in series:
         raise ValueError(f"the frontier has no {name!r} series (it has: {', '.join(series) or 'none'})")

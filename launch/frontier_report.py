@@ -1,5 +1,5 @@
 """The frontier's table (markdown and rich) and plot, from a frontier.json document alone, so a
-saved run can be drawn again (`python -m bench.frontier_report PATH`)."""
+saved run can be drawn again (`python -m launch.frontier_report PATH`)."""
 
 from __future__ import annotations
 
@@ -197,5 +197,5 @@ def write(document: Mapping[str, Any], out: Path) -> dict[str, Path]:
 if __name__ == "__main__":
     import json
 
-    source = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/frontier/frontier.json")
-    print(f"wrote {write(json.loads(source.read_text()), source.parent)}")
+    source = Path(sys.argv[1] if len(sys.argv) > 1 else "frontier/frontier.json")
+    sys.stdout.write(f"wrote {write(json.loads(source.read_text()), source.parent)}\n")

@@ -2,7 +2,7 @@
 budget (`sluice plan`).
 
 Per device, a replica's throughput is that of the frontier's best operating point within the
-budget (`scheduler.frontier.best_under_budget`); the replicas are what the peak rate plus headroom
+budget (`scheduler.planning.frontier.best_under_budget`); the replicas are what the peak rate plus headroom
 needs of it, rounded up.
 
 A device is given as ``NAME=PRICE[:SOURCE]``: PRICE is what one replica costs per hour (any
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scheduler.frontier import Point, Series, best_under_budget
+from scheduler.planning.frontier import Point, Series, best_under_budget
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 DEVICE_SYNTAX = "NAME=PRICE[:SOURCE], SOURCE a frontier.json path or a speed factor (2.5 or x2.5)"
