@@ -25,9 +25,7 @@ from sluice.client_admin import AdminCalls, AsyncAdminCalls
 from sluice.client_batches import AsyncBatchCalls, BatchCalls
 from sluice.errors import SluiceError
 from sluice.webhooks import retry_after_s, verify
-from sluice.wire.jobs import MAX_WAIT_IDS
-
-FINAL = {"succeeded", "failed", "expired", "cancelled"}
+from sluice.wire.jobs import FINAL_STATES, MAX_WAIT_IDS
 
 # The longest single long-poll a client asks for; the API may cap it lower (`max_wait_s`).
 POLL_S = 20.0
@@ -212,7 +210,7 @@ class SluiceClient(AdminCalls, BatchCalls):
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         job = dict(self._call("POST", f"/v1/models/{model}/jobs", json={"input": input, **options},
                               headers=headers, params=_job_params(wait_s), timeout=self._timeout_s + wait_s))
-        if job["status"] in FINAL:
+        if job["status"] in FINAL_STATES:
             return job
         return self.wait(job["id"], timeout_s=max(0.0, deadline - time.monotonic()))
 
@@ -227,7 +225,7 @@ class SluiceClient(AdminCalls, BatchCalls):
         """Long-poll until the job is final or `timeout_s` passes; answer the last resource."""
         deadline = time.monotonic() + timeout_s
         job = self.job(job_id)
-        while job["status"] not in FINAL and time.monotonic() < deadline:
+        while job["status"] not in FINAL_STATES and time.monotonic() < deadline:
             job = self.job(job_id, wait_s=min(poll_s, max(0.1, deadline - time.monotonic())))
         return job
 
@@ -322,7 +320,7 @@ class AsyncClient(AsyncAdminCalls, AsyncBatchCalls):
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         job = dict(await self._call("POST", f"/v1/models/{model}/jobs", json={"input": input, **options},
                                     headers=headers, params=_job_params(wait_s), wait_s=wait_s))
-        if job["status"] in FINAL:
+        if job["status"] in FINAL_STATES:
             return job
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -340,7 +338,7 @@ class AsyncClient(AsyncAdminCalls, AsyncBatchCalls):
         """Long-poll until the job is final; WaitTimeout if it is not within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         job = await self.job(job_id, wait_s=min(POLL_S, timeout_s))
-        while job["status"] not in FINAL:
+        while job["status"] not in FINAL_STATES:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WaitTimeout([job_id], timeout_s)

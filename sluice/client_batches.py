@@ -21,7 +21,8 @@ from typing import IO, Any
 
 import httpx
 
-BATCH_FINAL = frozenset({"succeeded", "failed", "cancelled"})
+from sluice.vocabulary import FINAL_BATCH_STATES
+
 FOLLOW_POLL_S = 1.0
 
 
@@ -42,7 +43,7 @@ def _batch_request(model: str, *, inputs: list[Any] | None, file: str | Path | N
 
 
 def _is_final(batch: dict[str, Any]) -> bool:
-    return batch["status"] in BATCH_FINAL and batch.get("finished_at") is not None
+    return batch["status"] in FINAL_BATCH_STATES and batch.get("finished_at") is not None
 
 
 class BatchCalls(ABC):
