@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from sluice.metrics import LIVE_WORKERS, QUEUE_OLDEST_AGE, QUEUE_PENDING, STREAM_LAG
 from sluice.routing import RoutingSnapshot
 from sluice.versions import VersionState
+from sluice.vocabulary import LANES, Lane
 from sluice.wire import keys
 from sluice.wire.connections import translate_redis_errors
 from sluice.wire.heartbeats import live_since
@@ -26,7 +27,7 @@ class LaneQueue:
 
 @dataclass(frozen=True, slots=True)
 class VersionQueue:
-    lanes: dict[keys.Lane, LaneQueue]
+    lanes: dict[Lane, LaneQueue]
     live_workers: int
 
 
@@ -42,7 +43,7 @@ async def read_queues(redis: aioredis.Redis, versions: list[tuple[str, str]], *,
     """Every listed version's queue, in one round trip."""
     pipe = redis.pipeline(transaction=False)
     for model, version in versions:
-        for lane in keys.LANES:
+        for lane in LANES:
             stream = keys.stream(model, version, lane)
             pipe.xlen(stream)
             pipe.xpending(stream, keys.GROUP)
@@ -54,7 +55,7 @@ async def read_queues(redis: aioredis.Redis, versions: list[tuple[str, str]], *,
     queues = {}
     for model, version in versions:
         lanes = {}
-        for lane in keys.LANES:
+        for lane in LANES:
             length, pending, first = next(replies), next(replies), next(replies)
             lanes[lane] = LaneQueue(lag=int(_number(length)),
                                     pending=int(pending["pending"]) if isinstance(pending, dict) else 0,

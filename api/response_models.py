@@ -19,10 +19,10 @@ from pydantic.config import JsonDict
 from pydantic.json_schema import SkipJsonSchema
 
 from sluice.kinds import ModelKind
-from sluice.registry.tables import ROLLOUT_ACTIONS, ROLLOUT_STATES
+from sluice.registry.tables import ROLLOUT_ACTIONS
 from sluice.versions import Tier, VersionState
-from sluice.wire.jobs import CLOSE_REASONS, JobStatus
-from sluice.wire.keys import Lane
+from sluice.vocabulary import CLOSE_REASONS, BatchState, Lane, RolloutState
+from sluice.wire.jobs import JobStatus
 
 __all__ = [
     "AuditResource",
@@ -132,7 +132,7 @@ class BatchResource(BaseModel):
     id: str
     model: str
     version: str
-    status: str = Field(json_schema_extra={"enum": ["queued", "running", "succeeded", "failed", "cancelled"]})
+    status: str = Field(json_schema_extra={"enum": list(BatchState)})
     total: int | None
     done: int
     failed: int
@@ -314,7 +314,7 @@ class RolloutResource(BaseModel):
     model: str
     canary: str
     stable: str
-    state: str = Field(json_schema_extra={"enum": list(ROLLOUT_STATES)})
+    state: str = Field(json_schema_extra={"enum": list(RolloutState)})
     step_index: int = Field(description="Index into `policy.steps`; -1: the shadow phase, before any canary weight")
     weight: float = Field(description="The canary's percentage of traffic at this step")
     policy: dict[str, Any] = Field(description="Steps, soak, sample bars, alpha and margins, as started")

@@ -20,6 +20,7 @@ from rich.console import Console
 
 from sluice.errors import SluiceError
 from sluice.settings import Settings
+from sluice.vocabulary import FINAL_BATCH_STATES
 from sluice.webhooks import retry_after_s
 from sluice.wire.jobs import FINAL_STATES
 
@@ -30,7 +31,6 @@ KeyOption = Annotated[str | None, typer.Option(
     "--key", envvar="SLUICE_API_KEY",
     help="An API key (default: SLUICE_BOOTSTRAP_ADMIN_KEY, else the admin, else the demo key in SLUICE_HOME)")]
 
-BATCH_FINAL = frozenset({"succeeded", "failed", "cancelled"})
 # A 429 or 503 queued nothing, so sending again is safe; this many times, each wait capped.
 RETRIES = 3
 MAX_RETRY_WAIT_S = 30.0
@@ -167,7 +167,7 @@ class ApiClient:
         while True:
             batch = self.batch(batch_id)
             yield batch
-            if batch["status"] in BATCH_FINAL and batch.get("finished_at") is not None:
+            if batch["status"] in FINAL_BATCH_STATES and batch.get("finished_at") is not None:
                 return
             time.sleep(FOLLOW_POLL_S)
 

@@ -307,9 +307,10 @@ class RealReplica:
         return await self._samples(version)
 
     async def _forget(self, version: str, ids: Sequence[str]) -> None:
+        from sluice.vocabulary import LANES
         from sluice.wire import keys
 
-        names = [keys.stream(self.model, version, lane) for lane in keys.LANES]
+        names = [keys.stream(self.model, version, lane) for lane in LANES]
         names += [keys.dead_stream(self.model, version), keys.stats(self.model, version),
                   keys.live_workers(self.model, version), *(keys.job(job_id) for job_id in ids)]
         names += [key async for key in self.redis.scan_iter(match=keys.heartbeat_pattern(self.model, version))]

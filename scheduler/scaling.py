@@ -32,6 +32,7 @@ from scheduler.autoscale import (
 from sluice.metrics import DESIRED_REPLICAS, LIVE_REPLICAS, STREAM_LAG
 from sluice.routing import RoutingSnapshot, VersionInfo
 from sluice.versions import VersionState
+from sluice.vocabulary import LANES
 from sluice.wire import keys
 from sluice.wire.connections import translate_redis_errors
 from sluice.wire.heartbeats import Heartbeat, WorkerState, live_since
@@ -76,7 +77,7 @@ def read_pools(client: redis.Redis, versions: Iterable[VersionKey], *, now: floa
     versions = list(versions)
     pipe = client.pipeline(transaction=False)
     for model, version in versions:
-        for lane in keys.LANES:
+        for lane in LANES:
             pipe.xinfo_stream(keys.stream(model, version, lane))
         pipe.zrangebyscore(keys.live_workers(model, version), live_since(now), "+inf")
     with translate_redis_errors():

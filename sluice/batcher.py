@@ -66,7 +66,7 @@ from typing import Any, Generic, cast
 
 from typing_extensions import TypeVar
 
-from sluice.wire.jobs import CloseReason
+from sluice.vocabulary import CloseReason
 
 __all__ = ["DEFAULT_BUCKET_BOUNDS", "Batch", "CloseReason", "Item", "MicroBatcher"]
 

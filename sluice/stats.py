@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from sluice.quality import summarise_quality
-from sluice.wire.jobs import CLOSE_REASONS
+from sluice.vocabulary import CLOSE_REASONS
 from sluice.wire.samples import Sample
 
 # A p99 of fewer than a few hundred samples is not reported as one. Of 100 samples it

@@ -28,6 +28,7 @@ from sqlalchemy import text
 from launch.seed import Seeded, seed
 from sluice.registry.store import Registry
 from sluice.settings import Settings
+from sluice.vocabulary import LANES
 from sluice.wire import keys
 from sluice.wire.connections import cluster_url, connect_sync
 from tests.support import (
@@ -335,7 +336,7 @@ def queue_state(rds: redis.Redis) -> Callable[[str, str], QueueState]:
 def pending_count(rds: redis.Redis, model: str, version: str) -> int:
     """Entries delivered to the `workers` group and not acknowledged, over both lanes."""
     total = 0
-    for lane in keys.LANES:
+    for lane in LANES:
         stream = keys.stream(model, version, lane)
         if rds.exists(stream):
             groups = {g["name"] for g in rds.xinfo_groups(stream)}  # type: ignore[union-attr]

@@ -39,6 +39,7 @@ from sluice.kinds import ModelKind, schema_text, validate_input
 from sluice.registry import batches as queries
 from sluice.registry.store import Registry
 from sluice.registry.tables import Model, ModelVersion
+from sluice.vocabulary import BatchState
 from sluice.wire import keys, scripts
 from sluice.wire.connections import translate_redis_errors
 from sluice.wire.jobs import FINAL_STATES, JobRecord, JobStatus
@@ -158,8 +159,8 @@ class BatchFeeder:
             log.warning("batch %s: another feeder took over", batch_id)
             return "lease_lost"
         except BatchFileError as exc:
-            self._finish(run, owner, "failed", error=exc.message)
-            return "failed"
+            self._finish(run, owner, BatchState.failed, error=exc.message)
+            return BatchState.failed
         return outcome
 
     def _claim(self, batch_id: str, owner: str) -> _Run | None:
@@ -199,7 +200,7 @@ class BatchFeeder:
             self._checkpoint(run, owner, out)
             last_checkpoint = self.clock()
             while True:
-                cancelling = run.status == "cancelled"
+                cancelling = run.status == BatchState.cancelled
                 if not cancelling and not exhausted and len(run.window) < self.max_in_flight:
                     exhausted = self._fill(run, rows)
                 progressed = self._drain(run, out)
@@ -216,9 +217,9 @@ class BatchFeeder:
                         return "stopped"
                 if not progressed:
                     time.sleep(self.poll_s)
-        if run.output_path and run.status != "cancelled":
+        if run.output_path and run.status != BatchState.cancelled:
             write_output(out_path, run.output_format, Path(run.output_path), size=run.bytes_written)
-        status = "cancelled" if run.status == "cancelled" else "succeeded"
+        status = BatchState.cancelled if run.status == BatchState.cancelled else BatchState.succeeded
         self._finish(run, owner, status)
         return status
 
@@ -304,17 +305,17 @@ class BatchFeeder:
         for slot in ready:
             run.window.popleft()
             if slot.record is None:
-                line = output_line(slot.row, "failed", error=slot.error)
+                line = output_line(slot.row, JobStatus.failed, error=slot.error)
                 run.failed += 1
             else:
                 status, output, error = next(fields)
-                state = status.decode() if status else "failed"
-                line = output_line(slot.row, state, output=output if state == "succeeded" else None,
-                                   error=error if state != "succeeded" else None)
+                state = status.decode() if status else JobStatus.failed
+                line = output_line(slot.row, state, output=output if state == JobStatus.succeeded else None,
+                                   error=error if state != JobStatus.succeeded else None)
                 run.checkpointed_ids.append(slot.record.id)
-                if state == "succeeded":
+                if state == JobStatus.succeeded:
                     run.done += 1
-                elif state != "cancelled":
+                elif state != JobStatus.cancelled:
                     run.failed += 1
             out.write(line)
             run.rows_written += 1

@@ -20,8 +20,8 @@ from sluice.metrics import (
     PADDING_RATIO,
     QUEUE_WAIT,
 )
-from sluice.wire.jobs import CLOSE_REASONS, JobStatus
-from sluice.wire.keys import LANES, Lane
+from sluice.vocabulary import CLOSE_REASONS, LANES, Lane
+from sluice.wire.jobs import JobStatus
 from workers.execution import Outcome
 from workers.results import Delivery
 

@@ -22,6 +22,7 @@ import orjson
 from sluice.batcher import Batch, Item
 from sluice.metrics import SHADOW_COPIES
 from sluice.quality import agreement, proxies
+from sluice.vocabulary import Lane
 from sluice.wire import keys
 from sluice.wire.connections import translate_redis_errors
 from sluice.wire.jobs import OUTPUT_FIELD, SHADOW_TENANT, JobRecord, JobStatus
@@ -35,7 +36,7 @@ class Delivery:
     """What the batcher carries as an item's payload: a claimed job, ready to run."""
 
     job_id: str
-    lane: keys.Lane
+    lane: Lane
     input: dict[str, Any]
     attempts: int
     shadow: str | None = None  # copy the input to this version once the job succeeds

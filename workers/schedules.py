@@ -20,6 +20,7 @@ from sluice.registry import batches as queries
 from sluice.registry.routing_table import routing_snapshot
 from sluice.registry.store import Registry
 from sluice.routing import route
+from sluice.vocabulary import BatchState
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def dispatch_due(registry: Registry, *, batch_root: Path | None, now: datetime) 
                 text_field=schedule.text_field, output_format=schedule.output_format,
                 callback_url=schedule.callback_url,
             )
-            status, error = "queued", None
+            status, error = BatchState.queued, None
             try:
                 path = local_path(render_template(schedule.input_uri, local), root=batch_root, must_exist=True)
                 output = (local_path(render_template(schedule.output_uri, local), root=batch_root, must_exist=False)
@@ -52,7 +53,7 @@ def dispatch_due(registry: Registry, *, batch_root: Path | None, now: datetime) 
                                input_format=format_of(path.name, schedule.input_format),
                                output_path=str(output) if output else None)
             except SluiceError as exc:
-                status, error = "failed", str(exc)
+                status, error = BatchState.failed, str(exc)
             row = queries.create_run(session, due, spec, status=status, error=error, now=now)
             if row is not None:
                 created.append(row.id)

@@ -36,9 +36,9 @@ import redis.asyncio as aioredis
 from sluice.backoff import Backoff
 from sluice.batcher import DEFAULT_BUCKET_BOUNDS, Batch, Item, MicroBatcher
 from sluice.errors import BrokerError, HandlerHung, InferenceError, WorkerFailed
+from sluice.vocabulary import ClaimVerdict, Lane
 from sluice.wire.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
 from sluice.wire.jobs import JobStatus
-from sluice.wire.keys import Lane
 from sluice.wire.streams import Delivered, StreamConsumer
 from workers.execution import Outcome, run_isolating, timed_out
 from workers.metrics import BatchMetrics
@@ -304,7 +304,7 @@ class Worker:
         claims = await self.streams.claim(entries, now=now)
         for delivered, claim in zip(entries, claims, strict=True):
             entry = delivered.entry
-            if claim.verdict == "run":
+            if claim.verdict == ClaimVerdict.run:
                 item = Item(
                     id=delivered.entry_id, tenant=entry.tenant, cost=self._cost(claim.input, entry.cost),
                     enqueued_at=entry.enqueued_at,
@@ -315,9 +315,9 @@ class Worker:
                 )
                 self.batcher.add(item)
                 self._held[item.id] = delivered.lane
-            elif claim.verdict == "expired":
+            elif claim.verdict == ClaimVerdict.expired:
                 self._metrics.finished[JobStatus.expired].inc()
-            elif claim.verdict == "dead":
+            elif claim.verdict == ClaimVerdict.dead:
                 self._metrics.finished[JobStatus.failed].inc()
 
     def _cost(self, job_input: Mapping[str, Any], hint: int) -> int:

@@ -25,10 +25,10 @@ from sluice.logs import current_request_id
 from sluice.metrics import CACHE_LOOKUPS, JOBS_FINISHED, JOBS_REJECTED, JOBS_SUBMITTED
 from sluice.registry.tenants import KeyInfo
 from sluice.routing import VersionInfo, hash_unit, route, shadow_target
+from sluice.vocabulary import Lane
 from sluice.wire import keys, response_cache
 from sluice.wire.idempotency import IdempotencyClaim
 from sluice.wire.jobs import JobRecord, JobStatus, JobView
-from sluice.wire.keys import Lane
 
 router = APIRouter(prefix="/v1", tags=["jobs"], route_class=StrictJsonRoute)
 

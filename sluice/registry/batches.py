@@ -21,8 +21,8 @@ from sqlalchemy.orm import Session
 
 from sluice.errors import Conflict, InvalidInput, NotFound
 from sluice.registry.tables import Batch, Model, Schedule, Tenant
+from sluice.vocabulary import FINAL_BATCH_STATES, BatchState
 
-FINAL_BATCH_STATES = ("succeeded", "failed", "cancelled")
 # The most missed slots one dispatch catches up per schedule (after beat was down for a long time).
 MAX_CATCH_UP = 100
 
@@ -74,7 +74,7 @@ class NewBatch:
 
 def create_batch(session: Session, spec: NewBatch, *, batch_id: str | None = None) -> Batch:
     row = Batch(id=batch_id or new_batch_id(), tenant_id=spec.tenant, model=spec.model, version=spec.version,
-                status="queued", input_path=spec.input_path, input_format=spec.input_format,
+                status=BatchState.queued, input_path=spec.input_path, input_format=spec.input_format,
                 text_field=spec.text_field, output_format=spec.output_format, output_path=spec.output_path,
                 callback_url=spec.callback_url, metadata_=spec.metadata or None)
     session.add(row)
@@ -110,9 +110,9 @@ def cancel_batch(session: Session, batch_id: str, *, tenant: str, now: datetime)
         raise NotFound(f"batch '{batch_id}' does not exist")
     if row.status in FINAL_BATCH_STATES:
         raise Conflict(f"batch '{batch_id}' is {row.status}; only a queued or running batch can be cancelled")
-    if row.status == "queued":
+    if row.status == BatchState.queued:
         row.finished_at = now
-    row.status = "cancelled"
+    row.status = BatchState.cancelled
     session.flush()
     return row
 
@@ -129,12 +129,12 @@ def claim(session: Session, batch_id: str, *, owner: str, now: datetime, lease_s
         return None
     if row.lease_until is not None and row.lease_until > now and row.lease_owner != owner:
         return None
-    if row.status == "queued":
+    if row.status == BatchState.queued:
         running = session.scalar(select(func.count()).select_from(Batch).where(
-            Batch.status == "running", Batch.lease_until > now, Batch.id != batch_id))
+            Batch.status == BatchState.running, Batch.lease_until > now, Batch.id != batch_id))
         if (running or 0) >= max_running:
             return None
-        row.status = "running"
+        row.status = BatchState.running
         row.started_at = now
     row.lease_owner = owner
     row.lease_until = now + timedelta(seconds=lease_s)
@@ -172,7 +172,7 @@ def finish(session: Session, batch_id: str, *, owner: str, status: str, now: dat
     row = session.get(Batch, batch_id, with_for_update=True)
     if row is None or row.lease_owner != owner or row.finished_at is not None:
         return False
-    if row.status != "cancelled":
+    if row.status != BatchState.cancelled:
         row.status = status
     row.error = error
     row.finished_at = now
@@ -189,7 +189,7 @@ def release(session: Session, batch_id: str, *, owner: str, now: datetime) -> No
 def fail_unstarted(session: Session, batch_id: str, *, now: datetime, error: str) -> None:
     row = session.get(Batch, batch_id, with_for_update=True)
     if row is not None and row.finished_at is None:
-        row.status, row.error, row.finished_at = "failed", error, now
+        row.status, row.error, row.finished_at = BatchState.failed, error, now
 
 
 def to_dispatch(session: Session, *, now: datetime, lease_s: float, limit: int = 100) -> list[str]:
@@ -325,7 +325,7 @@ def take_due_slots(session: Session, *, now: datetime) -> list[DueSlot]:
     return slots
 
 
-def create_run(session: Session, due: DueSlot, spec: NewBatch, *, status: str = "queued",
+def create_run(session: Session, due: DueSlot, spec: NewBatch, *, status: str = BatchState.queued,
                error: str | None = None, now: datetime) -> Batch | None:
     """The slot's batch, or None when the slot already has one."""
     with session.begin_nested():
@@ -333,7 +333,7 @@ def create_run(session: Session, due: DueSlot, spec: NewBatch, *, status: str = 
             return None
         row = create_batch(session, spec)
         row.schedule_id, row.slot = due.schedule.id, due.slot
-        if status != "queued":
+        if status != BatchState.queued:
             row.status, row.error, row.finished_at = status, error, now
         session.flush()
     return row

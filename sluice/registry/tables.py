@@ -28,6 +28,14 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from sluice.kinds import ModelKind
 from sluice.versions import Tier, VersionState
+from sluice.vocabulary import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_REPLICAS,
+    DEFAULT_MAX_WAIT_MS,
+    DEFAULT_MIN_REPLICAS,
+    BatchState,
+    RolloutState,
+)
 
 JsonDoc = JSON().with_variant(JSONB(), "postgresql")
 
@@ -90,11 +98,11 @@ class ModelVersion(Base):
     artifact: Mapped[str] = mapped_column(Text)
     sha256: Mapped[str] = mapped_column(String(64))
     state: Mapped[str] = mapped_column(String(16), default=VersionState.staged)
-    max_batch_size: Mapped[int] = mapped_column(Integer, default=32)
-    max_wait_ms: Mapped[float] = mapped_column(Float, default=10.0)
+    max_batch_size: Mapped[int] = mapped_column(Integer, default=DEFAULT_MAX_BATCH_SIZE)
+    max_wait_ms: Mapped[float] = mapped_column(Float, default=DEFAULT_MAX_WAIT_MS)
     isolate_tenants: Mapped[bool] = mapped_column(Boolean, default=True)
-    min_replicas: Mapped[int] = mapped_column(Integer, default=1)
-    max_replicas: Mapped[int] = mapped_column(Integer, default=4)
+    min_replicas: Mapped[int] = mapped_column(Integer, default=DEFAULT_MIN_REPLICAS)
+    max_replicas: Mapped[int] = mapped_column(Integer, default=DEFAULT_MAX_REPLICAS)
     latency_budget_ms: Mapped[float] = mapped_column(Float, default=2000.0)
     # Seconds a result is answered again from the response cache; 0: no cache.
     cache_ttl_s: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -184,7 +192,6 @@ class QualityAggregate(Base):
     )
 
 
-ROLLOUT_STATES = ("running", "promoted", "rolled_back", "aborted")
 ROLLOUT_ACTIONS = ("start", "continue", "promote", "rollback", "abort")
 
 
@@ -202,7 +209,7 @@ class Rollout(Base):
     initial_weights: Mapped[Any] = mapped_column(JsonDoc)
     canary_initial_state: Mapped[str] = mapped_column(String(16))
     step_index: Mapped[int] = mapped_column(Integer)  # into the policy's steps, or rollouts.SHADOW_STEP
-    state: Mapped[str] = mapped_column(String(16), default="running")
+    state: Mapped[str] = mapped_column(String(16), default=RolloutState.running)
     actor: Mapped[str] = mapped_column(String(128))
     reason: Mapped[str | None] = mapped_column(Text)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
@@ -214,9 +221,9 @@ class Rollout(Base):
                              ondelete="CASCADE"),
         ForeignKeyConstraint(["model", "stable"], ["model_versions.model", "model_versions.version"],
                              ondelete="CASCADE"),
-        CheckConstraint(_one_of("state", ROLLOUT_STATES), name="rollout_state"),
+        CheckConstraint(_one_of("state", RolloutState), name="rollout_state"),
         CheckConstraint("canary <> stable", name="rollout_two_versions"),
-        Index("one_running_rollout", "model", unique=True, postgresql_where=text("state = 'running'")),
+        Index("one_running_rollout", "model", unique=True, postgresql_where=text(f"state = '{RolloutState.running}'")),
     )
 
 
@@ -236,9 +243,6 @@ class RolloutDecision(Base):
     audit_id: Mapped[int | None] = mapped_column(ForeignKey("audit_log.id", ondelete="SET NULL"))
 
     __table_args__ = (CheckConstraint(_one_of("action", ROLLOUT_ACTIONS), name="rollout_action"),)
-
-
-BATCH_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 
 
 class Schedule(Base):
@@ -276,7 +280,8 @@ class Batch(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     model: Mapped[str] = mapped_column(String(64))
     version: Mapped[str] = mapped_column(String(64))
-    status: Mapped[str] = mapped_column(String(16), default="queued", server_default="queued", index=True)
+    status: Mapped[str] = mapped_column(String(16), default=BatchState.queued, server_default=BatchState.queued.value,
+                                        index=True)
     total: Mapped[int | None] = mapped_column(BigInteger)
     done: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     failed: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
@@ -302,7 +307,7 @@ class Batch(Base):
     dispatched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
-        CheckConstraint(_one_of("status", BATCH_STATES), name="batch_status"),
+        CheckConstraint(_one_of("status", BatchState), name="batch_status"),
         UniqueConstraint("schedule_id", "slot", name="one_run_per_slot"),
         Index("ix_batches_tenant_created", "tenant_id", "created_at"),
     )

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Literal, get_args
+from typing import Any
 
 import orjson
 
@@ -32,10 +32,6 @@ FINAL_STATES = frozenset(
 
 # The most jobs one `GET /v1/jobs?ids=` names: the API's limit, and the client's window.
 MAX_WAIT_IDS = 256
-
-# Why a batch closed (DESIGN §3): full, its oldest job waited max_wait_ms, or the worker drained.
-CloseReason = Literal["size", "age", "drain"]
-CLOSE_REASONS: tuple[CloseReason, ...] = get_args(CloseReason)
 
 # The one field read without the rest of the record: shadow copies compare with their primary's output.
 OUTPUT_FIELD = "output"

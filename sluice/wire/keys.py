@@ -16,10 +16,8 @@ import secrets
 import string
 from binascii import crc_hqx
 from functools import lru_cache
-from typing import Literal
 
-Lane = Literal["online", "bulk"]
-LANES: tuple[Lane, ...] = ("online", "bulk")
+from sluice.vocabulary import Lane
 
 GROUP = "workers"
 

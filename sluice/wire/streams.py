@@ -26,10 +26,10 @@ import redis.asyncio as aioredis
 
 from sluice.errors import BrokerError
 from sluice.redact import scrub
+from sluice.vocabulary import LANES, ClaimVerdict, Lane
 from sluice.wire import events, heartbeats, keys, samples, scripts
 from sluice.wire.connections import reply_text, translate_redis_errors
 from sluice.wire.jobs import SHADOW_TENANT, JobRecord
-from sluice.wire.keys import Lane
 
 DEAD_LETTER_MAXLEN = 100_000
 
@@ -213,12 +213,12 @@ def queue_call(records: Sequence[JobRecord], *, result_ttl_s: int) -> tuple[list
 
 
 def _lane_streams(model: str, version: str) -> list[str]:
-    return [keys.stream(model, version, lane) for lane in keys.LANES]
+    return [keys.stream(model, version, lane) for lane in LANES]
 
 
 def _lane_number(lane: Lane) -> str:
-    """How the claim and finish scripts name a lane: its place in `keys.LANES`, from 1."""
-    return str(keys.LANES.index(lane) + 1)
+    """How the claim and finish scripts name a lane: its place in `LANES`, from 1."""
+    return str(LANES.index(lane) + 1)
 
 
 def claim_call(model: str, version: str, delivered: Sequence[Delivered], *, now: float, worker: str,
@@ -236,9 +236,9 @@ def parse_claims(reply: list[Any]) -> list[Claim]:
     claims = []
     for verdict, *rest in reply:
         name = verdict.decode()
-        if name == "run":
+        if name == ClaimVerdict.run:
             claims.append(Claim(name, input=json.loads(rest[0]), attempts=int(rest[1])))
-        elif name == "dead":
+        elif name == ClaimVerdict.dead:
             claims.append(Claim(name, last_error=rest[0].decode() if rest else ""))
         else:
             claims.append(Claim(name))
@@ -286,7 +286,7 @@ class StreamConsumer:
         self.claim_after_s = claim_after_s
         self.max_deliveries = max_deliveries
         self.result_ttl_s = result_ttl_s
-        self.streams: dict[Lane, str] = {lane: keys.stream(model, version, lane) for lane in keys.LANES}
+        self.streams: dict[Lane, str] = {lane: keys.stream(model, version, lane) for lane in LANES}
         self._lanes = {name: lane for lane, name in self.streams.items()}
         self._events = events.channel(redis)
         self._claim = redis.register_script(scripts.CLAIM)

@@ -25,6 +25,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from launch.embedded import VALKEY_CONFIG
 from sluice.settings import Settings
+from sluice.vocabulary import LANES
 from sluice.wire import keys
 from sluice.wire.connections import connect
 from sluice.wire.durability import DurabilityUnsupported, require_durable_store
@@ -257,5 +258,5 @@ def test_on_a_valkey_cluster_the_fsync_wait_goes_to_the_node_that_wrote_the_jobs
         wait_until(cluster.ready, timeout_s=30, what="the cluster after its node's restart")
         with cluster.client() as rds:
             assert all(rds.exists(keys.job(job_id)) for job_id in ids)
-            entries = {fields["id"] for lane in keys.LANES for _, fields in rds.xrange(keys.stream(model, "v1", lane))}
+            entries = {fields["id"] for lane in LANES for _, fields in rds.xrange(keys.stream(model, "v1", lane))}
         assert entries == set(ids)

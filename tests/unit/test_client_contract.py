@@ -9,8 +9,10 @@ import time
 
 import pytest
 
+import sluice_client.batches
 import sluice_client.jobs
 from sluice import webhooks
+from sluice.vocabulary import FINAL_BATCH_STATES
 from sluice.wire import jobs
 from sluice_client import verify
 from sluice_client.webhooks import retry_after_s
@@ -46,3 +48,7 @@ def test_retry_after_reads_alike(value: str | None) -> None:
 def test_the_client_knows_the_servers_final_states_and_wait_limit() -> None:
     assert {str(state) for state in jobs.FINAL_STATES} == sluice_client.jobs.FINAL
     assert sluice_client.jobs.MAX_WAIT_IDS == jobs.MAX_WAIT_IDS
+
+
+def test_the_client_knows_the_servers_final_batch_states() -> None:
+    assert {str(state) for state in FINAL_BATCH_STATES} == sluice_client.batches.BATCH_FINAL
