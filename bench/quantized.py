@@ -64,7 +64,8 @@ def cpu_flags() -> dict[str, bool]:
 def load_encoders(threads: int, *, reduce_range: bool | None = None) -> dict[str, Any]:
     configure_torch(threads)
     from sluice.artifacts import MINILM_URI, resolve_artifact
-    from workers.models.minilm import MiniLMEncoder, quantize_int8
+    from workers.models.int8 import quantize_int8
+    from workers.models.minilm import MiniLMEncoder
 
     model_dir = resolve_artifact(MINILM_URI)
     fp32 = MiniLMEncoder(model_dir=model_dir)
@@ -150,7 +151,7 @@ def vs_fp32(timing: dict[str, dict[str, Any]]) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from workers.models.minilm import needs_reduce_range
+    from workers.models.int8 import needs_reduce_range
     from workers.models.precision import DEFAULT_MIN_SPEEDUP, calibrate, choose
 
     encoders = load_encoders(args.threads, reduce_range=True if args.emulate_no_vnni else None)

@@ -25,7 +25,8 @@ from transformers import AutoModel, AutoTokenizer
 
 from scheduler.planning.text_mix import skewed_texts
 from sluice.artifacts import MINILM_URI, resolve_artifact
-from workers.models.minilm import MiniLMEncoder, needs_reduce_range
+from workers.models.int8 import needs_reduce_range
+from workers.models.minilm import MiniLMEncoder
 
 pytestmark = pytest.mark.model
 

@@ -42,7 +42,7 @@ def test_auto_runs_the_precision_its_calibration_chose_and_reports_the_ratio(
     wait_jobs: Callable[..., list[dict[str, Any]]],
 ) -> None:
     from sluice.artifacts import MINILM_URI, artifact_sha256, resolve_artifact
-    from workers.models.minilm import needs_reduce_range
+    from workers.models.int8 import needs_reduce_range
     from workers.models.precision import DEFAULT_MIN_SPEEDUP, choose
 
     model = unique("auto")

@@ -26,6 +26,7 @@ from sluice.artifacts import (
 )
 from sluice.errors import ArtifactError, ArtifactMismatch, InferenceError
 from workers.models.head import write_degraded_head
+from workers.models.int8 import DynamicInt8Linear, needs_reduce_range, smoothing_factors
 from workers.models.loading import (
     ClassifierHandler,
     EmbeddingHandler,
@@ -33,14 +34,7 @@ from workers.models.loading import (
     SyntheticHandler,
     load_handler,
 )
-from workers.models.minilm import (
-    DEFAULT_MAX_BATCH_TOKENS,
-    DynamicInt8Linear,
-    MiniLMEncoder,
-    needs_reduce_range,
-    plan_passes,
-    smoothing_factors,
-)
+from workers.models.minilm import DEFAULT_MAX_BATCH_TOKENS, MiniLMEncoder, plan_passes
 from workers.models.train_intent import load_examples, split_examples
 
 pytestmark = pytest.mark.model

@@ -21,16 +21,10 @@ from sluice.artifacts import (
     resolve_artifact,
 )
 from sluice.errors import ArtifactError, ArtifactMismatch, ModelError
+from workers.models.bert import BertConfig, BertEncoder
+from workers.models.int8 import DEFAULT_FP32_LINEARS, DynamicInt8Linear, needs_reduce_range, quantize_int8
 from workers.models.loading import ClassifierHandler, EmbeddingHandler, load_handler
-from workers.models.minilm import (
-    DEFAULT_FP32_LINEARS,
-    BertConfig,
-    BertEncoder,
-    DynamicInt8Linear,
-    MiniLMEncoder,
-    needs_reduce_range,
-    quantize_int8,
-)
+from workers.models.minilm import MiniLMEncoder
 from workers.models.precision import PrecisionPolicy, choose
 from workers.models.train_intent import load_examples, split_examples
 

@@ -170,7 +170,8 @@ def _encoder(model_dir: Path, dev: str, dtype: torch.dtype, requested: str | Non
     ``workers/models/precision.py``), and that choice."""
     import torch
 
-    from workers.models.minilm import MiniLMEncoder, needs_reduce_range
+    from workers.models.int8 import needs_reduce_range
+    from workers.models.minilm import MiniLMEncoder
 
     if dev != "cpu":
         name = "bf16" if dtype == torch.bfloat16 else FP32
@@ -215,8 +216,8 @@ def _load_classifier(artifact: str, sha256: str | None, device: str, threads: in
     its base encoder is the bundled MiniLM, checked against the head's recorded ``base_sha256``
     when present."""
     path, dev, dtype, quantize = _text_artifact(ModelKind.classifier, artifact, sha256, device, threads, sources)
+    from workers.models.bert import BertConfig
     from workers.models.head import load_head
-    from workers.models.minilm import BertConfig
     from workers.models.text_handlers import ClassifierHandler
 
     if path.is_dir():
