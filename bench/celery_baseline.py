@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery, signals
 
 if TYPE_CHECKING:
-    from workers.models.loading import ModelHandler
+    from workers.models.protocol import ModelHandler
 
 URL_ENV = "SLUICE_BENCH_CELERY_URL"
 ARTIFACT_ENV, SHA256_ENV = "SLUICE_BENCH_ARTIFACT", "SLUICE_BENCH_SHA256"

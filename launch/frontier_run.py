@@ -53,6 +53,7 @@ from scheduler.planning.frontier import (
 from scheduler.planning.frontier_sim import PassPlan, SimJob, run_replica
 from scheduler.planning.text_mix import skewed_texts
 from sluice.kinds import token_estimate
+from workers.models.protocol import ModelHandler
 
 if TYPE_CHECKING:
     from sluice.wire.samples import Sample
@@ -147,7 +148,7 @@ class Options:
 # --- the handler, timed ---------------------------------------------------------------------------
 
 
-class PassThroughHandler:
+class PassThroughHandler(ModelHandler):
     """A model handler that hands everything to `inner`; a measurement subclasses it to time `run`.
     One place passes the whole handler surface through: a wrapper that forgot `passes` once left
     the worker's runner dead on its first batch of two."""
@@ -156,6 +157,7 @@ class PassThroughHandler:
         self.inner = inner
         self.kind = inner.kind
         self.length_buckets = inner.length_buckets
+        self.precision = inner.precision
 
     def warmup(self) -> None:
         self.inner.warmup()
@@ -165,6 +167,12 @@ class PassThroughHandler:
 
     def run(self, inputs: Sequence[Any]) -> list[dict[str, Any]]:
         return self.inner.run(inputs)  # type: ignore[no-any-return]
+
+    def cost_of(self, item: Mapping[str, Any]) -> int | None:
+        return self.inner.cost_of(item)  # type: ignore[no-any-return]
+
+    def proxies(self, output: Mapping[str, Any]) -> dict[str, Any] | None:
+        return self.inner.proxies(output)  # type: ignore[no-any-return]
 
 
 class RecordingHandler(PassThroughHandler):
@@ -433,10 +441,10 @@ def machine(handler: Any) -> dict[str, Any]:
                 cpu = line.split(":", 1)[1].strip()
                 break
     torch = sys.modules.get("torch")
-    precision = getattr(handler, "precision", None)
+    precision = handler.precision
     return {"cores": os.cpu_count(), "cpu": cpu, "python": py_platform.python_version(),
             "torch": getattr(torch, "__version__", None), "loadavg_at_start": os.getloadavg(),
-            "precision": getattr(precision, "precision", None)}
+            "precision": precision.precision if precision is not None else None}
 
 
 def run(options: Options, *, log: Callable[[str], None]) -> dict[str, Any]:

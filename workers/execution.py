@@ -20,7 +20,7 @@ from typing import Any
 
 from sluice.errors import InferenceError
 from sluice.redact import scrub
-from workers.models.loading import ModelHandler
+from workers.models.protocol import ModelHandler
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +84,7 @@ def _bisect(handler: ModelHandler, inputs: Sequence[Mapping[str, Any]]) -> list[
             return [_alone(exc, inputs[0])]
         middle = len(inputs) // 2
         return _bisect(handler, inputs[:middle]) + _bisect(handler, inputs[middle:])
-    own_proxies = getattr(handler, "proxies", None)
-    if own_proxies is None:
-        return [Outcome(output=output) for output in outputs]
-    return [Outcome(output=output, proxies=own_proxies(output)) for output in outputs]
+    return [Outcome(output=output, proxies=handler.proxies(output)) for output in outputs]
 
 
 def timed_out(size: int, timeout_s: float) -> list[Outcome]:

@@ -47,7 +47,7 @@ def run_worker(*, settings: Settings, model: str, version: str, threads: int | N
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         os.environ.setdefault("MKL_NUM_THREADS", str(threads))
     from workers.models.loading import Sources, load_handler
-    from workers.models.precision import PrecisionChoice, PrecisionPolicy
+    from workers.models.precision import PrecisionPolicy
     from workers.worker import Worker
 
     registry = Registry(url=settings.require_database_url(), pool_size=1)
@@ -73,8 +73,7 @@ def run_worker(*, settings: Settings, model: str, version: str, threads: int | N
         registry.dispose()
     cold_start_s = time.perf_counter() - started
     COLD_START.labels(model, version).set(cold_start_s)
-    # Only the MiniLM-based kinds choose a precision; the synthetic handler has none.
-    choice: PrecisionChoice | None = getattr(handler, "precision", None)
+    choice = handler.precision
     if choice is not None:
         WORKER_INT8.labels(model, version).set(1 if choice.precision == "int8" else 0)
         if choice.speedup is not None:

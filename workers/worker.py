@@ -42,7 +42,7 @@ from sluice.wire.jobs import JobStatus
 from sluice.wire.streams import Delivered, StreamConsumer
 from workers.execution import Outcome, run_isolating, timed_out
 from workers.metrics import BatchMetrics
-from workers.models.loading import ModelHandler
+from workers.models.protocol import ModelHandler
 from workers.results import Delivery, ResultWriter
 
 log = logging.getLogger(__name__)
@@ -323,8 +323,7 @@ class Worker:
     def _cost(self, job_input: Mapping[str, Any], hint: int) -> int:
         """The handler's own cost of an input where it declares one (a handler class's `cost`),
         else the API's hint."""
-        cost_of = getattr(self.handler, "cost_of", None)
-        own = cost_of(job_input) if cost_of is not None else None
+        own = self.handler.cost_of(job_input)
         return hint if own is None else own
 
     # --- running ---------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from sluice.kinds import ModelKind
 from sluice.wire import keys
 from sluice.wire.connections import connect
 from tests.support import drive, queue_in_redis, unique
+from workers.models.protocol import ModelHandler
 from workers.worker import Worker
 
 JOBS = 500
@@ -33,7 +34,7 @@ BATCH_S = 1.6
 BATCH = 32
 
 
-class CountingHandler:
+class CountingHandler(ModelHandler):
     """Sleeps BATCH_S per batch, echoes, and counts every run of every input (by its text)."""
 
     kind = ModelKind.synthetic

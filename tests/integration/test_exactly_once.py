@@ -25,6 +25,7 @@ from sluice.wire.connections import connect
 from sluice.wire.streams import DeadLetter, StreamConsumer
 from tests.support import drive, queue_in_redis, unique
 from workers.execution import Outcome
+from workers.models.protocol import ModelHandler
 from workers.results import Delivery, ResultWriter
 from workers.worker import Worker
 
@@ -116,7 +117,7 @@ async def test_a_second_store_of_a_finished_job_adds_no_sample_copy_or_event(are
 MARK = "the marked input"
 
 
-class FaultyHandler:
+class FaultyHandler(ModelHandler):
     """Echoes its inputs, but a batch holding MARK raises what a broken device would: not an
     InferenceError (the input is not at fault), quoting the input as careless messages do."""
 
@@ -169,7 +170,7 @@ async def test_a_fault_is_retried_and_its_dead_letter_carries_the_real_error(are
     assert await aredis.xlen(keys.stream(model, "v1", "online")) == 0
 
 
-class Echo:
+class Echo(ModelHandler):
     kind = ModelKind.synthetic
     length_buckets = True
 
@@ -246,7 +247,7 @@ async def test_a_refresh_never_takes_back_an_entry_another_worker_took_over_nor_
     assert await pending_entry(aredis, model, acked.entry_id) is None
 
 
-class SlowRecorder:
+class SlowRecorder(ModelHandler):
     """Sleeps a second per batch and records the texts of every batch it starts."""
 
     kind = ModelKind.synthetic

@@ -16,10 +16,11 @@ import redis.asyncio as aioredis
 from sluice.kinds import ModelKind
 from sluice.wire.connections import connect
 from tests.support import drive, queue_in_redis, unique
+from workers.models.protocol import ModelHandler
 from workers.worker import Worker
 
 
-class BatchRecorder:
+class BatchRecorder(ModelHandler):
     kind = ModelKind.synthetic
 
     def __init__(self, *, length_buckets: bool) -> None:

@@ -14,10 +14,11 @@ from sluice.errors import WorkerFailed
 from sluice.kinds import ModelKind
 from sluice.wire.connections import connect
 from tests.support import queue_in_redis, unique
+from workers.models.protocol import ModelHandler
 from workers.worker import Worker
 
 
-class BrokenPlanner:
+class BrokenPlanner(ModelHandler):
     """Plans its own forward passes, and its planner has a bug (not an input's fault)."""
 
     kind = ModelKind.synthetic

@@ -20,7 +20,7 @@ from tests.exported_models import (
     vector_schema,
 )
 from workers.models.exported import ExportedProgramHandler, load_exported
-from workers.models.loading import ModelHandler
+from workers.models.protocol import ModelHandler
 
 
 class TwoInTwoOut(nn.Module):

@@ -22,7 +22,7 @@ from sluice.errors import ArtifactError, InferenceError
 from sluice.kinds import ModelKind
 from tests.hf_models import MAX_POSITIONS, build_tiny_classifier, build_tiny_encoder
 from workers.models.hf import load_hf_classifier, load_hf_embedding
-from workers.models.loading import ModelHandler
+from workers.models.protocol import ModelHandler
 from workers.models.synthetic import POISON_TEXT
 
 TEXTS = [

@@ -24,6 +24,7 @@ from torch.export.graph_signature import InputKind, TensorArgument
 
 from sluice.errors import ArtifactError, InferenceError
 from sluice.kinds import ModelKind
+from workers.models.protocol import ModelHandler
 
 PROGRAM = "program.pt2"
 
@@ -119,7 +120,7 @@ def _row(value: Any, spec: InputSpec) -> torch.Tensor:
     return row
 
 
-class ExportedProgramHandler:
+class ExportedProgramHandler(ModelHandler):
     """Runs a ``torch.export`` program on batches of schema-shaped rows (see the module docstring)."""
 
     kind = ModelKind.torch_export

@@ -31,6 +31,7 @@ from transformers.utils import logging as hf_logging
 
 from sluice.errors import ArtifactError, InferenceError
 from sluice.kinds import ModelKind
+from workers.models.protocol import ModelHandler
 from workers.models.text_handlers import WARMUP_BATCHES, texts_of
 
 WEIGHTS_FILE = "model.safetensors"
@@ -116,7 +117,7 @@ def _load(model_dir: Path, config: Mapping[str, Any], auto: Any, device: str,
     return tokenizer, model.to(device).eval(), _max_length(model_dir, config, tokenizer)
 
 
-class _HfText:
+class _HfText(ModelHandler):
     """A tokenizer and a model over ``{"text": str}`` inputs; each batch pads to its longest."""
 
     length_buckets = True

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from sluice.artifact_store import resolve_and_verify
 from sluice.artifacts import (
@@ -36,6 +36,7 @@ from workers.models.precision import (
     choose,
     needs_calibration,
 )
+from workers.models.protocol import ModelHandler
 from workers.models.synthetic import POISON_TEXT, SyntheticHandler
 
 if TYPE_CHECKING:
@@ -51,41 +52,11 @@ __all__ = [
     "POISON_TEXT",
     "ClassifierHandler",
     "EmbeddingHandler",
-    "ModelHandler",
     "SyntheticHandler",
     "artifact_sha256",
     "load_handler",
     "resolve_artifact",
 ]
-
-@runtime_checkable
-class ModelHandler(Protocol):
-    """What the worker needs from a model, whatever its kind."""
-
-    kind: ModelKind
-    # True when the model pads a batch to its longest input and runs it as one pass: the worker
-    # then groups inputs by length first. False when the handler plans its own forward passes
-    # (``passes``): the worker then takes everything ready at once and runs it pass by pass.
-    length_buckets: bool
-
-    def passes(self, inputs: Sequence[Mapping[str, Any]]) -> list[list[int]]:
-        """The indices of ``inputs`` grouped into the forward passes that run them cheapest, each
-        stored as soon as it is done; asked only when ``length_buckets`` is False."""
-        ...
-
-    def warmup(self) -> None:
-        """Run a few dummy batches of different lengths before taking traffic."""
-        ...
-
-    def run(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        """One output per input, same order.
-
-        Raise InferenceError when an input itself is bad: the worker bisects the batch and fails
-        that job for good. Any other exception is taken for the worker's fault (a bug, a lost
-        device): the job is delivered again, and dead-lettered with the message if it never runs.
-        """
-        ...
-
 
 def __getattr__(name: str) -> Any:
     # Lazy re-export so `from workers.models.loading import EmbeddingHandler` works without

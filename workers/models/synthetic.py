@@ -11,11 +11,12 @@ from typing import Any
 
 from sluice.errors import InferenceError
 from sluice.kinds import ModelKind, token_estimate
+from workers.models.protocol import ModelHandler
 
 POISON_TEXT = "__poison__"
 
 
-class SyntheticHandler:
+class SyntheticHandler(ModelHandler):
     """Sleeps ``fixed_s + per_item_s*n + per_token_s*max_tokens*n`` per batch and echoes inputs.
 
     The ``max_tokens * n`` term models padding: a batch costs as if every item were as long as

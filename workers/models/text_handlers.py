@@ -17,6 +17,7 @@ from sluice.kinds import ModelKind
 from workers.models.head import IntentHead
 from workers.models.minilm import MiniLMEncoder
 from workers.models.precision import PrecisionChoice
+from workers.models.protocol import ModelHandler
 from workers.models.synthetic import POISON_TEXT
 
 # Short, medium and long inputs, so warmup touches the kernels and allocator sizes that
@@ -52,7 +53,7 @@ def _encode(encoder: MiniLMEncoder, texts: list[str]) -> torch.Tensor:
         raise InferenceError(f"encoder failed on a batch of {len(texts)}: {exc}") from exc
 
 
-class EmbeddingHandler:
+class EmbeddingHandler(ModelHandler):
     """``{"text": str}`` -> ``{"embedding": [float, ...], "dim": 384}`` (unit length)."""
 
     kind = ModelKind.embedding
@@ -77,7 +78,7 @@ class EmbeddingHandler:
         return [{"embedding": row, "dim": dim} for row in vectors.tolist()]
 
 
-class ClassifierHandler:
+class ClassifierHandler(ModelHandler):
     """``{"text": str}`` -> ``{"label": str, "scores": {label: probability}}``."""
 
     kind = ModelKind.classifier

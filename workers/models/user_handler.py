@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from sluice.errors import ArtifactError, InferenceError, ModelError
 from sluice.handler import Handler, Quality, import_handler, schemas_of
 from sluice.kinds import ModelKind
+from workers.models.protocol import ModelHandler
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def _canonical(schema: Mapping[str, Any]) -> str:
     return json.dumps(schema, sort_keys=True)
 
 
-class UserHandler:
+class UserHandler(ModelHandler):
     """Runs a Handler subclass: validates each input against ``Input`` and each output against
     ``Output``, and turns its quality proxy into the worker's per-job proxies."""
 
