@@ -17,8 +17,10 @@ from collections.abc import Sequence
 import orjson
 import redis.asyncio as aioredis
 
+from sluice.wire.entries import Delivered, StreamEntry
 from sluice.wire.samples import Sample
-from sluice.wire.streams import Delivered, Finished, StreamConsumer, StreamEntry
+from sluice.wire.script_calls import Finished
+from sluice.wire.streams import StreamConsumer
 
 EMBEDDING_DIM = 384
 

@@ -41,10 +41,12 @@ from sluice.registry.store import normalise_url
 from sluice.settings import Settings
 from sluice.wire import events, keys, scripts
 from sluice.wire.connections import connect_sync
+from sluice.wire.entries import Delivered, StreamEntry
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
 from sluice.wire.samples import SAMPLES_MAXLEN, Sample
-from sluice.wire.streams import Delivered, Finished, StreamEntry, claim_call, finish_call, queue_jobs
+from sluice.wire.script_calls import Finished, claim_call, finish_call
+from sluice.wire.streams import queue_jobs
 from workers.worker import Worker
 
 REPO = Path(__file__).resolve().parents[1]

@@ -27,7 +27,8 @@ from sluice.wire import keys
 from sluice.wire.connections import translate_redis_errors
 from sluice.wire.jobs import OUTPUT_FIELD, SHADOW_TENANT, JobRecord, JobStatus
 from sluice.wire.samples import Sample
-from sluice.wire.streams import Finished, StreamConsumer
+from sluice.wire.script_calls import Finished
+from sluice.wire.streams import StreamConsumer
 from workers.execution import Outcome
 
 

@@ -37,9 +37,10 @@ from sluice.backoff import Backoff
 from sluice.batcher import DEFAULT_BUCKET_BOUNDS, Batch, Item, MicroBatcher
 from sluice.errors import BrokerError, HandlerHung, InferenceError, WorkerFailed
 from sluice.vocabulary import ClaimVerdict, Lane
+from sluice.wire.entries import Delivered
 from sluice.wire.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
 from sluice.wire.jobs import JobStatus
-from sluice.wire.streams import Delivered, StreamConsumer
+from sluice.wire.streams import StreamConsumer
 from workers.execution import Outcome, run_isolating, timed_out
 from workers.metrics import BatchMetrics
 from workers.models.protocol import ModelHandler

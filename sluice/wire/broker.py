@@ -25,7 +25,8 @@ from sluice.wire.idempotency import LEASE_S, IdempotencyClaim, IdempotencyRecord
 from sluice.wire.jobs import JobRecord, JobStatus, JobView
 from sluice.wire.quota import Refusal, TenantLimits, admit_call
 from sluice.wire.samples import Sample, read_samples
-from sluice.wire.streams import free_places, queue_call
+from sluice.wire.script_calls import queue_call
+from sluice.wire.streams import free_places
 
 log = logging.getLogger(__name__)
 

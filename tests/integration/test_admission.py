@@ -21,11 +21,11 @@ from sluice.routing import VersionInfo
 from sluice.settings import Settings
 from sluice.wire import connections, heartbeats, keys
 from sluice.wire.broker import Broker
+from sluice.wire.entries import StreamEntry
 from sluice.wire.heartbeats import Heartbeat, WorkerState
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
 from sluice.wire.quota import TenantLimits
-from sluice.wire.streams import StreamEntry
 from tests.support import ApiServer, claim_one, http_client, serving, unique, wait_until
 
 

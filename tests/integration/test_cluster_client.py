@@ -26,7 +26,8 @@ from sluice.wire.idempotency import IdempotencyClaim
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.quota import Refusal, TenantLimits
 from sluice.wire.samples import Sample
-from sluice.wire.streams import Finished, StreamConsumer
+from sluice.wire.script_calls import Finished
+from sluice.wire.streams import StreamConsumer
 from tests.redis_cluster import LocalCluster, running_cluster
 from tests.support import wait_until
 

@@ -22,7 +22,8 @@ from sluice.errors import WorkerFailed
 from sluice.kinds import ModelKind
 from sluice.wire import events, keys
 from sluice.wire.connections import connect
-from sluice.wire.streams import DeadLetter, StreamConsumer
+from sluice.wire.entries import DeadLetter
+from sluice.wire.streams import StreamConsumer
 from tests.support import drive, queue_in_redis, unique
 from workers.execution import Outcome
 from workers.models.protocol import ModelHandler

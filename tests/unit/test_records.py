@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 from sluice.wire import events
+from sluice.wire.entries import DeadLetter, StreamEntry
 from sluice.wire.heartbeats import LIVE_WITHIN_S, Heartbeat, WorkerState, live_since
 from sluice.wire.idempotency import IdempotencyRecord
 from sluice.wire.jobs import JobRecord, JobStatus, JobView
 from sluice.wire.outbox import OutboxEntry
 from sluice.wire.samples import Sample
-from sluice.wire.streams import DeadLetter, StreamEntry
 
 
 def _as_redis(fields: Mapping[str, str]) -> dict[bytes, bytes]:

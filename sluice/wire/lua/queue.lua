@@ -1,6 +1,6 @@
 -- queue.lua: queue one submission (one tenant's jobs, for one lane of one version), records then
 -- entries, in one atomic step (`sluice.wire.broker.Broker.enqueue`, arguments by
--- `sluice.wire.streams.queue_call`).
+-- `sluice.wire.script_calls.queue_call`).
 --
 -- KEYS[1]: the lane's stream
 -- KEYS[2]: the version's webhook outbox

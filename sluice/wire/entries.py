@@ -1,0 +1,71 @@
+"""What a version's streams carry: a lane's entry (enough to batch without reading the job record),
+an entry as the group delivered it, and a dead letter. The codec of both streams' fields."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sluice.vocabulary import Lane
+from sluice.wire.connections import reply_text
+from sluice.wire.jobs import JobRecord
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEntry:
+    """What a lane's stream carries: enough to batch without reading the job record."""
+
+    job_id: str
+    tenant: str
+    cost: int
+    enqueued_at: float
+    shadow: str | None = None  # copy the input to this version once the job succeeds
+    shadow_of: str | None = None  # this job is a shadow copy of that primary job
+    request_id: str | None = None
+
+    @classmethod
+    def of(cls, record: JobRecord) -> StreamEntry:
+        return cls(job_id=record.id, tenant=record.tenant, cost=record.cost, enqueued_at=record.enqueued_at,
+                   shadow=record.shadow, shadow_of=record.shadow_of, request_id=record.request_id)
+
+    def to_fields(self) -> dict[str, str]:
+        fields = {"id": self.job_id, "tenant": self.tenant, "cost": str(self.cost), "t": repr(self.enqueued_at)}
+        if self.shadow:
+            fields["sh"] = self.shadow
+        if self.shadow_of:
+            fields["so"] = self.shadow_of
+        if self.request_id:
+            fields["rq"] = self.request_id
+        return fields
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[bytes, bytes]) -> StreamEntry:
+        return cls(job_id=fields[b"id"].decode(), tenant=fields[b"tenant"].decode(), cost=int(fields[b"cost"]),
+                   enqueued_at=float(fields[b"t"]), shadow=reply_text(fields.get(b"sh")) or None,
+                   shadow_of=reply_text(fields.get(b"so")) or None, request_id=reply_text(fields.get(b"rq")) or None)
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """An entry of `keys.dead_stream`: a job given up after max_deliveries, with the last error.
+    claim.lua writes these fields when it gives a job up."""
+
+    job_id: str
+    error: str
+    at: float
+
+    def to_fields(self) -> dict[str, str]:
+        return {"id": self.job_id, "error": self.error[:500], "t": repr(self.at)}
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[bytes, bytes]) -> DeadLetter:
+        return cls(job_id=fields[b"id"].decode(), error=fields[b"error"].decode(), at=float(fields[b"t"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """An entry as the group delivered it to this consumer."""
+
+    lane: Lane
+    entry_id: str
+    entry: StreamEntry
