@@ -1,4 +1,4 @@
-"""The response models of the REST API (DESIGN §6): what `/openapi.json` promises clients get back.
+"""The response models of the REST API: what `/openapi.json` promises clients get back.
 
 The kernel builds these bodies as plain dicts (`JobRecord.resource()`, `catalog.model_resource`,
 `stats.summarise`); the routes validate them through these models on the way out.

@@ -1,4 +1,4 @@
-"""What one API process spends per request (issue 9, point 2): CPU ms of the API process, and of
+"""What one API process spends per request: CPU ms of the API process, and of
 Redis, per single submit, per job read (plain and `?wait=`) and per job through `jobs:bulk`.
 
 One `sluice api` process (`python -m launch.cli api`, as `sluice api` starts it: uvicorn, the

@@ -10,7 +10,7 @@ throughput ratio are reported unless `--measure` times the batch lists.
 
 Policies compared:
 
-* ``eager``: the worker before issue 2's fix: `poll(now)` after every read, every closed batch
+* ``eager``: the worker as it first was: `poll(now)` after every read, every closed batch
   queued for the model; power-of-two buckets (16 .. 256) with the batcher's top-up;
 * ``take``: the worker now: `take(now)` when the model is free, everything else stays held and
   keeps growing; with power-of-two or fine buckets (`sluice.batcher.DEFAULT_BUCKET_BOUNDS`),

@@ -1,5 +1,5 @@
 """Sluice against the queue a team would otherwise write, in one run: single-job clients, each
-submitting ONE job and waiting for ITS result (issue 9, point 1).
+submitting ONE job and waiting for ITS result.
 
 * **Celery** (`bench.celery_baseline`): one task per request, `--pool prefork --concurrency 2`,
   each child with the platform's own MiniLM handler and one torch thread.

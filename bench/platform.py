@@ -1,4 +1,4 @@
-"""The three figures of DESIGN §9, measured in one run on this machine.
+"""The platform's three headline figures, measured in one run on this machine.
 
 1. Saturated throughput through the whole platform (API -> Redis stream -> N workers ->
    Redis) vs the same model in-process at the same batch size (32) and length mix: the

@@ -1,4 +1,4 @@
-"""Rollback propagation across two API replicas (issue 4): from the rollback's answer until both
+"""Rollback propagation across two API replicas: from the rollback's answer until both
 replicas route unpinned jobs to the stable version again. Target: under 100 ms.
 
 Two `sluice api` processes (A and B) share a fresh database (`BenchPlatform`) and a

@@ -1,4 +1,4 @@
-"""What waiting on many jobs costs (issue 9, point 3): one long-poll per job against one long-poll
+"""What waiting on many jobs costs: one long-poll per job against one long-poll
 for all of them (`GET /v1/jobs?ids=…&wait=`), both through the project's `AsyncClient`.
 
 `BenchPlatform` (fresh database, `sluice api`, one `sluice worker`) on a redis-server of the

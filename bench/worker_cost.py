@@ -1,4 +1,4 @@
-"""The worker's CPU per job, split into the model's forward pass and everything else (issue 9).
+"""The worker's CPU per job, split into the model's forward pass and everything else.
 
 A real `workers.worker.Worker` with the real MiniLM embedding handler (1 torch thread) runs in a
 process of its own (this module with `--serve`, on the event loop `sluice worker` uses), on a

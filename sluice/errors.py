@@ -158,7 +158,7 @@ class ServiceUnavailable(ApiError):
 
 
 class NoServableVersion(ServiceUnavailable):
-    """The model has no version with routing weight in a serving state (DESIGN: 503): nothing can
+    """The model has no version with routing weight in a serving state (503): nothing can
     run its jobs until an admin routes it. Its own code, so a client (and a test) can tell it
     from a store that is down."""
 

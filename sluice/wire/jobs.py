@@ -177,7 +177,7 @@ class JobRecord:
         return self.status in FINAL_STATES
 
     def resource(self) -> dict[str, Any]:
-        """The job resource of the REST contract (DESIGN §6)."""
+        """The job resource of the REST contract (`api/response_models.py`, `JobResource`)."""
         body: dict[str, Any] = {
             "id": self.id,
             "status": self.status.value,

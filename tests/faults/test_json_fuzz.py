@@ -72,7 +72,7 @@ class Tally:
             return
         self.statuses[outcome.status_code] = self.statuses.get(outcome.status_code, 0) + 1
         if outcome.status_code == 503 and _error_code(outcome) == "no_servable_version":
-            # The designed answer (DESIGN: 503 no servable version) for a model the fuzzed admin
+            # The designed answer (503, no servable version) for a model the fuzzed admin
             # writes created without routing weight; any other 5xx is a failure.
             self.unroutable += 1
         elif outcome.status_code >= 500:

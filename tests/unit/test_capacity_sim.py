@@ -1,5 +1,5 @@
 """The autoscaling simulator: the real batcher and the real policy on arrival traces, against an
-HPA-like utilization policy with the same bounds and cold start (issue 10's proof relations)."""
+HPA-like utilization policy with the same bounds and cold start."""
 
 from __future__ import annotations
 
