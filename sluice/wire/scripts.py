@@ -1,7 +1,7 @@
 """The Lua scripts of the Redis wire contract, read from sluice/wire/lua/.
 
 Each script is one file there, whose header names its KEYS, its ARGV and what it returns; the
-modules that build a script's arguments (`streams`, `quota`, `broker`, workers/delivery.py) say
+modules that build a script's arguments (`script_calls`, `quota`, `broker`, workers/delivery.py) say
 which file they feed. Functions several scripts share live in sluice/wire/lua/lib/ and are pulled
 in by a line `--!include lib/NAME.lua`, which this loader replaces by that file's text: what
 Redis runs is the file as written, with its includes in place, and nothing else.

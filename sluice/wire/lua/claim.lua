@@ -1,5 +1,6 @@
 -- claim.lua: claim the jobs of entries the `workers` group delivered, and settle the entries whose
--- jobs will not run (`sluice.wire.streams.StreamConsumer.claim`, arguments by `claim_call`).
+-- jobs will not run (`sluice.wire.streams.StreamConsumer.claim`, arguments by
+-- `sluice.wire.script_calls.claim_call`).
 --
 -- KEYS[1]: the version's webhook outbox
 -- KEYS[2]: its dead-letter stream

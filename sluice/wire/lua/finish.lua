@@ -1,6 +1,7 @@
 -- finish.lua: store a batch's outcomes, with their webhooks, events, samples and response-cache
 -- entries, note its faults, and acknowledge its stored jobs, in one atomic step
--- (`sluice.wire.streams.StreamConsumer.finish`, arguments by `finish_call`).
+-- (`sluice.wire.streams.StreamConsumer.finish`, arguments by
+-- `sluice.wire.script_calls.finish_call`).
 --
 -- KEYS[1]: the version's webhook outbox
 -- KEYS[2]: its samples stream
