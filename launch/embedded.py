@@ -50,7 +50,7 @@ VALKEY_CONFIG = {"appendonly": "yes", "appendfsync": "everysec", "save": ""}
 # --- ports ----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((HOST, 0))
         return int(sock.getsockname()[1])
@@ -176,7 +176,7 @@ def _launch(
         raise error(f"cannot start embedded {name}: port {port} is already in use")
     attempts = 1 if port is not None else 3
     for attempt in range(1, attempts + 1):
-        chosen = port if port is not None else _free_port()
+        chosen = port if port is not None else free_port()
         try:
             process, offset = _spawn(argv(chosen), log_path=log_path, cwd=cwd, account=account, env=env)
         except OSError as exc:
@@ -208,7 +208,7 @@ def _launch(
 # --- Valkey ---------------------------------------------------------------------------------
 
 
-def _ping(port: int) -> bool:
+def answers_ping(port: int) -> bool:
     try:
         with socket.create_connection((HOST, port), timeout=1.0) as sock:
             sock.sendall(b"*1\r\n$4\r\nPING\r\n")
@@ -248,7 +248,7 @@ def _start_valkey(home: Path, port: int | None, timeout: float, watchdog: Watchd
     server, port = _launch(
         "Valkey",
         argv=argv,
-        ready=_ping,
+        ready=answers_ping,
         port=port,
         stop_signal=signal.SIGTERM,
         pid_file=pid_file,

@@ -6,35 +6,19 @@ directory removed afterwards. Nobody else's processes publish on its channels or
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from launch.embedded import HOST, answers_ping, free_port
 from sluice.errors import BrokerUnavailable
 
-HOST = "127.0.0.1"
 # A measurement needs no durability: no AOF, no RDB snapshots, nothing written beside the run.
 CONFIG = {"bind": HOST, "appendonly": "no", "save": "", "logfile": ""}
 STARTUP_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 20.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
-def _answers_ping(port: int) -> bool:
-    try:
-        with socket.create_connection((HOST, port), timeout=1.0) as sock:
-            sock.sendall(b"*1\r\n$4\r\nPING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
 
 
 @contextlib.contextmanager
@@ -49,7 +33,7 @@ def private_valkey() -> Iterator[str]:
         binary = get_binary_path()
     except ValkeyServerError as exc:
         raise BrokerUnavailable(f"cannot start a private Valkey: {exc}") from exc
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="sluice-frontier-valkey-") as directory:
         config = Path(directory) / "valkey.conf"
         generate_config_file(config, port, Path(directory), CONFIG)
@@ -57,7 +41,7 @@ def private_valkey() -> Iterator[str]:
                                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while not _answers_ping(port):
+            while not answers_ping(port):
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise BrokerUnavailable(f"a private Valkey on port {port} did not start")
                 time.sleep(0.05)

@@ -229,8 +229,8 @@ def test_a_free_port_taken_before_the_server_binds_it_is_retried(home: Path, mon
         squatter.listen()
         taken = squatter.getsockname()[1]
         ports = iter([taken])
-        real_free_port = embedded._free_port
-        monkeypatch.setattr(embedded, "_free_port", lambda: next(ports, None) or real_free_port())
+        real_free_port = embedded.free_port
+        monkeypatch.setattr(embedded, "free_port", lambda: next(ports, None) or real_free_port())
         stores = start_embedded(home=home, redis_url=None, database_url="postgresql://unused")
         try:
             assert not stores.redis_url.startswith(f"redis://127.0.0.1:{taken}/")

@@ -7,8 +7,8 @@ decoded by one function into its kind (`InvalidRequest`, `AuthError`, `NotFoundE
 `max_retry_wait_s`: such an answer queued nothing, so sending again cannot make a second job.
 A client waiting for a job holds one long-poll at a time and re-issues it until the job is
 final; waiting on many jobs (`wait_many`, `as_completed`) holds one long-poll for all of them
-(`GET /v1/jobs?ids=`), re-issued with the ids still pending. `verify` checks a webhook's
-`Sluice-Signature` for a receiver.
+(`GET /v1/jobs?ids=`), re-issued with the ids still pending. A webhook receiver checks the
+`Sluice-Signature` with `sluice_client.verify`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import httpx
 from sluice_client.admin import AdminCalls, AsyncAdminCalls
 from sluice_client.batches import AsyncBatchCalls, BatchCalls
 from sluice_client.jobs import FINAL, MAX_WAIT_IDS
-from sluice_client.webhooks import retry_after_s, verify
+from sluice_client.webhooks import retry_after_s
 
 # The longest single long-poll a client asks for; the API may cap it lower (`max_wait_s`).
 POLL_S = 20.0
@@ -387,20 +387,3 @@ class AsyncClient(AsyncAdminCalls, AsyncBatchCalls):
 
 # The name the README and most callers use.
 Client = SluiceClient
-
-
-__all__ = [
-    "AsyncClient",
-    "AuthError",
-    "Client",
-    "ClientError",
-    "ConflictError",
-    "InvalidRequest",
-    "NotFoundError",
-    "RateLimited",
-    "SluiceClient",
-    "SluiceError",
-    "Unavailable",
-    "WaitTimeout",
-    "verify",
-]
