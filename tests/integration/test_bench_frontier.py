@@ -12,6 +12,8 @@ import redis
 from typer.testing import CliRunner
 
 from launch.cli import app
+from launch.embedded import answers_ping
+from launch.private_valkey import private_valkey
 
 pytestmark = pytest.mark.slow
 
@@ -80,3 +82,13 @@ def test_plan_from_the_frontier(swept: tuple[Path, str]) -> None:
         "plan", "--frontier", str(out / "frontier.json"), "--p99-budget-ms", str(BUDGET_MS), "--peak-rps", "500",
         "--device", "cpu=0.10"])
     assert table.exit_code == 0 and "per 1M at peak" in table.output
+
+
+def test_a_run_without_a_redis_url_gets_a_valkey_of_its_own_that_is_gone_afterwards() -> None:
+    with private_valkey() as url:
+        client = redis.Redis.from_url(url)
+        assert client.ping()
+        assert client.dbsize() == 0
+        port = client.connection_pool.connection_kwargs["port"]
+        client.close()
+    assert not answers_ping(port)
