@@ -2,7 +2,7 @@
 
 A route that declares a `response_model` and returns a dict has FastAPI validate the dict
 through the model and dump it again; for a job read that was most of the cost of the answer. The
-kernel's bodies already are what the models promise (tests/unit/test_resources.py holds them
+kernel's bodies already are what the models promise (tests/unit/test_response_models.py holds them
 equal), so the hot routes keep the model for `/openapi.json` and answer a `JsonResponse`, which
 FastAPI sends untouched.
 """
