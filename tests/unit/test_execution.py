@@ -11,10 +11,11 @@ import pytest
 from sluice.errors import InferenceError
 from sluice.kinds import ModelKind
 from workers.execution import fault_message, run_isolating
+from workers.models.protocol import ModelHandler
 from workers.worker import held_limit
 
 
-class Raising:
+class Raising(ModelHandler):
     """Echoes, except that a batch holding `bad` raises `error`."""
 
     kind = ModelKind.synthetic
@@ -32,7 +33,7 @@ class Raising:
         return [{"echo": dict(item)} for item in inputs]
 
 
-class Short:
+class Short(ModelHandler):
     """Breaks the handler contract: one output too few."""
 
     kind = ModelKind.synthetic
