@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -35,6 +36,8 @@ class Registry:
             connect_args={"connect_timeout": max(1, int(connect_timeout_s))},
         )
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._disposed = False
+        event.listen(self.engine, "checkin", self._close_if_disposed)
 
     def __repr__(self) -> str:
         return f"Registry({make_url(self.url).render_as_string(hide_password=True)})"
@@ -75,4 +78,12 @@ class Registry:
             session.execute(text("SELECT 1"))
 
     def dispose(self) -> None:
+        self._disposed = True
         self.engine.dispose()
+
+    def _close_if_disposed(self, dbapi_connection: Any, _record: Any) -> None:
+        # A query still running in a thread when the registry is disposed (a routing refresh at an
+        # API's shutdown) checks its connection into the pool that dispose() replaced and nobody
+        # closes: close it here rather than leave it to the garbage collector.
+        if self._disposed and dbapi_connection is not None:
+            dbapi_connection.close()

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import gc
+import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import text
 
+from sluice.registry.store import Registry
 from tests.conftest import WorkerProcess
 
 
@@ -166,3 +171,25 @@ def test_a_version_s_quality_windows_are_a_rest_resource(
     assert len(recent) == 1
     assert demo.get(f"/v1/models/{model}/versions/v9/quality").status_code == 404
     assert demo.get(f"/v1/models/{model}/versions/v1/quality", params={"hours": 0}).status_code == 422
+
+
+def test_a_query_still_running_when_the_registry_is_disposed_leaves_no_connection_open(database_url: str) -> None:
+    # An API's shutdown disposes its registry while a routing refresh may still be querying in a
+    # thread; that connection comes back after dispose() replaced the pool.
+    registry = Registry(url=database_url, pool_size=1)
+    started = threading.Event()
+
+    def slow_query() -> None:
+        with registry.session() as session:
+            started.set()
+            session.execute(text("SELECT pg_sleep(0.3)"))
+
+    thread = threading.Thread(target=slow_query)
+    thread.start()
+    assert started.wait(5)
+    registry.dispose()
+    thread.join(5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gc.collect()  # the pool dispose() replaced, with what came back into it
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
