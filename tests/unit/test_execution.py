@@ -1,5 +1,5 @@
 """Which failures end a job and which leave it for another delivery (workers/execution.py), and how
-much a worker may hold (workers/consumer.held_limit): pure, no Redis."""
+much a worker may hold (workers/worker.held_limit): pure, no Redis."""
 
 from __future__ import annotations
 
