@@ -18,6 +18,7 @@ import httpx
 import typer
 from rich.console import Console
 
+from sluice.backoff import Backoff
 from sluice.errors import SluiceError
 from sluice.settings import Settings
 from sluice.vocabulary import FINAL_BATCH_STATES
@@ -80,16 +81,16 @@ class ApiClient:
         self._http.close()
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
-        attempt = 0
+        backoff = Backoff(base_s=0.5, cap_s=MAX_RETRY_WAIT_S)
         while True:
             try:
                 return _decode(self._http.request(method, path, **kwargs))
             except ApiError as error:
-                if error.status not in (429, 503) or attempt >= RETRIES:
+                if error.status not in (429, 503) or backoff.failures >= RETRIES:
                     raise
-                wait = error.retry_after if error.retry_after is not None else 0.5 * 2 ** attempt
+                step = backoff.failed()
+                wait = error.retry_after if error.retry_after is not None else step
             time.sleep(min(MAX_RETRY_WAIT_S, wait))
-            attempt += 1
 
     # --- jobs (the demo of `sluice up`) ---
 
