@@ -113,6 +113,8 @@ class ModelVersion(Base):
     input_schema: Mapped[dict[str, Any] | None] = mapped_column(JsonDoc)
     output_schema: Mapped[dict[str, Any] | None] = mapped_column(JsonDoc)
     last_error: Mapped[str | None] = mapped_column(Text)
+    # Kind `torch-export`: loading a .pt2 runs pickle; only an admin may allow it (ARCHITECTURE.md).
+    allow_pickle: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now()
@@ -265,6 +267,9 @@ class Schedule(Base):
     actor: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     next_slot: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    # Why the last dispatch of this schedule failed; the others went on (ARCHITECTURE.md).
+    last_error: Mapped[str | None] = mapped_column(Text)
+    last_error_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Batch(Base):
