@@ -38,11 +38,11 @@ class CreateSchedule(BaseModel):
                                                                 "seconds last, as croniter reads them")
     timezone: str = Field(default="UTC", min_length=1, max_length=64, description="An IANA zone, e.g. Europe/Paris")
     input_uri: FileUri = Field(description="A file:// template under SLUICE_BATCH_ROOT, "
-                                                                      "e.g. file:///data/in/{date}.parquet")
+                                           "e.g. file:///data/in/{date}.parquet")
     format: Format | None = None
     text_field: str = Field(default="text", min_length=1, max_length=128)
     output_uri: FileUri | None = Field(default=None, description="Where each run's output is also "
-                                                                               "written (a template, like input_uri)")
+                                                                 "written (a template, like input_uri)")
     output_format: Format = "jsonl"
     callback_url: AnyHttpUrl | None = None
     tenant: str | None = Field(default=None, min_length=1, max_length=64,
