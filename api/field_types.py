@@ -6,13 +6,25 @@ from __future__ import annotations
 from collections.abc import Iterable
 from enum import StrEnum
 from typing import Annotated, Any, Literal
+from urllib.parse import unquote
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from sluice.kinds import ModelKind
 from sluice.versions import SERVING_STATES, VersionState
 
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+
+
+def _no_nul(uri: str) -> str:
+    # No file name holds one, and the file system refuses the path rather than answering "no such file".
+    if "\x00" in unquote(uri):
+        raise ValueError("a URI may not hold a NUL character (%00)")
+    return uri
+
+
+# A `file://` URI or template of a batch's or a schedule's input or output.
+FileUri = Annotated[str, Field(min_length=1, max_length=4096), AfterValidator(_no_nul)]
 
 
 def one_of(members: Iterable[StrEnum]) -> Any:

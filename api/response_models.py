@@ -166,6 +166,9 @@ class ScheduleResource(BaseModel):
     callback_url: str | None
     created_at: str = Field(json_schema_extra=_ISO)
     next_run_at: str = Field(json_schema_extra=_ISO)
+    last_error: str | None = Field(description="Why the last dispatch failed (its slots stay due and are "
+                                               "tried again); null once one succeeds")
+    last_error_at: str | None = Field(json_schema_extra=_ISO)
 
 
 class ScheduleList(BaseModel):

@@ -4,6 +4,11 @@ Beat sends the dispatch every `batch_sweep_s`; running it twice at once (two bea
 again after a restart in the middle of a slot creates nothing twice: the slot's batch is made
 under the schedule's row lock and the unique (schedule, slot) constraint
 (`sluice.registry.batches.take_due_slots`).
+
+Each schedule is dispatched in a transaction of its own, so one that fails for a reason nobody
+foresaw (a zone this host's tzdata no longer has, a query Postgres refuses) records why in its
+`last_error`, stays due for the next sweep, and stops no other schedule. Only Postgres being
+unreachable ends the sweep.
 """
 
 from __future__ import annotations
@@ -12,29 +17,52 @@ import logging
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
-from zoneinfo import ZoneInfo
 
-from sluice.batch_files import format_of, local_path, render_template
-from sluice.errors import SluiceError
+from sluice.batch_files import BatchFileError, format_of, local_path, render_template
+from sluice.errors import RegistryUnavailable, SluiceError
 from sluice.registry import batches as queries
 from sluice.registry.routing_table import routing_snapshot
 from sluice.registry.store import Registry
-from sluice.routing import route
+from sluice.routing import RoutingSnapshot, route
+from sluice.schedule_slots import zone_of
 from sluice.vocabulary import BatchState
 
 log = logging.getLogger(__name__)
+
+# The longest `last_error` kept: the exception's text, which may quote a long URI.
+MAX_ERROR_CHARS = 2000
 
 
 def dispatch_due(registry: Registry, *, batch_root: Path | None, now: datetime) -> list[str]:
     """Create the batch of every due slot; answer the new batches' ids. A slot whose input is
     missing, or whose model has no servable version, gets a failed batch that says why: a run
     that could not happen is listed, not skipped in silence."""
-    created = []
     with registry.session() as session:
         snapshot = routing_snapshot(session)
-        for due in queries.take_due_slots(session, now=now):
+        due = queries.due_schedules(session, now=now)
+    created = []
+    for schedule_id in due:
+        try:
+            created += _dispatch(registry, snapshot, schedule_id, batch_root=batch_root, now=now)
+        except RegistryUnavailable:
+            raise
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+            with registry.session() as session:
+                new = queries.record_dispatch_error(session, schedule_id, error=error, now=now)
+            # Retried every sweep: the traceback once per new error, not every few seconds.
+            log.log(logging.ERROR if new else logging.DEBUG, "schedule %s not dispatched (retried at the "
+                    "next sweep): %s", schedule_id, error, exc_info=exc if new else None)
+    return created
+
+
+def _dispatch(registry: Registry, snapshot: RoutingSnapshot, schedule_id: str, *, batch_root: Path | None,
+              now: datetime) -> list[str]:
+    created = []
+    with registry.session() as session:
+        for due in queries.take_due_slots(session, schedule_id, now=now):
             schedule = due.schedule
-            local = due.slot.astimezone(ZoneInfo(schedule.timezone))
+            local = due.slot.astimezone(zone_of(schedule.timezone))
             # What a failed run records when the slot's input or version cannot be resolved.
             spec = queries.NewBatch(
                 tenant=schedule.tenant_id, model=schedule.model, version=schedule.version or "",
@@ -44,9 +72,7 @@ def dispatch_due(registry: Registry, *, batch_root: Path | None, now: datetime) 
             )
             status, error = BatchState.queued, None
             try:
-                path = local_path(render_template(schedule.input_uri, local), root=batch_root, must_exist=True)
-                output = (local_path(render_template(schedule.output_uri, local), root=batch_root, must_exist=False)
-                          if schedule.output_uri else None)
+                path, output = _paths(due, local, batch_root)
                 decision = route(snapshot, model=schedule.model, tenant=schedule.tenant_id, routing_key=None,
                                  version=schedule.version, blocked=(), admin=True)
                 spec = replace(spec, version=decision.version.version, input_path=str(path),
@@ -59,3 +85,17 @@ def dispatch_due(registry: Registry, *, batch_root: Path | None, now: datetime) 
                 created.append(row.id)
                 log.info("schedule %s: slot %s -> batch %s (%s)", schedule.id, due.slot.isoformat(), row.id, status)
     return created
+
+
+def _paths(due: queries.DueSlot, local: datetime, batch_root: Path | None) -> tuple[Path, Path | None]:
+    """The slot's input and output files. The file system's own refusals of a path (a symlink
+    loop, a NUL byte) are the slot's input at fault, a failed run like a missing file."""
+    schedule = due.schedule
+    try:
+        path = local_path(render_template(schedule.input_uri, local), root=batch_root, must_exist=True)
+        output = (local_path(render_template(schedule.output_uri, local), root=batch_root, must_exist=False)
+                  if schedule.output_uri else None)
+    except (OSError, RuntimeError, ValueError) as exc:
+        log.warning("schedule %s: slot %s: the path cannot be resolved: %s", schedule.id, due.slot.isoformat(), exc)
+        raise BatchFileError("the slot's input_uri or output_uri names a path that cannot be resolved") from None
+    return path, output

@@ -22,6 +22,7 @@ from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import UploadFile
 
 from api.deps import AppState, CurrentKey, StateDep, checked_callback
+from api.field_types import FileUri
 from api.json_response import JsonResponse
 from api.response_models import BatchList, BatchResource, ErrorResource
 from sluice import batch_files
@@ -64,7 +65,7 @@ class CreateBatch(_BatchOptions):
 
     inputs: list[Any] | None = Field(default=None, min_length=1, description="Inline inputs, e.g. "
                                                                              "[{\"text\": \"...\"}]")
-    input_uri: str | None = Field(default=None, max_length=4096, description="A file:// URI under SLUICE_BATCH_ROOT")
+    input_uri: FileUri | None = Field(default=None, description="A file:// URI under SLUICE_BATCH_ROOT")
 
 
 _CREATE_BODY = {
@@ -272,9 +273,13 @@ async def batch_output(
 @router.delete("/batches/{batch_id}", response_model=BatchResource, response_model_exclude_unset=True,
                responses=_ERRORS)
 async def cancel_batch(batch_id: str, key: CurrentKey, state: StateDep) -> dict[str, Any]:
-    """Cancel what has not started: rows not yet queued never run, queued ones end `cancelled`."""
+    """Cancel what has not started: rows not yet queued never run, queued ones end `cancelled`. An
+    admin key cancels any tenant's batch (a schedule's run is its tenant's), audited."""
+    actor = f"key:{key.key_id}" if key.is_admin else None
+
     def write() -> dict[str, Any]:
         with state.registry.session() as session:
-            return queries.batch_resource(queries.cancel_batch(session, batch_id, tenant=key.tenant, now=_now()))
+            return queries.batch_resource(queries.cancel_batch(session, batch_id, tenant=_reader(key), now=_now(),
+                                                               audit_actor=actor))
 
     return await to_thread.run_sync(write)

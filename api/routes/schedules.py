@@ -11,6 +11,7 @@ from fastapi import APIRouter
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
 
 from api.deps import AdminKey, StateDep, checked_callback
+from api.field_types import FileUri
 from api.json_response import JsonResponse
 from api.middleware import StrictJsonRoute
 from api.response_models import ErrorResource, ScheduleList, ScheduleResource
@@ -36,12 +37,12 @@ class CreateSchedule(BaseModel):
     cron: str = Field(min_length=1, max_length=128, description="Five fields (minute to weekday), or six with "
                                                                 "seconds last, as croniter reads them")
     timezone: str = Field(default="UTC", min_length=1, max_length=64, description="An IANA zone, e.g. Europe/Paris")
-    input_uri: str = Field(min_length=1, max_length=4096, description="A file:// template under SLUICE_BATCH_ROOT, "
-                                                                      "e.g. file:///data/in/{date}.parquet")
+    input_uri: FileUri = Field(description="A file:// template under SLUICE_BATCH_ROOT, "
+                                           "e.g. file:///data/in/{date}.parquet")
     format: Format | None = None
     text_field: str = Field(default="text", min_length=1, max_length=128)
-    output_uri: str | None = Field(default=None, max_length=4096, description="Where each run's output is also "
-                                                                               "written (a template, like input_uri)")
+    output_uri: FileUri | None = Field(default=None, description="Where each run's output is also "
+                                                                 "written (a template, like input_uri)")
     output_format: Format = "jsonl"
     callback_url: AnyHttpUrl | None = None
     tenant: str | None = Field(default=None, min_length=1, max_length=64,
@@ -96,6 +97,7 @@ async def delete_schedule(schedule_id: str, key: AdminKey, state: StateDep) -> d
     """No more runs; runs already made stay (and keep running). Answers the schedule as it was."""
     def write() -> dict[str, Any]:
         with state.registry.session() as session:
-            return queries.schedule_resource(queries.delete_schedule(session, schedule_id))
+            return queries.schedule_resource(queries.delete_schedule(session, schedule_id,
+                                                                     actor=f"key:{key.key_id}"))
 
     return await to_thread.run_sync(write)

@@ -1,5 +1,6 @@
-"""The audit log: every change to routing, pins, versions, tiers, tenants and keys writes one row
-in the transaction that makes the change, so the log can never disagree with the table it describes."""
+"""The audit log: every change to routing, pins, versions, tiers, tenants, keys and schedules, and an
+admin's cancel of a batch, writes one row in the transaction that makes the change, so the log can
+never disagree with the table it describes."""
 
 from __future__ import annotations
 

@@ -13,18 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import CroniterBadCronError, CroniterBadDateError, croniter
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
-from sluice.errors import Conflict, InvalidInput, NotFound
+from sluice.errors import Conflict, NotFound
+from sluice.registry import audit
 from sluice.registry.tables import Batch, Model, Schedule, Tenant
+from sluice.schedule_slots import due_slots, next_slot
 from sluice.vocabulary import FINAL_BATCH_STATES, BatchState
-
-# The most missed slots one dispatch catches up per schedule (after beat was down for a long time).
-MAX_CATCH_UP = 100
 
 
 def new_batch_id() -> str:
@@ -101,19 +98,26 @@ def list_batches(session: Session, *, tenant: str | None, schedule_id: str | Non
     return session.scalars(query).all()
 
 
-def cancel_batch(session: Session, batch_id: str, *, tenant: str, now: datetime) -> Batch:
+def cancel_batch(session: Session, batch_id: str, *, tenant: str | None, now: datetime,
+                 audit_actor: str | None = None) -> Batch:
     """Cancel what has not started: a queued batch ends now; a running one is `cancelled` at once and
     its feeder stops submitting, cancels its queued jobs and sets `finished_at` once the output
-    holds every row that ran."""
+    holds every row that ran. `tenant` None: any tenant's (an admin's key). With `audit_actor` the
+    cancel is an audited change (an admin's); a tenant's own is not, like a job's."""
     row = session.get(Batch, batch_id, with_for_update=True)
-    if row is None or row.tenant_id != tenant:
+    if row is None or (tenant is not None and row.tenant_id != tenant):
         raise NotFound(f"batch '{batch_id}' does not exist")
     if row.status in FINAL_BATCH_STATES:
         raise Conflict(f"batch '{batch_id}' is {row.status}; only a queued or running batch can be cancelled")
+    before = row.status
     if row.status == BatchState.queued:
         row.finished_at = now
     row.status = BatchState.cancelled
     session.flush()
+    if audit_actor is not None:
+        audit.record(session, actor=audit_actor, action="batch.cancel", model=row.model,
+                     before={"batch": row.id, "tenant": row.tenant_id, "status": before},
+                     after={"batch": row.id, "tenant": row.tenant_id, "status": row.status}, reason=None)
     return row
 
 
@@ -224,22 +228,6 @@ def mark_callback_sent(session: Session, batch_ids: Sequence[str]) -> None:
 # --- schedules ---------------------------------------------------------------------------------------
 
 
-def _zone(name: str) -> ZoneInfo:
-    try:
-        return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError) as exc:
-        raise InvalidInput(f"unknown time zone '{name}'") from exc
-
-
-def next_slot(cron: str, timezone: str, after: datetime) -> datetime:
-    """The first slot of `cron` (in `timezone`, daylight saving included) strictly after `after`."""
-    try:
-        following: datetime = croniter(cron, after.astimezone(_zone(timezone))).get_next(datetime)
-        return following.astimezone(UTC)
-    except (CroniterBadCronError, CroniterBadDateError, ValueError, KeyError) as exc:
-        raise InvalidInput(f"'{cron}' is not a cron expression croniter reads: {exc}") from exc
-
-
 @dataclass(frozen=True, slots=True)
 class NewSchedule:
     tenant: str
@@ -255,6 +243,11 @@ class NewSchedule:
     callback_url: str | None
 
 
+def _schedule_fields(row: Schedule) -> dict[str, Any]:
+    return {"schedule": row.id, "tenant": row.tenant_id, "model": row.model, "version": row.version,
+            "cron": row.cron, "timezone": row.timezone, "input_uri": row.input_uri, "output_uri": row.output_uri}
+
+
 def create_schedule(session: Session, spec: NewSchedule, *, actor: str, now: datetime) -> Schedule:
     if session.get(Model, spec.model) is None:
         raise NotFound(f"model '{spec.model}' does not exist")
@@ -268,6 +261,8 @@ def create_schedule(session: Session, spec: NewSchedule, *, actor: str, now: dat
     session.add(row)
     session.flush()
     session.refresh(row)
+    audit.record(session, actor=actor, action="schedule.create", model=row.model, before=None,
+                 after=_schedule_fields(row), reason=None)
     return row
 
 
@@ -277,6 +272,7 @@ def schedule_resource(row: Schedule) -> dict[str, Any]:
         "timezone": row.timezone, "input_uri": row.input_uri, "input_format": row.input_format,
         "text_field": row.text_field, "output_uri": row.output_uri, "output_format": row.output_format,
         "callback_url": row.callback_url, "created_at": _iso(row.created_at), "next_run_at": _iso(row.next_slot),
+        "last_error": row.last_error, "last_error_at": _iso(row.last_error_at),
     }
 
 
@@ -291,8 +287,10 @@ def get_schedule(session: Session, schedule_id: str) -> Schedule:
     return row
 
 
-def delete_schedule(session: Session, schedule_id: str) -> Schedule:
+def delete_schedule(session: Session, schedule_id: str, *, actor: str) -> Schedule:
     row = get_schedule(session, schedule_id)
+    audit.record(session, actor=actor, action="schedule.delete", model=row.model, before=_schedule_fields(row),
+                 after=None, reason=None)
     session.delete(row)
     session.flush()
     return row
@@ -304,25 +302,36 @@ class DueSlot:
     slot: datetime
 
 
-def take_due_slots(session: Session, *, now: datetime) -> list[DueSlot]:
-    """Lock the schedules with a due slot (skipping ones another dispatcher holds) and advance each
-    past its due slots; the caller creates one batch per slot with `create_run` in the same
-    transaction, so a slot is taken and run together or not at all."""
-    due = session.scalars(select(Schedule).where(Schedule.next_slot <= now).order_by(Schedule.next_slot)
-                          .with_for_update(skip_locked=True)).all()
-    slots = []
-    for schedule in due:
-        slot = schedule.next_slot
-        for _ in range(MAX_CATCH_UP):
-            if slot > now:
-                break
-            slots.append(DueSlot(schedule, slot))
-            slot = next_slot(schedule.cron, schedule.timezone, slot)
-        else:
-            # Far behind: the slots in between are skipped, not run late one after another.
-            slot = next_slot(schedule.cron, schedule.timezone, now)
-        schedule.next_slot = slot
-    return slots
+def due_schedules(session: Session, *, now: datetime) -> list[str]:
+    """The schedules with a due slot, the most overdue first; each is taken in its own transaction."""
+    return list(session.scalars(select(Schedule.id).where(Schedule.next_slot <= now)
+                                .order_by(Schedule.next_slot, Schedule.id)).all())
+
+
+def take_due_slots(session: Session, schedule_id: str, *, now: datetime) -> list[DueSlot]:
+    """Lock the schedule unless another dispatcher holds it, and advance it past its due slots (none
+    when it is held or no longer due); the caller creates one batch per slot with `create_run` in
+    the same transaction, so a slot is taken and run together or not at all. A dispatch that gets
+    this far clears the schedule's last error."""
+    schedule = session.scalars(select(Schedule).where(Schedule.id == schedule_id, Schedule.next_slot <= now)
+                               .with_for_update(skip_locked=True)).first()
+    if schedule is None:
+        return []
+    due = due_slots(schedule.cron, schedule.timezone, first=schedule.next_slot, now=now)
+    schedule.next_slot = due.following
+    schedule.last_error = schedule.last_error_at = None
+    return [DueSlot(schedule, slot) for slot in due.slots]
+
+
+def record_dispatch_error(session: Session, schedule_id: str, *, error: str, now: datetime) -> bool:
+    """Why the schedule could not be dispatched (its slots stay due, for the next sweep); True
+    when the error is not the one already recorded."""
+    row = session.get(Schedule, schedule_id, with_for_update=True)
+    if row is None:
+        return False
+    new = row.last_error != error
+    row.last_error, row.last_error_at = error, now
+    return new
 
 
 def create_run(session: Session, due: DueSlot, spec: NewBatch, *, status: str = BatchState.queued,

@@ -12,7 +12,9 @@ import httpx
 import pytest
 from croniter import croniter
 
+from launch.seed import Seeded
 from sluice.registry import batches as queries
+from sluice.registry import tenants
 from sluice.registry.store import Registry
 from sluice.registry.tables import Schedule
 from sluice.settings import Settings
@@ -59,6 +61,9 @@ def test_a_schedule_is_created_listed_and_deleted_by_an_admin(
     ({"model": "no-such-model"}, 404),
     ({"tenant": "no-such-tenant"}, 404),
     ({"format": "xlsx"}, 422),
+    ({"input_uri": "ROOT/in%00/{date}.jsonl"}, 422),
+    ({"input_uri": "ROOT/in\u0000.jsonl"}, 422),
+    ({"output_uri": "ROOT/out%00.jsonl"}, 422),
 ])
 def test_a_bad_schedule_is_refused(admin: httpx.Client, settings: Settings, register_synthetic: Callable[..., str],
                                    change: dict[str, Any], status: int) -> None:
@@ -123,3 +128,121 @@ def test_a_slot_whose_input_is_missing_is_a_failed_run_that_says_why(
     assert run["status"] == "failed" and "is not a file" in run["error"] and run["finished_at"]
     with registry.session() as session:
         assert queries.get_batch(session, batch_id).schedule_id == created["id"]
+
+
+def test_an_input_uri_with_a_nul_byte_is_refused_at_submit(demo: httpx.Client, settings: Settings,
+                                                           register_synthetic: Callable[..., str]) -> None:
+    assert settings.batch_root is not None
+    model = register_synthetic("nul")
+    for uri, says in ((f"{settings.batch_root.as_uri()}/in%00.jsonl", "NUL"),
+                      (f"{settings.batch_root.as_uri()}/in\u0000.jsonl", "U+0000")):
+        response = demo.post("/v1/batches", json={"model": model, "input_uri": uri})
+        assert response.status_code == 422, response.text
+        assert says in response.json()["error"]["message"]
+
+
+def _due(registry: Registry, schedule_id: str, slot: datetime, **changes: Any) -> None:
+    with registry.session() as session:
+        row = session.get(Schedule, schedule_id)
+        assert row is not None
+        row.next_slot = slot
+        for name, value in changes.items():
+            setattr(row, name, value)
+
+
+def test_a_slot_whose_input_path_cannot_be_resolved_fails_alone(
+    admin: httpx.Client, settings: Settings, registry: Registry, register_synthetic: Callable[..., str]
+) -> None:
+    """A symlink loop where the input should be: that run fails; the other schedules' runs are made."""
+    assert settings.batch_root is not None
+    looping, healthy = register_synthetic("loop"), register_synthetic("healthy")
+    broken = _schedule(admin, settings, looping, cron="0 * * * *", timezone="UTC")
+    working = _schedule(admin, settings, healthy, cron="0 * * * *", timezone="UTC")
+    slot = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
+    (settings.batch_root / looping).mkdir(parents=True, exist_ok=True)
+    (settings.batch_root / healthy).mkdir(parents=True, exist_ok=True)
+    (settings.batch_root / looping / f"{slot:%Y-%m-%d}.jsonl").symlink_to(settings.batch_root / looping / "loop")
+    (settings.batch_root / looping / "loop").symlink_to(settings.batch_root / looping / f"{slot:%Y-%m-%d}.jsonl")
+    (settings.batch_root / healthy / f"{slot:%Y-%m-%d}.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+    # The broken one first: it used to stop the dispatch before the others were reached.
+    _due(registry, broken["id"], slot - timedelta(hours=1))
+    _due(registry, working["id"], slot)
+    dispatch_due(registry, batch_root=settings.batch_root, now=slot + timedelta(minutes=1))
+    [good] = admin.get("/v1/batches", params={"schedule_id": working["id"]}).json()["batches"]
+    assert good["status"] == "queued"
+    runs = admin.get("/v1/batches", params={"schedule_id": broken["id"]}).json()["batches"]
+    assert len(runs) == 2 and {run["status"] for run in runs} == {"failed"}
+    assert all(run["error"] for run in runs)
+    assert admin.get(f"/v1/schedules/{broken['id']}").json()["next_run_at"] > slot.isoformat()[:19]
+
+
+def test_a_schedule_that_cannot_be_dispatched_records_why_and_the_others_go_on(
+    admin: httpx.Client, settings: Settings, registry: Registry, register_synthetic: Callable[..., str]
+) -> None:
+    """A schedule whose time zone this host no longer knows (tzdata drops and renames zones)."""
+    assert settings.batch_root is not None
+    stale, healthy = register_synthetic("stalezone"), register_synthetic("goes-on")
+    broken = _schedule(admin, settings, stale, cron="0 * * * *", timezone="UTC")
+    working = _schedule(admin, settings, healthy, cron="0 * * * *", timezone="UTC")
+    assert broken["last_error"] is None and broken["last_error_at"] is None
+    slot = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
+    for model in (stale, healthy):
+        (settings.batch_root / model).mkdir(parents=True, exist_ok=True)
+        (settings.batch_root / model / f"{slot:%Y-%m-%d}.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+    _due(registry, broken["id"], slot - timedelta(hours=1), timezone="Mars/Olympus")
+    _due(registry, working["id"], slot)
+    now = slot + timedelta(minutes=1)
+    dispatch_due(registry, batch_root=settings.batch_root, now=now)
+    assert len(admin.get("/v1/batches", params={"schedule_id": working["id"]}).json()["batches"]) == 1
+    assert admin.get("/v1/batches", params={"schedule_id": broken["id"]}).json()["batches"] == []
+    failing = admin.get(f"/v1/schedules/{broken['id']}").json()
+    assert "Mars/Olympus" in failing["last_error"] and failing["last_error_at"]
+    # Not advanced: once the schedule can be read again, its slots run, late but once each.
+    assert failing["next_run_at"] == (slot - timedelta(hours=1)).isoformat().replace("+00:00", "Z")
+    _due(registry, broken["id"], slot - timedelta(hours=1), timezone="UTC")
+    dispatch_due(registry, batch_root=settings.batch_root, now=now)
+    assert len(admin.get("/v1/batches", params={"schedule_id": broken["id"]}).json()["batches"]) == 2
+    recovered = admin.get(f"/v1/schedules/{broken['id']}").json()
+    assert recovered["last_error"] is None and recovered["last_error_at"] is None
+
+
+def test_an_admin_cancels_a_tenant_s_scheduled_run_and_the_audit_log_says_so(
+    admin: httpx.Client, settings: Settings, registry: Registry, seeded: Seeded,
+    register_synthetic: Callable[..., str], new_tenant: Callable[..., tuple[str, httpx.Client]],
+) -> None:
+    assert settings.batch_root is not None
+    model = register_synthetic("adminc")
+    owner, owner_client = new_tenant("owner")
+    _, stranger = new_tenant("stranger")
+    created = _schedule(admin, settings, model, cron="0 * * * *", timezone="UTC", tenant=owner)
+    slot = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
+    (settings.batch_root / model).mkdir(parents=True, exist_ok=True)
+    (settings.batch_root / model / f"{slot:%Y-%m-%d}.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+    _due(registry, created["id"], slot)
+    [batch_id] = dispatch_due(registry, batch_root=settings.batch_root, now=slot + timedelta(minutes=1))
+    assert owner_client.get(f"/v1/batches/{batch_id}").json()["status"] == "queued"
+
+    # Another tenant's key: the answer of a batch that does not exist, word for word.
+    missing = "bat_" + "x" * 22
+    refused = stranger.delete(f"/v1/batches/{batch_id}")
+    absent = stranger.delete(f"/v1/batches/{missing}")
+    assert refused.status_code == absent.status_code == 404
+    assert refused.json() == json.loads(absent.text.replace(missing, batch_id))
+    assert owner_client.get(f"/v1/batches/{batch_id}").json()["status"] == "queued"
+
+    cancelled = admin.delete(f"/v1/batches/{batch_id}")
+    assert cancelled.status_code == 200, cancelled.text
+    assert cancelled.json()["status"] == "cancelled"
+    assert owner_client.get(f"/v1/batches/{batch_id}").json()["status"] == "cancelled"
+
+    with registry.session() as session:
+        admin_key = tenants.lookup_key(session, seeded.admin_key)
+    assert admin_key is not None
+    entries = admin.get(f"/v1/models/{model}/audit").json()["entries"]
+    [cancel] = [e for e in entries if e["action"] == "batch.cancel"]
+    assert cancel["actor"] == f"key:{admin_key.key_id}"
+    assert cancel["before"] == {"batch": batch_id, "tenant": owner, "status": "queued"}
+    assert cancel["after"] == {"batch": batch_id, "tenant": owner, "status": "cancelled"}
+    admin.delete(f"/v1/schedules/{created['id']}")
+    actions = [e["action"] for e in admin.get(f"/v1/models/{model}/audit").json()["entries"]]
+    assert actions[:3] == ["schedule.delete", "batch.cancel", "schedule.create"]
