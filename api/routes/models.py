@@ -9,7 +9,7 @@ from anyio import to_thread
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import AdminKey, AppState, CurrentKey, StateDep, announce_routing
+from api.deps import AdminKey, AppState, CurrentKey, OperatorKey, StateDep, announce_routing
 from api.field_types import Kind, Name, ServingState, State
 from api.queue_gauges import read_queues, serving_versions
 from api.response_models import (
@@ -221,7 +221,7 @@ async def rollback(model: str, key: AdminKey, state: StateDep, body: Rollback | 
 
 @router.get("/{model}/versions/{version}/stats", response_model=StatsResource, response_model_exclude_unset=True)
 async def version_stats(
-    model: str, version: str, _: CurrentKey, state: StateDep,
+    model: str, version: str, _: OperatorKey, state: StateDep,
     window_s: Annotated[float, Query(gt=0, le=86_400)] = 300.0,
 ) -> dict[str, Any]:
     """Exact percentiles over the finished jobs of one version in the window (never blended)."""
@@ -233,7 +233,7 @@ async def version_stats(
 
 @router.get("/{model}/versions/{version}/stats/series", response_model=StatsSeriesResource)
 async def version_stats_series(
-    model: str, version: str, _: CurrentKey, state: StateDep,
+    model: str, version: str, _: OperatorKey, state: StateDep,
     window_s: Annotated[float, Query(ge=1, le=86_400)] = 300.0,
     step_s: Annotated[float, Query(ge=1, le=3_600, description="The bucket width; the window holds at most "
                                                                f"{MAX_SERIES_BUCKETS} of them")] = 5.0,
@@ -281,7 +281,7 @@ async def audit_log(
 
 @router.get("/{model}/versions/{version}/quality", response_model=QualityResource)
 async def version_quality(
-    model: str, version: str, _: CurrentKey, state: StateDep,
+    model: str, version: str, _: OperatorKey, state: StateDep,
     hours: Annotated[float, Query(gt=0, le=24 * 90, description="How far back")] = 24.0,
 ) -> dict[str, Any]:
     """The version's quality aggregates per closed window, oldest first."""
