@@ -224,7 +224,8 @@ async def version_stats(
     model: str, version: str, _: OperatorKey, state: StateDep,
     window_s: Annotated[float, Query(gt=0, le=86_400)] = 300.0,
 ) -> dict[str, Any]:
-    """Exact percentiles over the finished jobs of one version in the window (never blended)."""
+    """Exact percentiles over the finished jobs of one version in the window (never blended). Admin
+    only: the figures count every tenant's jobs."""
     if version not in state.routing.current().model(model).versions:
         raise NotFound(f"model '{model}' has no version '{version}'")
     samples = await state.broker.samples(model, version, window_s=window_s)
@@ -238,7 +239,8 @@ async def version_stats_series(
     step_s: Annotated[float, Query(ge=1, le=3_600, description="The bucket width; the window holds at most "
                                                                f"{MAX_SERIES_BUCKETS} of them")] = 5.0,
 ) -> dict[str, Any]:
-    """The version's finished jobs over time: exact percentiles, rate and errors per bucket (never blended)."""
+    """The version's finished jobs over time: exact percentiles, rate and errors per bucket (never
+    blended). Admin only, like `/stats`."""
     if version not in state.routing.current().model(model).versions:
         raise NotFound(f"model '{model}' has no version '{version}'")
     now = time.time()
@@ -284,7 +286,8 @@ async def version_quality(
     model: str, version: str, _: OperatorKey, state: StateDep,
     hours: Annotated[float, Query(gt=0, le=24 * 90, description="How far back")] = 24.0,
 ) -> dict[str, Any]:
-    """The version's quality aggregates per closed window, oldest first."""
+    """The version's quality aggregates per closed window, oldest first. Admin only: the windows
+    count every tenant's jobs, and a classifier's label mix with them."""
     def read() -> list[dict[str, Any]]:
         with state.registry.session() as session:
             catalog.get_version(session, model, version)
