@@ -93,3 +93,15 @@ async def admin_key(key: CurrentKey) -> KeyInfo:
 
 
 AdminKey = Annotated[KeyInfo, Depends(admin_key)]
+
+
+async def operator_key(key: CurrentKey) -> KeyInfo:
+    """An admin key, for the views made of every tenant's jobs (a version's stats, series and
+    quality). Refused before the route looks anything up, so a tenant learns nothing from the
+    answer, not even whether the model exists."""
+    if not key.is_admin:
+        raise Forbidden("a version's stats, series and quality count every tenant's jobs: they need an admin key")
+    return key
+
+
+OperatorKey = Annotated[KeyInfo, Depends(operator_key)]

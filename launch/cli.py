@@ -252,7 +252,8 @@ def stats(model: str,
           every_s: Annotated[float, typer.Option("--every", min=0.5, help="Seconds between redraws")] = 2.0,
           as_json: Annotated[bool, typer.Option("--json", help="Print the stats resources as JSON")] = False,
           url: UrlOption = None, key: KeyOption = None) -> None:
-    """Exact latency percentiles, error rate, throughput and batches, versions side by side (through the API)."""
+    """Exact latency percentiles, error rate, throughput and batches, versions side by side (through the API,
+    with an admin key: the figures count every tenant's jobs)."""
     from rich.live import Live
 
     from launch.stats_view import shown_versions, stats_table

@@ -9,7 +9,7 @@ from anyio import to_thread
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import AdminKey, AppState, CurrentKey, StateDep, announce_routing
+from api.deps import AdminKey, AppState, CurrentKey, OperatorKey, StateDep, announce_routing
 from api.field_types import Kind, Name, ServingState, State
 from api.queue_gauges import read_queues, serving_versions
 from api.response_models import (
@@ -221,10 +221,11 @@ async def rollback(model: str, key: AdminKey, state: StateDep, body: Rollback | 
 
 @router.get("/{model}/versions/{version}/stats", response_model=StatsResource, response_model_exclude_unset=True)
 async def version_stats(
-    model: str, version: str, _: CurrentKey, state: StateDep,
+    model: str, version: str, _: OperatorKey, state: StateDep,
     window_s: Annotated[float, Query(gt=0, le=86_400)] = 300.0,
 ) -> dict[str, Any]:
-    """Exact percentiles over the finished jobs of one version in the window (never blended)."""
+    """Exact percentiles over the finished jobs of one version in the window (never blended). Admin
+    only: the figures count every tenant's jobs."""
     if version not in state.routing.current().model(model).versions:
         raise NotFound(f"model '{model}' has no version '{version}'")
     samples = await state.broker.samples(model, version, window_s=window_s)
@@ -233,12 +234,13 @@ async def version_stats(
 
 @router.get("/{model}/versions/{version}/stats/series", response_model=StatsSeriesResource)
 async def version_stats_series(
-    model: str, version: str, _: CurrentKey, state: StateDep,
+    model: str, version: str, _: OperatorKey, state: StateDep,
     window_s: Annotated[float, Query(ge=1, le=86_400)] = 300.0,
     step_s: Annotated[float, Query(ge=1, le=3_600, description="The bucket width; the window holds at most "
                                                                f"{MAX_SERIES_BUCKETS} of them")] = 5.0,
 ) -> dict[str, Any]:
-    """The version's finished jobs over time: exact percentiles, rate and errors per bucket (never blended)."""
+    """The version's finished jobs over time: exact percentiles, rate and errors per bucket (never
+    blended). Admin only, like `/stats`."""
     if version not in state.routing.current().model(model).versions:
         raise NotFound(f"model '{model}' has no version '{version}'")
     now = time.time()
@@ -281,10 +283,11 @@ async def audit_log(
 
 @router.get("/{model}/versions/{version}/quality", response_model=QualityResource)
 async def version_quality(
-    model: str, version: str, _: CurrentKey, state: StateDep,
+    model: str, version: str, _: OperatorKey, state: StateDep,
     hours: Annotated[float, Query(gt=0, le=24 * 90, description="How far back")] = 24.0,
 ) -> dict[str, Any]:
-    """The version's quality aggregates per closed window, oldest first."""
+    """The version's quality aggregates per closed window, oldest first. Admin only: the windows
+    count every tenant's jobs, and a classifier's label mix with them."""
     def read() -> list[dict[str, Any]]:
         with state.registry.session() as session:
             catalog.get_version(session, model, version)

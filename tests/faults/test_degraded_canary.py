@@ -139,7 +139,7 @@ def test_a_confidently_wrong_canary_at_5_percent_is_rolled_back(
     with registry.session() as session:
         assert rollouts.latest_rollout(session, model).state == "rolled_back"
         assert rollouts.latest_rollout(session, model).id == rollout_id
-    canary = demo.get(f"/v1/models/{model}/versions/v2/stats", params={"window_s": 600}).json()
+    canary = admin.get(f"/v1/models/{model}/versions/v2/stats", params={"window_s": 600}).json()
     assert canary["count"] >= canary_samples and canary["errors"] == 0
     ready = demo.get("/readyz")
     assert ready.status_code == 200 and ready.json()["status"] == "ok"

@@ -200,6 +200,11 @@ def check_the_rollout(said: dict[str, str], platform: Up) -> None:
     for command in ("curl -s -XPOST $API/v1/models/minilm/versions ", "curl -s -XPATCH $API/v1/models/minilm/",
                     "curl -s -XPUT $API/v1/models/minilm/routing "):
         assert "error" not in json.loads(said_by(said, command)), command
+    # The operator views answer the admin key the section passes them (a tenant's would get 403).
+    stats = json.loads(said_by(said, 'curl -s "$API/v1/models/minilm/versions/v2/stats?'))
+    assert (stats.get("model"), stats.get("version")) == ("minilm", "v2"), stats
+    quality = json.loads(said_by(said, 'curl -s "$API/v1/models/minilm/versions/v2/quality?'))
+    assert "windows" in quality, quality
 
     with httpx.Client(base_url=platform.api_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as admin:
         rollout = admin.get("/v1/models/minilm/rollouts/current").json()

@@ -147,10 +147,10 @@ def test_404_for_an_unknown_explicit_version(
         assert_error(submit(demo, model, {"input": {"text": "x"}, "version": "v3"}), 404, "not_found")
 
 
-def test_404_for_stats_of_an_unknown_version(demo: httpx.Client, model: str) -> None:
-    assert demo.get(f"/v1/models/{model}/versions/v1/stats").status_code == 200
-    assert_error(demo.get(f"/v1/models/{unique('missing')}/versions/v1/stats"), 404, "not_found")
-    assert_error(demo.get(f"/v1/models/{model}/versions/v9/stats"), 404, "not_found")
+def test_404_for_stats_of_an_unknown_version(admin: httpx.Client, model: str) -> None:
+    assert admin.get(f"/v1/models/{model}/versions/v1/stats").status_code == 200
+    assert_error(admin.get(f"/v1/models/{unique('missing')}/versions/v1/stats"), 404, "not_found")
+    assert_error(admin.get(f"/v1/models/{model}/versions/v9/stats"), 404, "not_found")
 
 
 @pytest.mark.parametrize("job_id", ["job_AAAAAAAAAAAAAAAAAAAAAA", "not-a-job-id"])

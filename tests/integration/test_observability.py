@@ -51,7 +51,7 @@ def _worker_metrics(rds: redis.Redis, model: str) -> tuple[str, dict[str, list[A
 
 
 def test_stats_and_worker_histograms_agree_after_a_known_load(
-    demo: httpx.Client, rds: redis.Redis, register_synthetic: Callable[..., str],
+    demo: httpx.Client, admin: httpx.Client, rds: redis.Redis, register_synthetic: Callable[..., str],
     start_worker: Callable[..., WorkerProcess], wait_jobs: Callable[..., list[dict[str, Any]]],
 ) -> None:
     model = register_synthetic("observed", max_batch_size=8, max_wait_ms=20)
@@ -74,7 +74,7 @@ def test_stats_and_worker_histograms_agree_after_a_known_load(
     assert len(ids) == JOBS
     assert {job["status"] for job in wait_jobs(demo, ids)} == {"succeeded"}
 
-    stats = demo.get(f"/v1/models/{model}/versions/v1/stats", params={"window_s": 3600}).json()
+    stats = admin.get(f"/v1/models/{model}/versions/v1/stats", params={"window_s": 3600}).json()
     assert stats["count"] == JOBS and stats["errors"] == 0
     for series in ("queue_wait_ms", "model_ms", "total_ms"):
         p = stats[series]

@@ -89,7 +89,7 @@ def test_the_schema_names_a_model_for_every_resource_route(spec: dict[str, Any])
 
 
 def test_real_job_resources_validate_against_the_published_schema(
-    spec: dict[str, Any], demo: httpx.Client, register_synthetic: Callable[..., str],
+    spec: dict[str, Any], demo: httpx.Client, admin: httpx.Client, register_synthetic: Callable[..., str],
     start_worker: Callable[..., Any], wait_jobs: Callable[..., list[dict[str, Any]]],
 ) -> None:
     model = register_synthetic("schema")
@@ -122,7 +122,7 @@ def test_real_job_resources_validate_against_the_published_schema(
     assert len(sorted_out.json()["jobs"]) == 4 and sorted_out.json()["not_found"] == ["job_unknown"]
     conforms(spec, "JobSet", sorted_out.json())
 
-    stats = demo.get(f"/v1/models/{model}/versions/v1/stats")
+    stats = admin.get(f"/v1/models/{model}/versions/v1/stats")
     assert stats.status_code == 200, stats.text
     conforms(spec, "StatsResource", stats.json())
     conforms(spec, "ModelResource", demo.get(f"/v1/models/{model}").json())

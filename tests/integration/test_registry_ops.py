@@ -50,15 +50,15 @@ def test_rollback_without_a_stable_version_is_a_conflict(
 
 @pytest.mark.slow
 def test_stats_are_exact_per_version(
-    demo: httpx.Client, register_synthetic: Callable[..., str], start_worker: Callable[..., WorkerProcess],
-    wait_jobs: Callable[..., list[dict[str, Any]]],
+    demo: httpx.Client, admin: httpx.Client, register_synthetic: Callable[..., str],
+    start_worker: Callable[..., WorkerProcess], wait_jobs: Callable[..., list[dict[str, Any]]],
 ) -> None:
     model = register_synthetic("stats", max_batch_size=8)
     start_worker(model)
     inputs = [{"text": f"item {i}"} for i in range(40)] + [{"text": "__poison__"}]
     ids = demo.post(f"/v1/models/{model}/jobs:bulk", json={"inputs": inputs}).json()["ids"]
     jobs = wait_jobs(demo, ids)
-    stats = demo.get(f"/v1/models/{model}/versions/v1/stats", params={"window_s": 600}).json()
+    stats = admin.get(f"/v1/models/{model}/versions/v1/stats", params={"window_s": 600}).json()
     assert stats["count"] == 41
     assert stats["errors"] == 1 == sum(1 for j in jobs if j["status"] == "failed")
     assert stats["error_rate"] == pytest.approx(1 / 41, abs=1e-6)
@@ -66,7 +66,7 @@ def test_stats_are_exact_per_version(
     assert stats["queue_wait_ms"]["p50"] == pytest.approx((waits[19] + waits[20]) / 2, abs=0.01)
     assert max(int(size) for size in stats["batch_size"]["histogram"]) <= 8
     assert sum(stats["close_reasons"].values()) == sum(stats["batch_size"]["histogram"].values())
-    unknown = demo.get(f"/v1/models/{model}/versions/v2/stats")
+    unknown = admin.get(f"/v1/models/{model}/versions/v2/stats")
     assert unknown.status_code == 404
     assert unknown.json()["error"]["code"] == "not_found"
 
@@ -150,7 +150,7 @@ def test_the_audit_log_of_a_model_is_a_rest_resource_newest_first(
 
 
 def test_a_version_s_quality_windows_are_a_rest_resource(
-    demo: httpx.Client, register_synthetic: Callable[..., str], registry: Any
+    admin: httpx.Client, register_synthetic: Callable[..., str], registry: Any
 ) -> None:
     import time
 
@@ -161,16 +161,16 @@ def test_a_version_s_quality_windows_are_a_rest_resource(
         for minutes_ago in (30, 20):
             quality.record_window(session, model=model, version="v1", window_start=time.time() - 60 * minutes_ago,
                                   window_s=600, count=100, errors=2, metrics={"top_p_mean": 0.9})
-    response = demo.get(f"/v1/models/{model}/versions/v1/quality", params={"hours": 1})
+    response = admin.get(f"/v1/models/{model}/versions/v1/quality", params={"hours": 1})
     assert response.status_code == 200, response.text
     body = response.json()
     assert (body["model"], body["version"]) == (model, "v1")
     assert [(w["count"], w["errors"], w["metrics"]) for w in body["windows"]] == [(100, 2, {"top_p_mean": 0.9})] * 2
     assert body["windows"][0]["window_start"] < body["windows"][1]["window_start"]
-    recent = demo.get(f"/v1/models/{model}/versions/v1/quality", params={"hours": 0.4}).json()["windows"]  # 24 minutes
+    recent = admin.get(f"/v1/models/{model}/versions/v1/quality", params={"hours": 0.4}).json()["windows"]  # 24 minutes
     assert len(recent) == 1
-    assert demo.get(f"/v1/models/{model}/versions/v9/quality").status_code == 404
-    assert demo.get(f"/v1/models/{model}/versions/v1/quality", params={"hours": 0}).status_code == 422
+    assert admin.get(f"/v1/models/{model}/versions/v9/quality").status_code == 404
+    assert admin.get(f"/v1/models/{model}/versions/v1/quality", params={"hours": 0}).status_code == 422
 
 
 def test_a_query_still_running_when_the_registry_is_disposed_leaves_no_connection_open(database_url: str) -> None:

@@ -308,10 +308,10 @@ def test_the_cli_starts_shows_and_aborts_a_rollout_through_the_api(
 
 
 def test_the_cli_prints_a_versions_stats(
-    api: ApiServer, seeded: Seeded, demo: httpx.Client, register_synthetic: Callable[..., str]
+    api: ApiServer, seeded: Seeded, admin: httpx.Client, register_synthetic: Callable[..., str]
 ) -> None:
     model = register_synthetic("stcli", versions=("v1", "v2"))
-    env = {"SLUICE_URL": api.url, "SLUICE_API_KEY": seeded.demo_key, "COLUMNS": "160"}
+    env = {"SLUICE_URL": api.url, "SLUICE_API_KEY": seeded.admin_key, "COLUMNS": "160"}
     shown = CliRunner().invoke(app, ["stats", model, "v1", "--window-s", "60"], env=env)
     assert shown.exit_code == 0, shown.output
     assert f"{model} v1 over 60 s" in shown.output
@@ -326,6 +326,6 @@ def test_the_cli_prints_a_versions_stats(
     as_json = CliRunner().invoke(app, ["stats", model, "--json"], env=env)
     assert as_json.exit_code == 0, as_json.output
     assert json.loads(as_json.output) == {
-        version: demo.get(f"/v1/models/{model}/versions/{version}/stats").json() for version in ("v1", "v2")}
+        version: admin.get(f"/v1/models/{model}/versions/{version}/stats").json() for version in ("v1", "v2")}
     unknown = CliRunner().invoke(app, ["stats", model, "v9"], env=env)
     assert unknown.exit_code == 1 and "no version 'v9'" in unknown.output

@@ -34,14 +34,14 @@ def test_shadow_copies_run_on_the_shadow_version_and_are_never_returned(
 
     deadline = time.monotonic() + 30
     while True:
-        shadow = demo.get(f"/v1/models/{model}/versions/v2/stats", params={"window_s": 600}).json()
+        shadow = admin.get(f"/v1/models/{model}/versions/v2/stats", params={"window_s": 600}).json()
         if shadow["count"] >= 30 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert shadow["count"] == 30, "every sampled job (weight 100 = all) is copied exactly once"
     assert shadow["quality"]["mean_agreement"] == 1.0
     assert shadow["quality"]["agreement_n"] == 30
-    primary = demo.get(f"/v1/models/{model}/versions/v1/stats", params={"window_s": 600}).json()
+    primary = admin.get(f"/v1/models/{model}/versions/v1/stats", params={"window_s": 600}).json()
     assert primary["count"] == 30
     assert primary["quality"]["output_size_mean"] > 0
     assert "agreement_n" not in primary["quality"]
