@@ -26,7 +26,7 @@ from sluice.wire.heartbeats import Heartbeat, WorkerState
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
 from sluice.wire.quota import TenantLimits
-from tests.support import ApiServer, claim_one, http_client, serving, unique, wait_until
+from tests.support import MAX_BULK_ITEMS, ApiServer, claim_one, http_client, serving, unique, wait_until
 
 
 def _serving(*, items_per_s: float) -> Heartbeat:
@@ -381,3 +381,26 @@ def test_a_claimed_or_cancelled_job_leaves_the_quota(
     assert client.delete(f"/v1/jobs/{cancelled.json()['id']}").status_code == 200
     assert rds.zcard(keys.queued_jobs(tenant)) == 0
     assert client.post(f"/v1/models/{model}/jobs", json={"input": {"text": "room"}}).status_code == 202
+
+
+def test_a_bulk_larger_than_the_burst_leaves_debt_that_no_expiry_forgives(
+    rds: redis.Redis, admin: httpx.Client, client_for: Callable[[str], httpx.Client],
+    register_synthetic: Callable[..., str],
+) -> None:
+    """One job a second, a burst of 10. A bulk larger than the burst used to pass on a bucket sized
+    to it; a single job then renewed the bucket for the 10 tokens of the burst only, so the bucket
+    expired 11 s later and the next bulk found a full one again: 1,000 jobs in 13 s."""
+    model = register_synthetic("bulk-debt")  # no worker: nothing but admission matters
+    tenant, client = _tenant(admin, client_for, rate_limit_per_s=1)
+    bulk = {"inputs": [{"text": f"row {i}"} for i in range(MAX_BULK_ITEMS)]}
+
+    codes = [client.post(f"/v1/models/{model}/jobs:bulk", json=bulk).status_code]
+    time.sleep(1.1)
+    codes.append(client.post(f"/v1/models/{model}/jobs", json={"input": {"text": "one"}}).status_code)
+    time.sleep(12)
+    again = client.post(f"/v1/models/{model}/jobs:bulk", json=bulk)
+    codes.append(again.status_code)
+
+    assert codes == [202, 429, 429], codes
+    assert int(again.headers["Retry-After"]) > MAX_BULK_ITEMS - 30, again.headers
+    assert rds.zcard(keys.queued_jobs(tenant)) == MAX_BULK_ITEMS
