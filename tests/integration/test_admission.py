@@ -44,7 +44,7 @@ def test_a_concurrent_burst_admits_only_what_the_budget_allows(redis_url: str) -
         try:
             # One live worker serving 10 jobs/s and an empty backlog: a 1 s budget holds 10 jobs.
             await heartbeats.beat(client, model, "v1", "w1", _serving(items_per_s=10.0))
-            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60))
+            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), max_answered_jobs=1000)
 
             async def one() -> bool:
                 try:
@@ -70,7 +70,8 @@ def test_jobs_admitted_but_not_yet_in_the_stream_count_against_the_budget(redis_
         try:
             await heartbeats.beat(client, model, "v1", "w1", _serving(items_per_s=10.0))
             # No load cache: every admission reads the backlog, which never shows these jobs.
-            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), load_cache_s=0.0)
+            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), max_answered_jobs=1000,
+                                  load_cache_s=0.0)
             admitted = 0
             while admitted < 50:
                 try:
@@ -98,7 +99,8 @@ def test_jobs_refused_after_shedding_admitted_them_give_their_place_back(redis_u
         try:
             await heartbeats.beat(client, model, "v1", "w1", _serving(items_per_s=10.0))
             # One backlog read for the whole test: only the in-process counts change.
-            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), load_cache_s=60.0)
+            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), max_answered_jobs=1000,
+                                  load_cache_s=60.0)
 
             async def fill() -> int:
                 admitted = 0
@@ -128,7 +130,7 @@ def test_a_burst_that_finds_the_load_stale_shares_one_read(redis_url: str) -> No
         client = connections.connect(redis_url)
         try:
             await heartbeats.beat(client, model, "v1", "w1", _serving(items_per_s=10.0))
-            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60))
+            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), max_answered_jobs=1000)
             return list(await asyncio.gather(*[admission.load(model, "v1") for _ in range(20)]))
         finally:
             await client.aclose()
@@ -144,7 +146,8 @@ def _ask_for_a_fresh_read_as_the_last_one_finishes(redis_url: str, model: str) -
     async def race() -> None:
         client = connections.connect(redis_url)
         try:
-            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), clock=lambda: now[0])
+            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), max_answered_jobs=1000,
+                                  clock=lambda: now[0])
             first = asyncio.create_task(admission.load(model, "v1"))
             while not admission._reading:  # noqa: ASYNC110 - one step per loop turn is the point
                 await asyncio.sleep(0)
@@ -190,7 +193,7 @@ def test_the_enqueue_script_writes_every_record_and_entry_as_their_codecs_say(rd
                          callback_url="https://example.com/hook", deadline=now + 60, metadata={"batch": 7},
                          shadow="v2" if i % 3 == 0 else None)
                for i in range(7)]
-    limits = TenantLimits(tenant=tenant, rate_per_s=1000.0, burst=1000, max_queued=1000)
+    limits = TenantLimits(tenant=tenant, rate_per_s=1000.0, burst=1000, max_queued=1000, max_answered=1000)
 
     async def enqueue(batch: list[JobRecord]) -> None:
         client = connections.connect(redis_url)

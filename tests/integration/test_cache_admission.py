@@ -7,6 +7,7 @@ no loop of bulk submissions, cached or not, goes faster than the tenant's rate.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,7 @@ def test_a_loop_of_bulk_submissions_of_cached_inputs_is_held_to_the_tenants_rate
     tenant = _tenant(admin, rate_limit_per_s=1)
     client = client_for(tenant["key"]["secret"])
     _ran(client, cached, "the same input")
+    time.sleep(1.0)  # the token that job spent is back: a bulk larger than the burst needs a full bucket
     bulk = {"inputs": [{"text": "the same input"}] * MAX_BULK_ITEMS}
 
     codes = []
