@@ -7,6 +7,7 @@ no loop of bulk submissions, cached or not, goes faster than the tenant's rate.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +18,10 @@ import pytest
 import redis
 
 from sluice.settings import Settings
-from sluice.wire import keys
+from sluice.wire import connections, keys, response_cache
+from sluice.wire.broker import Broker
+from sluice.wire.jobs import JobRecord, JobStatus
+from sluice.wire.quota import TenantLimits
 from tests.support import (
     FAST_SYNTHETIC,
     MAX_BULK_ITEMS,
@@ -176,3 +180,28 @@ def test_another_tenants_stored_answers_do_not_count(
         assert _hit(one, cached, "mine").status_code == 429
         response = _hit(other, cached, "mine")
         assert response.status_code == 202 and response.json()["cache_hit"] is True, response.text
+
+
+def test_a_hit_spends_the_configured_share_of_a_token(redis_url: str, rds: redis.Redis) -> None:
+    """`cache_hit_token_cost` below 1: four hits spend one token, and each takes its place among the
+    stored answers until its record expires."""
+    model, tenant, now = unique("hit-cost"), unique("hit-cost"), time.time()
+    hits = [response_cache.answered(JobRecord(
+        id=keys.new_job_id(model, "v1"), tenant=tenant, model=model, version="v1", lane="online",
+        status=JobStatus.queued, input={"text": "same"}, cost=1, enqueued_at=now), b'{"echo": 1}', at=now)
+        for _ in range(4)]
+    limits = TenantLimits(tenant=tenant, rate_per_s=0.001, burst=10, max_queued=10, max_answered=10, hit_cost=0.25)
+
+    async def enqueue() -> None:
+        client = connections.connect(redis_url)
+        try:
+            assert await Broker(redis=client, result_ttl_s=60).enqueue(hits, limits=limits) is None
+        finally:
+            await client.aclose()
+
+    asyncio.run(enqueue())
+
+    assert float(rds.hget(keys.rate_bucket(tenant), "tokens")) == pytest.approx(9.0, abs=0.01)  # type: ignore[arg-type]
+    stored = rds.zrange(keys.answered_jobs(tenant), 0, -1, withscores=True)
+    assert sorted(job_id for job_id, _ in stored) == sorted(hit.id for hit in hits)
+    assert all(score == pytest.approx(now + 60) for _, score in stored)
