@@ -5,9 +5,10 @@ Every refusal is a 429 with `Retry-After`. The shedding rule is a pure function 
 the measured service rate and the latency budget, so the simulator and tests use it unchanged;
 the I/O around it (one Redis round trip, cached for a fraction of a second, but read afresh
 for an admission near the budget, where other replicas' admissions matter) lives in `Admission`.
-Shedding runs first and in process; the quota and rate limit are checked and charged in the
-enqueue script itself (`sluice.wire.quota`), so a job refused for any reason takes no rate tokens and
-concurrent submissions cannot overrun the quota.
+Shedding runs first and in process; the quota, the bound on stored answered jobs and the rate
+limit are checked and charged in the enqueue script itself (`sluice.wire.quota`), so a job refused
+for any reason takes no rate tokens and concurrent submissions cannot overrun the quota. Jobs
+answered from the response cache are never shed, but pass the tenant's limits like the others.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from functools import partial
 
 import redis.asyncio as aioredis
 
-from sluice.errors import TooManyRequests
+from sluice.errors import StoredJobsLimit, TooManyRequests
 from sluice.registry.tenants import KeyInfo
 from sluice.routing import VersionInfo
 from sluice.wire import heartbeats, keys
@@ -70,10 +71,13 @@ class _Load:
 
 
 class Admission:
-    def __init__(self, *, redis: aioredis.Redis, broker: Broker, load_cache_s: float = 0.25,
+    def __init__(self, *, redis: aioredis.Redis, broker: Broker, max_answered_jobs: int,
+                 cache_hit_token_cost: float = 1.0, load_cache_s: float = 0.25,
                  clock: Callable[[], float] = time.time) -> None:
         self.redis = redis
         self.broker = broker
+        self.max_answered_jobs = max_answered_jobs
+        self.cache_hit_token_cost = cache_hit_token_cost
         self.load_cache_s = load_cache_s
         self.clock = clock
         self._loads: dict[tuple[str, str], _Load] = {}
@@ -88,7 +92,8 @@ class Admission:
 
         Jobs answered from the response cache (`cache_hit`) are written with the others but cost
         no worker time: they are never shed, and a submission of hits alone never waits for a load
-        read."""
+        read. They still spend rate tokens and must fit under the tenant's quota and its bound on
+        stored answers (`sluice.wire.quota`)."""
         lane, count = records[0].lane, sum(1 for record in records if not record.cache_hit)
         if count:
             await self.shed(version, lane=lane, count=count)
@@ -96,14 +101,14 @@ class Admission:
         queued = False
         try:
             refusal = await self.broker.enqueue(records, idempotency=idempotency, limits=TenantLimits(
-                tenant=key.tenant, rate_per_s=key.rate_limit_per_s,
-                # A submission larger than the burst could never pass otherwise.
-                burst=max(key.rate_burst, count), max_queued=key.max_queued))
+                tenant=key.tenant, rate_per_s=key.rate_limit_per_s, burst=key.rate_burst,
+                max_queued=key.max_queued, max_answered=self.max_answered_jobs,
+                hit_cost=self.cache_hit_token_cost))
             queued = refusal is None
         finally:
             self.written(version, lane=lane, count=count, queued=queued)
         if refusal is not None:
-            raise _refused(key, refusal)
+            raise _refused(key, refusal, max_answered=self.max_answered_jobs)
 
     async def shed(self, version: VersionInfo, *, lane: str, count: int) -> None:
         """Raise TooManyRequests if `count` more jobs on `lane` would wait past the version's budget;
@@ -213,9 +218,17 @@ class Admission:
         )
 
 
-def _refused(key: KeyInfo, refusal: Refusal) -> TooManyRequests:
+def _refused(key: KeyInfo, refusal: Refusal, *, max_answered: int) -> TooManyRequests:
     if refusal.reason == "quota":
-        return TooManyRequests(f"tenant '{key.tenant}' has {refusal.queued} queued jobs; its quota is {key.max_queued}",
-                               headers={"Retry-After": "5"})
+        return TooManyRequests(f"tenant '{key.tenant}' has {refusal.queued} queued jobs; its quota is {key.max_queued} "
+                               "(jobs answered from the response cache count too)", headers={"Retry-After": "5"})
+    if refusal.reason == "stored":
+        bound = f"tenant '{key.tenant}' may store at most {max_answered} jobs answered from the response cache"
+        if refusal.wait_s < 0:
+            # Like a bulk larger than the quota: no wait helps, but every 429 names one.
+            return StoredJobsLimit(f"{bound}; this submission alone has more: submit fewer inputs at once",
+                                   headers={"Retry-After": "5"})
+        return StoredJobsLimit(f"{bound} until their records expire",
+                               headers={"Retry-After": str(max(1, math.ceil(refusal.wait_s)))})
     return TooManyRequests(f"tenant '{key.tenant}' is over its rate limit of {key.rate_limit_per_s:g} jobs/s",
                            headers={"Retry-After": str(max(1, math.ceil(refusal.wait_s)))})

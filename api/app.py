@@ -73,7 +73,10 @@ def create_app(
         broker = Broker(redis=client, result_ttl_s=settings.result_ttl_s,
                         idempotency_ttl_s=settings.idempotency_ttl_s, durable_timeout_ms=durable_ms)
         state = AppState(settings=settings, broker=broker, registry=reg, routing=routing, auth=auth, hub=hub,
-                         admission=Admission(redis=client, broker=broker), breakers=breakers)
+                         admission=Admission(
+                             redis=client, broker=broker, max_answered_jobs=settings.max_answered_jobs,
+                             cache_hit_token_cost=settings.cache_hit_token_cost),
+                         breakers=breakers)
         app.state.sluice = state
         await routing.reload()
         tasks = [asyncio.create_task(hub.run(), name="events"),

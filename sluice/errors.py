@@ -153,6 +153,13 @@ class TooManyRequests(ApiError):
     status, code = 429, "too_many_requests"
 
 
+class StoredJobsLimit(TooManyRequests):
+    """The tenant stores as many jobs answered from the response cache as it may
+    (`max_answered_jobs`): more wait until the oldest records expire."""
+
+    code = "stored_jobs_limit"
+
+
 class ServiceUnavailable(ApiError):
     status, code = 503, "service_unavailable"
 

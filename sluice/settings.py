@@ -56,6 +56,11 @@ class Settings(BaseSettings):
     max_text_chars: int = Field(default=20_000, ge=1)
     max_bulk_items: int = Field(default=1000, ge=1)
     max_wait_s: float = Field(default=60.0, ge=0)
+    # Admission of jobs answered from the response cache (docs/ARCHITECTURE.md, "Admission"): the
+    # rate tokens each spends (a queued job spends one), and how many such jobs' records a tenant
+    # may have stored at once (each lives result_ttl_s); over it, 429 `stored_jobs_limit`.
+    cache_hit_token_cost: float = Field(default=1.0, ge=0, le=1)
+    max_answered_jobs: int = Field(default=100_000, ge=1)
 
     # Durable accept (sluice/wire/durability.py): answer 202 only once the store has fsynced the job,
     # waiting up to the timeout, else 503 `not_durable` with the job withdrawn. Needs WAITAOF

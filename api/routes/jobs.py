@@ -40,8 +40,10 @@ _SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorResource, "description": "Unknown model or version; `job_expired` when an "
                                                  "Idempotency-Key replay's jobs have expired"},
     409: {"model": ErrorResource, "description": "Retired version, or Idempotency-Key reused or in flight"},
-    429: {"model": ErrorResource, "description": "Rate limit, quota or load shedding, with `Retry-After`; "
-                                                 "load shedding of the online lane says `retry_with: {lane: bulk}`"},
+    429: {"model": ErrorResource, "description": "Rate limit, quota, `stored_jobs_limit` (too many stored jobs "
+                                                 "answered from the response cache) or load shedding, with "
+                                                 "`Retry-After`; load shedding of the online lane says "
+                                                 "`retry_with: {lane: bulk}`"},
     503: {"model": ErrorResource, "description": "No servable version, an open circuit breaker, or draining"},
 }
 

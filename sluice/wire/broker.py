@@ -51,19 +51,20 @@ class Broker:
 
     async def enqueue(self, records: Sequence[JobRecord], *, limits: TenantLimits,
                       idempotency: IdempotencyClaim | None = None) -> Refusal | None:
-        """Queue one submission's jobs if the tenant's quota and rate allow, and complete its
-        Idempotency-Key; answer the refusal otherwise, with nothing written. Jobs answered from the
-        response cache (`cache_hit`, in input order among the others) are written final in the same
-        step as the others, and take no quota place and no rate token.
+        """Queue one submission's jobs if the tenant's quota, bound on stored answers and rate
+        allow, and complete its Idempotency-Key; answer the refusal otherwise, with nothing written.
+        Jobs answered from the response cache (`cache_hit`, in input order among the others) are
+        written final in the same step as the others: they take no quota place (but must fit under
+        the quota), a place among the tenant's stored answers, and `limits.hit_cost` rate tokens.
 
         Three round trips, each atomic in one slot: admission charges the tenant
         (admit.lua), queue.lua writes the jobs, idempotency_complete.lua the key.
-        Should writing fail, the places are given back. In durable mode the write waits for the
+        Should writing fail, the places (and stored answers) are given back. In durable mode the write waits for the
         fsync; unconfirmed, the queued jobs are withdrawn and NotDurable (503) raised.
         """
         queued = [record for record in records if not record.cache_hit]
         marker, redis_key = (idempotency.marker, idempotency.redis_key) if idempotency else (None, None)
-        admit_keys, admit_args = admit_call(queued, limits=limits, now=time.time(), result_ttl_s=self.result_ttl_s,
+        admit_keys, admit_args = admit_call(records, limits=limits, now=time.time(), result_ttl_s=self.result_ttl_s,
                                             marker=marker, redis_key=redis_key, lease_s=self.idempotency_lease_s)
         with translate_redis_errors():
             if any(record.callback_url for record in records):
@@ -74,13 +75,16 @@ class Broker:
         if verdict == "lost":
             raise Conflict("this request held its Idempotency-Key too long and another request took it; "
                            "retry to get that request's answer", headers={"Retry-After": "1"})
+        if verdict == "quota":
+            return Refusal(verdict, queued=int(value))
         if verdict != "ok":
-            return Refusal(verdict, queued=int(value)) if verdict == "quota" else Refusal(verdict, wait_s=value)
+            return Refusal(verdict, wait_s=value)
         script_keys, args = queue_call(records, result_ttl_s=self.result_ttl_s)
         try:
             fsync = await self._write(script_keys, args)
         except BaseException:
-            await self._give_back(limits.tenant, [record.id for record in queued])
+            await self._give_back(limits.tenant, [record.id for record in queued],
+                                  answered=[record.id for record in records if record.cache_hit])
             raise
         answers = [record.id for record in records]
         if self.durable_timeout_ms is not None and not fsynced(fsync):
@@ -111,12 +115,14 @@ class Broker:
                 return fsync
         raise AssertionError("unreachable")
 
-    async def _give_back(self, tenant: str, job_ids: list[str]) -> None:
-        """The places a submission took and did not use (its write failed). Best effort: a place
-        not given back frees itself (`sluice.wire.quota`)."""
+    async def _give_back(self, tenant: str, job_ids: list[str], *, answered: Sequence[str] = ()) -> None:
+        """The places and stored answers a submission took and did not use (its write failed).
+        Best effort: what is not given back frees itself (`sluice.wire.quota`)."""
         try:
             with translate_redis_errors():
                 await free_places(self.redis, [(tenant, job_id) for job_id in job_ids])
+                if answered:
+                    await self.redis.zrem(keys.answered_jobs(tenant), *answered)
         except BrokerError as exc:
             log.warning("could not give back %d quota place(s) of a failed submission: %s", len(job_ids), exc)
 

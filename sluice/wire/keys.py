@@ -128,6 +128,12 @@ def queued_jobs(tenant: str) -> str:
     return f"sluice:queued-jobs:{{{tenant}}}"
 
 
+def answered_jobs(tenant: str) -> str:
+    """Sorted set: job id -> when its record expires, of this tenant's jobs answered from the
+    response cache (the bound on their stored records; `sluice.wire.quota`)."""
+    return f"sluice:answered-jobs:{{{tenant}}}"
+
+
 def scrape_targets() -> str:
     """Sorted set: a process's metrics endpoint (JSON) -> time it last advertised it (sluice.exposition)."""
     return "sluice:scrape-targets"

@@ -26,7 +26,7 @@ from sluice.wire.heartbeats import Heartbeat, WorkerState
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
 from sluice.wire.quota import TenantLimits
-from tests.support import ApiServer, claim_one, http_client, serving, unique, wait_until
+from tests.support import MAX_BULK_ITEMS, ApiServer, claim_one, http_client, serving, unique, wait_until
 
 
 def _serving(*, items_per_s: float) -> Heartbeat:
@@ -44,7 +44,7 @@ def test_a_concurrent_burst_admits_only_what_the_budget_allows(redis_url: str) -
         try:
             # One live worker serving 10 jobs/s and an empty backlog: a 1 s budget holds 10 jobs.
             await heartbeats.beat(client, model, "v1", "w1", _serving(items_per_s=10.0))
-            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60))
+            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), max_answered_jobs=1000)
 
             async def one() -> bool:
                 try:
@@ -70,7 +70,8 @@ def test_jobs_admitted_but_not_yet_in_the_stream_count_against_the_budget(redis_
         try:
             await heartbeats.beat(client, model, "v1", "w1", _serving(items_per_s=10.0))
             # No load cache: every admission reads the backlog, which never shows these jobs.
-            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), load_cache_s=0.0)
+            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), max_answered_jobs=1000,
+                                  load_cache_s=0.0)
             admitted = 0
             while admitted < 50:
                 try:
@@ -98,7 +99,8 @@ def test_jobs_refused_after_shedding_admitted_them_give_their_place_back(redis_u
         try:
             await heartbeats.beat(client, model, "v1", "w1", _serving(items_per_s=10.0))
             # One backlog read for the whole test: only the in-process counts change.
-            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), load_cache_s=60.0)
+            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), max_answered_jobs=1000,
+                                  load_cache_s=60.0)
 
             async def fill() -> int:
                 admitted = 0
@@ -128,7 +130,7 @@ def test_a_burst_that_finds_the_load_stale_shares_one_read(redis_url: str) -> No
         client = connections.connect(redis_url)
         try:
             await heartbeats.beat(client, model, "v1", "w1", _serving(items_per_s=10.0))
-            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60))
+            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), max_answered_jobs=1000)
             return list(await asyncio.gather(*[admission.load(model, "v1") for _ in range(20)]))
         finally:
             await client.aclose()
@@ -144,7 +146,8 @@ def _ask_for_a_fresh_read_as_the_last_one_finishes(redis_url: str, model: str) -
     async def race() -> None:
         client = connections.connect(redis_url)
         try:
-            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), clock=lambda: now[0])
+            admission = Admission(redis=client, broker=Broker(redis=client, result_ttl_s=60), max_answered_jobs=1000,
+                                  clock=lambda: now[0])
             first = asyncio.create_task(admission.load(model, "v1"))
             while not admission._reading:  # noqa: ASYNC110 - one step per loop turn is the point
                 await asyncio.sleep(0)
@@ -190,7 +193,7 @@ def test_the_enqueue_script_writes_every_record_and_entry_as_their_codecs_say(rd
                          callback_url="https://example.com/hook", deadline=now + 60, metadata={"batch": 7},
                          shadow="v2" if i % 3 == 0 else None)
                for i in range(7)]
-    limits = TenantLimits(tenant=tenant, rate_per_s=1000.0, burst=1000, max_queued=1000)
+    limits = TenantLimits(tenant=tenant, rate_per_s=1000.0, burst=1000, max_queued=1000, max_answered=1000)
 
     async def enqueue(batch: list[JobRecord]) -> None:
         client = connections.connect(redis_url)
@@ -381,3 +384,26 @@ def test_a_claimed_or_cancelled_job_leaves_the_quota(
     assert client.delete(f"/v1/jobs/{cancelled.json()['id']}").status_code == 200
     assert rds.zcard(keys.queued_jobs(tenant)) == 0
     assert client.post(f"/v1/models/{model}/jobs", json={"input": {"text": "room"}}).status_code == 202
+
+
+def test_a_bulk_larger_than_the_burst_leaves_debt_that_no_expiry_forgives(
+    rds: redis.Redis, admin: httpx.Client, client_for: Callable[[str], httpx.Client],
+    register_synthetic: Callable[..., str],
+) -> None:
+    """One job a second, a burst of 10. A bulk larger than the burst used to pass on a bucket sized
+    to it; a single job then renewed the bucket for the 10 tokens of the burst only, so the bucket
+    expired 11 s later and the next bulk found a full one again: 1,000 jobs in 13 s."""
+    model = register_synthetic("bulk-debt")  # no worker: nothing but admission matters
+    tenant, client = _tenant(admin, client_for, rate_limit_per_s=1)
+    bulk = {"inputs": [{"text": f"row {i}"} for i in range(MAX_BULK_ITEMS)]}
+
+    codes = [client.post(f"/v1/models/{model}/jobs:bulk", json=bulk).status_code]
+    time.sleep(1.1)
+    codes.append(client.post(f"/v1/models/{model}/jobs", json={"input": {"text": "one"}}).status_code)
+    time.sleep(12)
+    again = client.post(f"/v1/models/{model}/jobs:bulk", json=bulk)
+    codes.append(again.status_code)
+
+    assert codes == [202, 429, 429], codes
+    assert int(again.headers["Retry-After"]) > MAX_BULK_ITEMS - 30, again.headers
+    assert rds.zcard(keys.queued_jobs(tenant)) == MAX_BULK_ITEMS

@@ -89,7 +89,7 @@ async def test_a_submission_is_admitted_written_claimed_and_finished_across_node
                          status=JobStatus.queued, input={"text": f"t{i}"}, enqueued_at=now, cost=1,
                          callback_url="https://hooks.example.com/x") for i in range(3)]
     claim = await broker.claim_idempotency_key(tenant, "key-1", "hash-1")
-    limits = TenantLimits(tenant=tenant, rate_per_s=100.0, burst=100, max_queued=4)
+    limits = TenantLimits(tenant=tenant, rate_per_s=100.0, burst=100, max_queued=4, max_answered=100)
     assert await broker.enqueue(records, limits=limits, idempotency=claim) is None
     assert await client.zcard(keys.queued_jobs(tenant)) == 3
     replay = await broker.claim_idempotency_key(tenant, "key-1", "hash-1")
@@ -122,7 +122,7 @@ async def test_a_cancel_frees_the_place_in_the_tenants_slot(cluster: LocalCluste
     broker = Broker(redis=client, result_ttl_s=600)
     record = JobRecord(id=keys.new_job_id(model, "v1"), tenant=tenant, model=model, version="v1", lane="bulk",
                        status=JobStatus.queued, input={"text": "cancel me"}, enqueued_at=time.time())
-    limits = TenantLimits(tenant=tenant, rate_per_s=100.0, burst=100, max_queued=100)
+    limits = TenantLimits(tenant=tenant, rate_per_s=100.0, burst=100, max_queued=100, max_answered=100)
     assert await broker.enqueue([record], limits=limits) is None
     assert await broker.cancel(record) is None
     assert await broker.cancel(record) == "cancelled"

@@ -107,30 +107,6 @@ def test_another_tenant_and_another_version_are_never_answered_from_the_entry(
     assert rds.xlen(keys.stream(cached, "v2", "online")) >= 1
 
 
-def test_a_hit_takes_no_rate_token_and_no_quota_place(
-    cached: str, admin: httpx.Client, client_for: Callable[[str], httpx.Client]
-) -> None:
-    def tenant(**limits: float) -> httpx.Client:
-        response = admin.post("/v1/tenants", json={"id": unique("cache-limits"), **limits})
-        assert response.status_code == 201, response.text
-        return client_for(response.json()["key"]["secret"])
-
-    # A burst of one token, refilled every 100 s: spent by the first job.
-    slow = tenant(rate_limit_per_s=0.01)
-    _ran(slow, cached, "free of charge")
-    _hit(slow, cached, "free of charge")
-    refused = slow.post(f"/v1/models/{cached}/jobs", json={"input": {"text": "not cached"}})
-    assert refused.status_code == 429 and "rate limit" in refused.text, refused.text
-
-    # One queued job at a time, held by a job for v2, which has no worker.
-    small = tenant(max_queued=1)
-    _ran(small, cached, "free of charge")
-    assert _submit(small, cached, "held", version="v2")["status"] == "queued"
-    _hit(small, cached, "free of charge")
-    refused = small.post(f"/v1/models/{cached}/jobs", json={"input": {"text": "not cached"}})
-    assert refused.status_code == 429 and "quota" in refused.text, refused.text
-
-
 def test_a_failed_job_leaves_nothing_in_the_cache(cached: str, demo: httpx.Client, rds: redis.Redis) -> None:
     failed = wait_job(demo, _submit(demo, cached, "__poison__")["id"])
     assert failed["status"] == "failed", failed

@@ -40,7 +40,7 @@ def test_ids_from_before_codes_keep_their_own_slot() -> None:
 def test_a_tenants_admission_records_share_a_slot() -> None:
     tenant = "acme"
     slots = {key_slot(k.encode()) for k in (keys.queued_jobs(tenant), keys.rate_bucket(tenant),
-                                             keys.idempotency(tenant, "f" * 64))}
+                                             keys.answered_jobs(tenant), keys.idempotency(tenant, "f" * 64))}
     assert len(slots) == 1
 
 
