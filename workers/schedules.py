@@ -14,12 +14,13 @@ from datetime import datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
-from sluice.batch_files import format_of, local_path, render_template
+from sluice.batch_files import format_of, render_template
 from sluice.errors import SluiceError
 from sluice.registry import batches as queries
 from sluice.registry.routing_table import routing_snapshot
 from sluice.registry.store import Registry
 from sluice.routing import route
+from sluice.tenant_files import resolve
 from sluice.vocabulary import BatchState
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,10 @@ def dispatch_due(registry: Registry, *, batch_root: Path | None, now: datetime) 
             )
             status, error = BatchState.queued, None
             try:
-                path = local_path(render_template(schedule.input_uri, local), root=batch_root, must_exist=True)
-                output = (local_path(render_template(schedule.output_uri, local), root=batch_root, must_exist=False)
+                path = resolve(render_template(schedule.input_uri, local), root=batch_root,
+                               tenant=schedule.tenant_id, admin=False, must_exist=True)
+                output = (resolve(render_template(schedule.output_uri, local), root=batch_root,
+                                  tenant=schedule.tenant_id, admin=False, must_exist=False)
                           if schedule.output_uri else None)
                 decision = route(snapshot, model=schedule.model, tenant=schedule.tenant_id, routing_key=None,
                                  version=schedule.version, blocked=(), admin=True)

@@ -1,10 +1,10 @@
 """Batch scoring: create a batch (inline inputs, an uploaded file or an `input_uri`), follow it,
 download its output in input order, cancel it. The Celery feeder (workers/batches.py) runs it.
 
-The input is on disk before the 202: uploads are streamed to the batch store a chunk at a time,
-inline inputs are written there as JSONL, and an `input_uri` must name a file under
-SLUICE_BATCH_ROOT. The batch is routed once, at creation, so all its rows run on one version.
-"""
+The input is on disk before the 202: uploads are streamed to the batch store a chunk at a time
+(api/uploads.py), inline inputs are written there as JSONL, and an `input_uri` must name a file
+in the key's tenant folder under SLUICE_BATCH_ROOT (sluice/tenant_files.py). The batch is
+routed once, at creation, so all its rows run on one version."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from starlette.datastructures import UploadFile
 from api.deps import AppState, CurrentKey, StateDep, checked_callback
 from api.json_response import JsonResponse
 from api.response_models import BatchList, BatchResource, ErrorResource
-from sluice import batch_files
+from sluice import batch_files, tenant_files
 from sluice.batch_files import FORMATS, BatchFileError, Format
 from sluice.errors import InvalidInput, InvalidJson, NotFound, PayloadTooLarge
 from sluice.registry import batches as queries
@@ -64,7 +64,9 @@ class CreateBatch(_BatchOptions):
 
     inputs: list[Any] | None = Field(default=None, min_length=1, description="Inline inputs, e.g. "
                                                                              "[{\"text\": \"...\"}]")
-    input_uri: str | None = Field(default=None, max_length=4096, description="A file:// URI under SLUICE_BATCH_ROOT")
+    input_uri: str | None = Field(default=None, max_length=4096,
+                                  description="A path relative to the tenant's batch folder, or a file:// URI "
+                                              "inside it (an admin key: anywhere under SLUICE_BATCH_ROOT)")
 
 
 _CREATE_BODY = {
@@ -110,7 +112,7 @@ async def create_batch(request: Request, key: CurrentKey, state: StateDep) -> Js
         if content_type == "multipart/form-data":
             options, path, fmt = await _from_upload(request, state, folder)
         elif content_type == "application/json" or content_type.endswith("+json"):
-            options, path, fmt = await _from_json(request, state, folder)
+            options, path, fmt = await _from_json(request, state, key, folder)
         else:
             raise InvalidInput("send application/json (inputs or input_uri) or multipart/form-data (a file)")
         spec = _routed(state, key, options, path, fmt)
@@ -122,7 +124,8 @@ async def create_batch(request: Request, key: CurrentKey, state: StateDep) -> Js
     return JsonResponse(resource, status_code=202, headers={"Location": f"/v1/batches/{batch_id}"})
 
 
-async def _from_json(request: Request, state: AppState, folder: Path) -> tuple[CreateBatch, Path, Format]:
+async def _from_json(request: Request, state: AppState, key: KeyInfo, folder: Path
+                     ) -> tuple[CreateBatch, Path, Format]:
     try:
         body = await request.json()
     except ValueError as exc:
@@ -133,7 +136,8 @@ async def _from_json(request: Request, state: AppState, folder: Path) -> tuple[C
     if (options.inputs is None) == (options.input_uri is None):
         raise InvalidInput("give exactly one of 'inputs' and 'input_uri'")
     if options.input_uri is not None:
-        path = batch_files.local_path(options.input_uri, root=state.settings.batch_root, must_exist=True)
+        path = tenant_files.resolve(options.input_uri, root=state.settings.batch_root, tenant=key.tenant,
+                                    admin=key.is_admin, must_exist=True)
         return options, path, batch_files.format_of(path.name, options.format)
     inputs = options.inputs or []
     if len(inputs) > state.settings.max_batch_inputs:
