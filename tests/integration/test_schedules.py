@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("batches_ended_after")
 def _schedule(admin: httpx.Client, settings: Settings, model: str, **extra: Any) -> dict[str, Any]:
     assert settings.batch_root is not None
     body = {"model": model, "cron": "0 2 * * *", "timezone": "Europe/Paris",
-            "input_uri": f"{settings.batch_root.as_uri()}/{model}/{{date}}.jsonl", **extra}
+            "input_uri": f"{model}/{{date}}.jsonl", **extra}
     response = admin.post("/v1/schedules", json=body)
     assert response.status_code == 201, response.text
     return response.json()
@@ -64,8 +64,8 @@ def test_a_bad_schedule_is_refused(admin: httpx.Client, settings: Settings, regi
                                    change: dict[str, Any], status: int) -> None:
     assert settings.batch_root is not None
     model = register_synthetic("badsched")
-    body = {"model": model, "cron": "0 2 * * *", "input_uri": f"{settings.batch_root.as_uri()}/{{date}}.jsonl"}
-    body.update({k: v.replace("ROOT", settings.batch_root.as_uri()) if isinstance(v, str) else v
+    body = {"model": model, "cron": "0 2 * * *", "input_uri": "{date}.jsonl"}
+    body.update({k: v.replace("ROOT", (settings.batch_root / "tenants" / "admin").as_uri()) if isinstance(v, str) else v
                  for k, v in change.items()})
     response = admin.post("/v1/schedules", json=body)
     assert response.status_code == status, response.text
@@ -77,7 +77,7 @@ def test_each_due_slot_becomes_one_batch_however_many_dispatchers_run(
     assert settings.batch_root is not None
     model = register_synthetic("slots")
     created = _schedule(admin, settings, model, cron="*/10 * * * *", timezone="UTC", output_format="csv")
-    folder = settings.batch_root / model
+    folder = settings.batch_root / "tenants" / "admin" / model
     folder.mkdir(parents=True, exist_ok=True)
     start = datetime.now(UTC).replace(second=0, microsecond=0)
     iterator = croniter("*/10 * * * *", start - timedelta(hours=1))
@@ -120,6 +120,6 @@ def test_a_slot_whose_input_is_missing_is_a_failed_run_that_says_why(
         row.next_slot = slot
     [batch_id] = dispatch_due(registry, batch_root=settings.batch_root, now=slot + timedelta(minutes=1))
     run = admin.get(f"/v1/batches/{batch_id}").json()
-    assert run["status"] == "failed" and "is not a file" in run["error"] and run["finished_at"]
+    assert run["status"] == "failed" and "no such batch file" in run["error"] and run["finished_at"]
     with registry.session() as session:
         assert queries.get_batch(session, batch_id).schedule_id == created["id"]
