@@ -19,11 +19,11 @@ from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError
-from starlette.datastructures import UploadFile
 
 from api.deps import AppState, CurrentKey, StateDep, checked_callback
 from api.json_response import JsonResponse
 from api.response_models import BatchList, BatchResource, ErrorResource
+from api.uploads import receive_upload
 from sluice import batch_files, tenant_files
 from sluice.batch_files import FORMATS, BatchFileError, Format
 from sluice.errors import InvalidInput, InvalidJson, NotFound, PayloadTooLarge
@@ -33,7 +33,6 @@ from sluice.routing import route
 
 router = APIRouter(prefix="/v1", tags=["batches"])
 
-UPLOAD_CHUNK_BYTES = 1 << 20
 _ERRORS: dict[int | str, dict[str, Any]] = {
     403: {"model": ErrorResource, "description": "Not entitled to the version"},
     404: {"model": ErrorResource, "description": "Unknown model, version or batch"},
@@ -156,29 +155,15 @@ async def _from_json(request: Request, state: AppState, key: KeyInfo, folder: Pa
 
 
 async def _from_upload(request: Request, state: AppState, folder: Path) -> tuple[_BatchOptions, Path, Format]:
-    form = await request.form(max_files=1, max_fields=16)
-    try:
-        upload = form.get("file")
-        if not isinstance(upload, UploadFile):
-            raise InvalidInput("the multipart body needs a 'file' part")
-        fields = {name: value for name, value in form.multi_items() if isinstance(value, str) and value != ""}
-        if "metadata" in fields:
-            raise InvalidInput("metadata is a JSON-body option")
-        options: _BatchOptions = _options(_BatchOptions, fields)
-        fmt = batch_files.format_of(upload.filename or "", options.format)
-        path = folder / f"input.{fmt}"
-        limit = state.settings.max_batch_upload_bytes
-        await to_thread.run_sync(lambda: folder.mkdir(parents=True, exist_ok=True))
-        size = 0
-        with path.open("wb") as handle:
-            while chunk := await upload.read(UPLOAD_CHUNK_BYTES):
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLarge(f"the upload exceeds {limit} bytes")
-                await to_thread.run_sync(handle.write, chunk)
-        return options, path, fmt
-    finally:
-        await form.close()
+    upload = await receive_upload(request, folder=folder, limit=state.settings.max_batch_upload_bytes)
+    fields = {name: value for name, value in upload.fields.items() if value != ""}
+    if "metadata" in fields:
+        raise InvalidInput("metadata is a JSON-body option")
+    options: _BatchOptions = _options(_BatchOptions, fields)
+    fmt = batch_files.format_of(upload.filename, options.format)
+    path = folder / f"input.{fmt}"
+    await to_thread.run_sync(upload.path.rename, path)
+    return options, path, fmt
 
 
 def _routed(state: AppState, key: KeyInfo, options: _BatchOptions, path: Path, fmt: Format) -> queries.NewBatch:
