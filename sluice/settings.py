@@ -117,12 +117,13 @@ class Settings(BaseSettings):
     webhook_sweep_s: float = Field(default=30.0, gt=0)
     webhook_concurrency: int = Field(default=8, ge=1, le=256)
 
-    # Batch scoring (workers/batches.py). `input_uri`s must be `file://` paths under `batch_root`
-    # (unset: refused); uploads, inline inputs and outputs live under `batch_dir` (default
-    # HOME/batches), which the API and the Celery workers share. A batch keeps at most
-    # `batch_max_in_flight` jobs on its version's bulk lane; at most `batch_max_running` batches
-    # are fed at once (in all); a feeder that stops renewing its lease for `batch_lease_s` is replaced on
-    # the next sweep, which beat sends every `batch_sweep_s` with the due schedules' dispatch.
+    # Batch scoring (workers/batches.py). An `input_uri` names a file in its tenant's folder,
+    # `batch_root/tenants/<tenant>/` (unset: refused; sluice/tenant_files.py); uploads, inline
+    # inputs and outputs live under `batch_dir` (default HOME/batches), which the API and the
+    # Celery workers share. A batch keeps at most `batch_max_in_flight` jobs on its version's
+    # bulk lane; at most `batch_max_running` batches are fed at once (in all); a feeder that stops
+    # renewing its lease for `batch_lease_s` is replaced on the next sweep, which beat sends
+    # every `batch_sweep_s` with the due schedules' dispatch.
     batch_root: Path | None = None
     batch_dir: Path | None = None
     batch_max_in_flight: int = Field(default=256, ge=1, le=100_000)
