@@ -11,7 +11,7 @@ import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from sluice.wire.connections import as_cluster_url, cluster_url
@@ -174,6 +174,14 @@ class Settings(BaseSettings):
         if value is not None and len(value.get_secret_value()) < 16:
             raise ValueError("SLUICE_BOOTSTRAP_ADMIN_KEY must be at least 16 characters")
         return value
+
+    @model_validator(mode="after")
+    def _batch_store_apart(self) -> Settings:
+        # Uploads and outputs are read through their batch's resource only; inside the batch
+        # root they could be named by an input_uri (a tenant's folder) and read by anyone.
+        if self.batch_root is not None and self.batch_storage.is_relative_to(self.batch_root.resolve()):
+            raise ValueError("SLUICE_BATCH_DIR must not lie inside SLUICE_BATCH_ROOT")
+        return self
 
     @property
     def batch_storage(self) -> Path:

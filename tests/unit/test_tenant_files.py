@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from sluice.settings import Settings
 from sluice.tenant_files import REFUSED, FileRefused, NoBatchRoot, recheck, resolve, tenant_root
 
 
@@ -95,3 +96,11 @@ def test_the_check_before_use_keeps_a_tenants_path_in_its_folder(root: Path) -> 
     (root / "link.jsonl").symlink_to("/etc/passwd")
     with pytest.raises(FileRefused):
         recheck(root / "link.jsonl", root=root)
+
+
+def test_the_batch_store_may_not_lie_inside_the_batch_root(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="SLUICE_BATCH_DIR"):
+        Settings(home=tmp_path, batch_root=tmp_path / "root", batch_dir=tmp_path / "root" / "tenants" / "a")
+    with pytest.raises(ValueError, match="SLUICE_BATCH_DIR"):
+        Settings(home=tmp_path / "root", batch_root=tmp_path)  # the default store, HOME/batches
+    assert Settings(home=tmp_path, batch_root=tmp_path / "root").batch_storage == (tmp_path / "batches").resolve()
