@@ -63,18 +63,24 @@ def resolve(uri: str, *, root: Path | None, tenant: str, admin: bool, must_exist
     return path
 
 
-def recheck(path: Path, *, root: Path | None) -> Path:
-    """A path resolved at submit, checked again just before use: a link made in a tenant's folder
-    after the check must not lead the worker out of it. A path in a tenant's folder stays within
-    that folder; one an admin named elsewhere stays under the batch root."""
+def recheck(path: Path, *, root: Path | None, tenant: str) -> Path:
+    """A path resolved at submit for `tenant`'s batch, checked again just before use: a link made
+    in a folder after the check must not lead the worker out of it. The path stays in the
+    tenant's folder; one an admin named in another tenant's folder stays in that folder, and one
+    an admin named outside every tenant's folder stays under the batch root."""
     if root is None:
         raise NoBatchRoot()
     base = _real(root)
-    tenants = base / TENANTS_DIR
-    scope = base
-    if path.is_relative_to(tenants) and path != tenants:
-        scope = tenants / path.relative_to(tenants).parts[0]
     real = _real(path)
+    if real.is_relative_to(_real(tenant_root(base, tenant))):
+        return real
+    tenants = base / TENANTS_DIR
+    if path.is_relative_to(tenants) and path != tenants:
+        scope = _real(tenant_root(base, path.relative_to(tenants).parts[0]))
+    elif path.is_relative_to(base):
+        scope = base
+    else:
+        raise FileRefused()
     if not real.is_relative_to(scope):
         raise FileRefused()
     return real

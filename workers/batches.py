@@ -189,7 +189,7 @@ class BatchFeeder:
     def _feed(self, run: _Run, owner: str) -> str:
         if not run.input_path.is_relative_to(self.storage):
             # Named by input_uri: checked again now, since the folder may have changed since submit.
-            run.input_path = recheck(run.input_path, root=self.batch_root)
+            run.input_path = recheck(run.input_path, root=self.batch_root, tenant=run.tenant)
         if not run.input_path.is_file():
             raise BatchFileError(f"the batch's input {run.input_path.name} is gone")
         if run.total is None:
@@ -222,7 +222,7 @@ class BatchFeeder:
                 if not progressed:
                     time.sleep(self.poll_s)
         if run.output_path and run.status != BatchState.cancelled:
-            destination = recheck(Path(run.output_path), root=self.batch_root)
+            destination = recheck(Path(run.output_path), root=self.batch_root, tenant=run.tenant)
             write_output(out_path, run.output_format, destination, size=run.bytes_written)
         status = BatchState.cancelled if run.status == BatchState.cancelled else BatchState.succeeded
         self._finish(run, owner, status)

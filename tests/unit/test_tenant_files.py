@@ -74,7 +74,7 @@ def test_a_platform_without_a_batch_root_refuses_every_path() -> None:
     with pytest.raises(NoBatchRoot):
         resolve("in/data.csv", root=None, tenant="alice", admin=True, must_exist=True)
     with pytest.raises(NoBatchRoot):
-        recheck(Path("/x"), root=None)
+        recheck(Path("/x"), root=None, tenant="alice")
 
 
 @pytest.mark.parametrize("tenant", ["", ".", "..", "a/b", "a\x00"])
@@ -85,17 +85,33 @@ def test_a_tenant_id_that_is_not_one_folder_name_has_no_folder(tmp_path: Path, t
 
 def test_the_check_before_use_keeps_a_tenants_path_in_its_folder(root: Path) -> None:
     bob_file = root / "tenants" / "bob" / "in" / "data.csv"
-    assert recheck(bob_file, root=root) == bob_file
-    # An admin's batch of a file outside every tenant folder stays valid.
-    assert recheck(root / "shared.jsonl", root=root) == root / "shared.jsonl"
-    # The file swapped for a link to another tenant's after submit: refused.
+    assert recheck(bob_file, root=root, tenant="bob") == bob_file
+    # An admin's batch of a file outside every tenant folder, or in one, stays valid.
+    assert recheck(root / "shared.jsonl", root=root, tenant="admin") == root / "shared.jsonl"
+    assert recheck(bob_file, root=root, tenant="admin") == bob_file
+    # The file swapped for a link to another tenant's after submit: refused, to the tenant and
+    # to an admin's batch that named the file in bob's folder.
     bob_file.unlink()
     bob_file.symlink_to(root / "tenants" / "alice" / "in" / "data.csv")
-    with pytest.raises(FileRefused):
-        recheck(bob_file, root=root)
+    for tenant in ("bob", "admin"):
+        with pytest.raises(FileRefused):
+            recheck(bob_file, root=root, tenant=tenant)
     (root / "link.jsonl").symlink_to("/etc/passwd")
     with pytest.raises(FileRefused):
-        recheck(root / "link.jsonl", root=root)
+        recheck(root / "link.jsonl", root=root, tenant="admin")
+    with pytest.raises(FileRefused):
+        recheck(Path("/etc/passwd"), root=root, tenant="admin")
+
+
+def test_a_tenant_folder_that_is_a_link_to_other_storage_works(root: Path, tmp_path: Path) -> None:
+    mounted = tmp_path / "volume-of-carol"
+    (mounted / "in").mkdir(parents=True)
+    (mounted / "in" / "rows.jsonl").write_text("{}\n")
+    (root / "tenants" / "carol").symlink_to(mounted, target_is_directory=True)
+    path = resolve("in/rows.jsonl", root=root, tenant="carol", admin=False, must_exist=True)
+    assert path == (mounted / "in" / "rows.jsonl").resolve()
+    assert recheck(path, root=root, tenant="carol") == path
+    assert _refused(path.as_uri(), root, tenant="bob") == REFUSED
 
 
 def test_the_batch_store_may_not_lie_inside_the_batch_root(tmp_path: Path) -> None:
