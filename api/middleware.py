@@ -41,7 +41,8 @@ class BodyLimitMiddleware:
         self.app = app
         self.max_bytes = max_bytes
         # File uploads (multipart/form-data to these paths) are streamed by their route, which
-        # counts them against `max_upload_bytes`; only a declared length is checked here.
+        # counts them against `max_upload_bytes` as they arrive (api/uploads.py); only a declared
+        # length is checked here.
         self.upload_paths = upload_paths
         self.max_upload_bytes = max_upload_bytes
 

@@ -48,7 +48,7 @@ def _follow(client: ApiClient, batch_id: str) -> dict[str, Any]:
 @batch_app.command("submit")
 def submit(
     source: Annotated[str, typer.Argument(help="A local JSONL, CSV or Parquet file (uploaded), or a file:// URI "
-                                               "under the server's SLUICE_BATCH_ROOT")],
+                                               "in your tenant's folder, SLUICE_BATCH_ROOT/tenants/<tenant>/")],
     model: Annotated[str, typer.Option(help="The model to score with")],
     version: Annotated[str | None, typer.Option(help="A version (default: routed like your jobs)")] = None,
     input_format: FormatOption = None,

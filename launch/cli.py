@@ -151,7 +151,8 @@ def up(exit_after_demo: Annotated[bool, typer.Option(help="Stop after the demo (
         console.print(f"  metrics  {platform.api_url}/metrics; every process: "
                       f"prometheus --config.file={_printable_home(platform.write_prometheus_config())}")
         console.print(f"  Flower   {platform.flower_url}   (Celery: webhooks, batch scoring, schedules)")
-        console.print(f"  batches  input_uri and schedule files under {platform.batch_root.as_uri()}/")
+        console.print(f"  batches  each tenant's input_uri and schedule files under "
+                      f"{platform.batch_root.as_uri()}/tenants/<tenant>/")
         console.print(f"  Redis    {platform.stores.redis_url if platform.stores else ''}")
         console.print(f"  demo key {seeded.demo_key}")
         console.print(f"  admin key is in {_printable_home(platform.home / 'admin.key')}"

@@ -71,8 +71,9 @@ class Platform:
     def __init__(self, *, settings: Settings) -> None:
         self.settings = settings
         self.home = settings.home.resolve()
-        # Where batch `input_uri`s and schedules may read and write: SLUICE_BATCH_ROOT, else a
-        # folder of the home, so that a schedule works out of the box.
+        # Where batch `input_uri`s and schedules may read and write (each tenant in its folder,
+        # `tenants/<tenant>/`): SLUICE_BATCH_ROOT, else a folder of the home, so that a schedule
+        # works out of the box.
         self.batch_root = (settings.batch_root or self.home / "batch-root").resolve()
         self.stores: EmbeddedStores | None = None
         self.children: list[tuple[str, subprocess.Popen[bytes]]] = []

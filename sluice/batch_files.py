@@ -1,5 +1,5 @@
 """Batch files: the input formats (JSONL, CSV, Parquet) read as a stream, the output file and its
-conversions, and the `file://` URIs a batch or a schedule may name.
+conversions, and schedules' URI templates (which paths a key may name: sluice/tenant_files.py).
 
 Nothing here holds a whole file: readers yield one row at a time from a bounded buffer (a
 Parquet record batch at most), so a 1,000,000-row input costs the feeder the same memory as a
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, get_args
-from urllib.parse import unquote, urlparse
 
 import orjson
 
@@ -82,22 +81,6 @@ def render_template(template: str, slot: datetime) -> str:
         return template.format_map(values)
     except (KeyError, IndexError, ValueError) as exc:
         raise BatchFileError(f"URI template '{template}' may only use {{{'}, {'.join(TEMPLATE_FIELDS)}}}") from exc
-
-
-def local_path(uri: str, *, root: Path | None, must_exist: bool) -> Path:
-    """The path a `file://` URI names, which must lie under `root` (SLUICE_BATCH_ROOT)."""
-    if root is None:
-        raise BatchFileError("input_uri and output_uri are refused: this platform has no SLUICE_BATCH_ROOT")
-    parsed = urlparse(uri)
-    if parsed.scheme != "file" or parsed.netloc not in ("", "localhost"):
-        raise BatchFileError(f"only file:// URIs under {root} are accepted, not '{uri}'")
-    path = Path(unquote(parsed.path)).resolve()
-    base = root.resolve()
-    if not path.is_relative_to(base):
-        raise BatchFileError(f"'{uri}' is outside {base}, the batch root")
-    if must_exist and not path.is_file():
-        raise BatchFileError(f"'{uri}' is not a file")
-    return path
 
 
 # --- reading ---------------------------------------------------------------------------------------

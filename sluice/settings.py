@@ -11,7 +11,7 @@ import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from sluice.wire.connections import as_cluster_url, cluster_url
@@ -122,12 +122,13 @@ class Settings(BaseSettings):
     webhook_sweep_s: float = Field(default=30.0, gt=0)
     webhook_concurrency: int = Field(default=8, ge=1, le=256)
 
-    # Batch scoring (workers/batches.py). `input_uri`s must be `file://` paths under `batch_root`
-    # (unset: refused); uploads, inline inputs and outputs live under `batch_dir` (default
-    # HOME/batches), which the API and the Celery workers share. A batch keeps at most
-    # `batch_max_in_flight` jobs on its version's bulk lane; at most `batch_max_running` batches
-    # are fed at once (in all); a feeder that stops renewing its lease for `batch_lease_s` is replaced on
-    # the next sweep, which beat sends every `batch_sweep_s` with the due schedules' dispatch.
+    # Batch scoring (workers/batches.py). An `input_uri` names a file in its tenant's folder,
+    # `batch_root/tenants/<tenant>/` (unset: refused; sluice/tenant_files.py); uploads, inline
+    # inputs and outputs live under `batch_dir` (default HOME/batches), which the API and the
+    # Celery workers share. A batch keeps at most `batch_max_in_flight` jobs on its version's
+    # bulk lane; at most `batch_max_running` batches are fed at once (in all); a feeder that stops
+    # renewing its lease for `batch_lease_s` is replaced on the next sweep, which beat sends
+    # every `batch_sweep_s` with the due schedules' dispatch.
     batch_root: Path | None = None
     batch_dir: Path | None = None
     batch_max_in_flight: int = Field(default=256, ge=1, le=100_000)
@@ -178,6 +179,14 @@ class Settings(BaseSettings):
         if value is not None and len(value.get_secret_value()) < 16:
             raise ValueError("SLUICE_BOOTSTRAP_ADMIN_KEY must be at least 16 characters")
         return value
+
+    @model_validator(mode="after")
+    def _batch_store_apart(self) -> Settings:
+        # Uploads and outputs are read through their batch's resource only; inside the batch
+        # root they could be named by an input_uri (a tenant's folder) and read by anyone.
+        if self.batch_root is not None and self.batch_storage.is_relative_to(self.batch_root.resolve()):
+            raise ValueError("SLUICE_BATCH_DIR must not lie inside SLUICE_BATCH_ROOT")
+        return self
 
     @property
     def batch_storage(self) -> Path:

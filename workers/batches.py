@@ -39,6 +39,7 @@ from sluice.kinds import ModelKind, schema_text, validate_input
 from sluice.registry import batches as queries
 from sluice.registry.store import Registry
 from sluice.registry.tables import Model, ModelVersion
+from sluice.tenant_files import recheck
 from sluice.vocabulary import BatchState
 from sluice.wire import keys, scripts
 from sluice.wire.connections import translate_redis_errors
@@ -186,6 +187,9 @@ class BatchFeeder:
         return run
 
     def _feed(self, run: _Run, owner: str) -> str:
+        if not run.input_path.is_relative_to(self.storage):
+            # Named by input_uri: checked again now, since the folder may have changed since submit.
+            run.input_path = recheck(run.input_path, root=self.batch_root, tenant=run.tenant)
         if not run.input_path.is_file():
             raise BatchFileError(f"the batch's input {run.input_path.name} is gone")
         if run.total is None:
@@ -218,7 +222,8 @@ class BatchFeeder:
                 if not progressed:
                     time.sleep(self.poll_s)
         if run.output_path and run.status != BatchState.cancelled:
-            write_output(out_path, run.output_format, Path(run.output_path), size=run.bytes_written)
+            destination = recheck(Path(run.output_path), root=self.batch_root, tenant=run.tenant)
+            write_output(out_path, run.output_format, destination, size=run.bytes_written)
         status = BatchState.cancelled if run.status == BatchState.cancelled else BatchState.succeeded
         self._finish(run, owner, status)
         return status

@@ -18,13 +18,14 @@ from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
-from sluice.batch_files import BatchFileError, format_of, local_path, render_template
+from sluice.batch_files import format_of, render_template
 from sluice.errors import RegistryUnavailable, SluiceError
 from sluice.registry import batches as queries
 from sluice.registry.routing_table import routing_snapshot
 from sluice.registry.store import Registry
 from sluice.routing import RoutingSnapshot, route
 from sluice.schedule_slots import zone_of
+from sluice.tenant_files import resolve
 from sluice.vocabulary import BatchState
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,11 @@ def _dispatch(registry: Registry, snapshot: RoutingSnapshot, schedule_id: str, *
             )
             status, error = BatchState.queued, None
             try:
-                path, output = _paths(due, local, batch_root)
+                path = resolve(render_template(schedule.input_uri, local), root=batch_root,
+                               tenant=schedule.tenant_id, admin=False, must_exist=True)
+                output = (resolve(render_template(schedule.output_uri, local), root=batch_root,
+                                  tenant=schedule.tenant_id, admin=False, must_exist=False)
+                          if schedule.output_uri else None)
                 decision = route(snapshot, model=schedule.model, tenant=schedule.tenant_id, routing_key=None,
                                  version=schedule.version, blocked=(), admin=True)
                 spec = replace(spec, version=decision.version.version, input_path=str(path),
@@ -86,16 +91,3 @@ def _dispatch(registry: Registry, snapshot: RoutingSnapshot, schedule_id: str, *
                 log.info("schedule %s: slot %s -> batch %s (%s)", schedule.id, due.slot.isoformat(), row.id, status)
     return created
 
-
-def _paths(due: queries.DueSlot, local: datetime, batch_root: Path | None) -> tuple[Path, Path | None]:
-    """The slot's input and output files. The file system's own refusals of a path (a symlink
-    loop, a NUL byte) are the slot's input at fault, a failed run like a missing file."""
-    schedule = due.schedule
-    try:
-        path = local_path(render_template(schedule.input_uri, local), root=batch_root, must_exist=True)
-        output = (local_path(render_template(schedule.output_uri, local), root=batch_root, must_exist=False)
-                  if schedule.output_uri else None)
-    except (OSError, RuntimeError, ValueError) as exc:
-        log.warning("schedule %s: slot %s: the path cannot be resolved: %s", schedule.id, due.slot.isoformat(), exc)
-        raise BatchFileError("the slot's input_uri or output_uri names a path that cannot be resolved") from None
-    return path, output

@@ -1,10 +1,10 @@
 """Batch scoring: create a batch (inline inputs, an uploaded file or an `input_uri`), follow it,
 download its output in input order, cancel it. The Celery feeder (workers/batches.py) runs it.
 
-The input is on disk before the 202: uploads are streamed to the batch store a chunk at a time,
-inline inputs are written there as JSONL, and an `input_uri` must name a file under
-SLUICE_BATCH_ROOT. The batch is routed once, at creation, so all its rows run on one version.
-"""
+The input is on disk before the 202: uploads are streamed to the batch store a chunk at a time
+(api/uploads.py), inline inputs are written there as JSONL, and an `input_uri` must name a file
+in the key's tenant folder under SLUICE_BATCH_ROOT (sluice/tenant_files.py). The batch is
+routed once, at creation, so all its rows run on one version."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError
-from starlette.datastructures import UploadFile
 
 from api.deps import AppState, CurrentKey, StateDep, checked_callback
 from api.field_types import FileUri
 from api.json_response import JsonResponse
 from api.response_models import BatchList, BatchResource, ErrorResource
-from sluice import batch_files
+from api.uploads import receive_upload
+from sluice import batch_files, tenant_files
 from sluice.batch_files import FORMATS, BatchFileError, Format
 from sluice.errors import InvalidInput, InvalidJson, NotFound, PayloadTooLarge
 from sluice.registry import batches as queries
@@ -34,7 +34,6 @@ from sluice.routing import route
 
 router = APIRouter(prefix="/v1", tags=["batches"])
 
-UPLOAD_CHUNK_BYTES = 1 << 20
 _ERRORS: dict[int | str, dict[str, Any]] = {
     403: {"model": ErrorResource, "description": "Not entitled to the version"},
     404: {"model": ErrorResource, "description": "Unknown model, version or batch"},
@@ -65,7 +64,9 @@ class CreateBatch(_BatchOptions):
 
     inputs: list[Any] | None = Field(default=None, min_length=1, description="Inline inputs, e.g. "
                                                                              "[{\"text\": \"...\"}]")
-    input_uri: FileUri | None = Field(default=None, description="A file:// URI under SLUICE_BATCH_ROOT")
+    input_uri: FileUri | None = Field(default=None,
+                                      description="A path relative to the tenant's batch folder, or a file:// URI "
+                                                  "inside it (an admin key: anywhere under SLUICE_BATCH_ROOT)")
 
 
 _CREATE_BODY = {
@@ -111,7 +112,7 @@ async def create_batch(request: Request, key: CurrentKey, state: StateDep) -> Js
         if content_type == "multipart/form-data":
             options, path, fmt = await _from_upload(request, state, folder)
         elif content_type == "application/json" or content_type.endswith("+json"):
-            options, path, fmt = await _from_json(request, state, folder)
+            options, path, fmt = await _from_json(request, state, key, folder)
         else:
             raise InvalidInput("send application/json (inputs or input_uri) or multipart/form-data (a file)")
         spec = _routed(state, key, options, path, fmt)
@@ -123,7 +124,8 @@ async def create_batch(request: Request, key: CurrentKey, state: StateDep) -> Js
     return JsonResponse(resource, status_code=202, headers={"Location": f"/v1/batches/{batch_id}"})
 
 
-async def _from_json(request: Request, state: AppState, folder: Path) -> tuple[CreateBatch, Path, Format]:
+async def _from_json(request: Request, state: AppState, key: KeyInfo, folder: Path
+                     ) -> tuple[CreateBatch, Path, Format]:
     try:
         body = await request.json()
     except ValueError as exc:
@@ -134,7 +136,8 @@ async def _from_json(request: Request, state: AppState, folder: Path) -> tuple[C
     if (options.inputs is None) == (options.input_uri is None):
         raise InvalidInput("give exactly one of 'inputs' and 'input_uri'")
     if options.input_uri is not None:
-        path = batch_files.local_path(options.input_uri, root=state.settings.batch_root, must_exist=True)
+        path = tenant_files.resolve(options.input_uri, root=state.settings.batch_root, tenant=key.tenant,
+                                    admin=key.is_admin, must_exist=True)
         return options, path, batch_files.format_of(path.name, options.format)
     inputs = options.inputs or []
     if len(inputs) > state.settings.max_batch_inputs:
@@ -153,29 +156,15 @@ async def _from_json(request: Request, state: AppState, folder: Path) -> tuple[C
 
 
 async def _from_upload(request: Request, state: AppState, folder: Path) -> tuple[_BatchOptions, Path, Format]:
-    form = await request.form(max_files=1, max_fields=16)
-    try:
-        upload = form.get("file")
-        if not isinstance(upload, UploadFile):
-            raise InvalidInput("the multipart body needs a 'file' part")
-        fields = {name: value for name, value in form.multi_items() if isinstance(value, str) and value != ""}
-        if "metadata" in fields:
-            raise InvalidInput("metadata is a JSON-body option")
-        options: _BatchOptions = _options(_BatchOptions, fields)
-        fmt = batch_files.format_of(upload.filename or "", options.format)
-        path = folder / f"input.{fmt}"
-        limit = state.settings.max_batch_upload_bytes
-        await to_thread.run_sync(lambda: folder.mkdir(parents=True, exist_ok=True))
-        size = 0
-        with path.open("wb") as handle:
-            while chunk := await upload.read(UPLOAD_CHUNK_BYTES):
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLarge(f"the upload exceeds {limit} bytes")
-                await to_thread.run_sync(handle.write, chunk)
-        return options, path, fmt
-    finally:
-        await form.close()
+    upload = await receive_upload(request, folder=folder, limit=state.settings.max_batch_upload_bytes)
+    fields = {name: value for name, value in upload.fields.items() if value != ""}
+    if "metadata" in fields:
+        raise InvalidInput("metadata is a JSON-body option")
+    options: _BatchOptions = _options(_BatchOptions, fields)
+    fmt = batch_files.format_of(upload.filename, options.format)
+    path = folder / f"input.{fmt}"
+    await to_thread.run_sync(upload.path.rename, path)
+    return options, path, fmt
 
 
 def _routed(state: AppState, key: KeyInfo, options: _BatchOptions, path: Path, fmt: Format) -> queries.NewBatch:

@@ -15,7 +15,7 @@ from api.field_types import FileUri
 from api.json_response import JsonResponse
 from api.middleware import StrictJsonRoute
 from api.response_models import ErrorResource, ScheduleList, ScheduleResource
-from sluice import batch_files
+from sluice import batch_files, tenant_files
 from sluice.batch_files import Format
 from sluice.registry import batches as queries
 
@@ -37,8 +37,8 @@ class CreateSchedule(BaseModel):
     cron: str = Field(min_length=1, max_length=128, description="Five fields (minute to weekday), or six with "
                                                                 "seconds last, as croniter reads them")
     timezone: str = Field(default="UTC", min_length=1, max_length=64, description="An IANA zone, e.g. Europe/Paris")
-    input_uri: FileUri = Field(description="A file:// template under SLUICE_BATCH_ROOT, "
-                                           "e.g. file:///data/in/{date}.parquet")
+    input_uri: FileUri = Field(description="A path template relative to the tenant's batch folder, "
+                                           "e.g. in/{date}.parquet")
     format: Format | None = None
     text_field: str = Field(default="text", min_length=1, max_length=128)
     output_uri: FileUri | None = Field(default=None, description="Where each run's output is also "
@@ -52,14 +52,16 @@ class CreateSchedule(BaseModel):
 @router.post("/schedules", status_code=201, response_model=ScheduleResource, responses=_ERRORS)
 async def create_schedule(body: CreateSchedule, key: AdminKey, state: StateDep) -> JsonResponse:
     now = datetime.now(UTC)
-    root = state.settings.batch_root
+    root, tenant = state.settings.batch_root, body.tenant or key.tenant
     # Checked now with this moment's date, so a template error is a 422 and not a failed run at night.
-    batch_files.local_path(batch_files.render_template(body.input_uri, now), root=root, must_exist=False)
-    if body.output_uri is not None:
-        batch_files.local_path(batch_files.render_template(body.output_uri, now), root=root, must_exist=False)
+    # The runs are the tenant's batches, so their files are in its folder, admin key or not.
+    for template in (body.input_uri, body.output_uri):
+        if template is not None:
+            tenant_files.resolve(batch_files.render_template(template, now), root=root, tenant=tenant, admin=False,
+                                 must_exist=False)
     callback_url = checked_callback(state, body.callback_url)
     spec = queries.NewSchedule(
-        tenant=body.tenant or key.tenant, model=body.model, version=body.version, cron=body.cron,
+        tenant=tenant, model=body.model, version=body.version, cron=body.cron,
         timezone=body.timezone, input_uri=body.input_uri, input_format=body.format, text_field=body.text_field,
         output_uri=body.output_uri, output_format=body.output_format,
         callback_url=callback_url,

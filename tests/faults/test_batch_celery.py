@@ -107,7 +107,7 @@ def test_two_beat_processes_dispatch_each_schedule_slot_once(
     assert settings.batch_root is not None
     model = register_synthetic("twobeats")
     start_worker(model)
-    folder = settings.batch_root / model
+    folder = settings.batch_root / "tenants" / "admin" / model
     folder.mkdir(parents=True, exist_ok=True)
     for day in (datetime.now(UTC) - timedelta(days=1), datetime.now(UTC), datetime.now(UTC) + timedelta(days=1)):
         (folder / f"{day:%Y-%m-%d}.jsonl").write_text('{"text": "nightly"}\n')
@@ -117,7 +117,7 @@ def test_two_beat_processes_dispatch_each_schedule_slot_once(
     cron = "* * * * * */2"  # every two seconds: croniter's sixth field is the second
     response = admin.post("/v1/schedules", json={
         "model": model, "cron": cron, "timezone": "UTC",
-        "input_uri": f"{settings.batch_root.as_uri()}/{model}/{{date}}.jsonl"})
+        "input_uri": f"{model}/{{date}}.jsonl"})
     assert response.status_code == 201, response.text
     schedule = response.json()
     created = datetime.now(UTC)

@@ -110,19 +110,22 @@ def test_csv_and_parquet_uploads_and_every_output_format(
     assert [row["row"] for row in jsonl] == list(range(90))
 
 
-def test_an_input_uri_must_name_a_file_under_the_batch_root(
+def test_an_input_uri_must_name_a_file_in_the_tenants_folder(
     demo: httpx.Client, settings: Settings, synth: str, tmp_path: Path
 ) -> None:
     assert settings.batch_root is not None
-    settings.batch_root.mkdir(parents=True, exist_ok=True)
-    inside = settings.batch_root / f"{synth}.jsonl"
+    folder = settings.batch_root / "tenants" / "demo"
+    folder.mkdir(parents=True, exist_ok=True)
+    inside = folder / f"{synth}.jsonl"
     inside.write_text("".join(json.dumps({"text": f"t{i}"}) + "\n" for i in range(5)))
     assert _create(demo, model=synth, input_uri=inside.as_uri())["status"] == "queued"
+    assert _create(demo, model=synth, input_uri=inside.name)["status"] == "queued"
 
     outside = tmp_path / "secret.jsonl"
     outside.write_text('{"text": "x"}\n')
-    for uri in (outside.as_uri(), f"{settings.batch_root.as_uri()}/../{outside.name}", "http://example.com/a.jsonl",
-                (settings.batch_root / "missing.jsonl").as_uri()):
+    (settings.batch_root / outside.name).write_text('{"text": "x"}\n')
+    for uri in (outside.as_uri(), f"{settings.batch_root.as_uri()}/{outside.name}", f"../../{outside.name}",
+                "http://example.com/a.jsonl", (folder / "missing.jsonl").as_uri()):
         response = demo.post("/v1/batches", json={"model": synth, "input_uri": uri})
         assert response.status_code == 422, (uri, response.text)
         assert response.json()["error"]["code"] == "invalid_input"

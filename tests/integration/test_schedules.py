@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("batches_ended_after")
 def _schedule(admin: httpx.Client, settings: Settings, model: str, **extra: Any) -> dict[str, Any]:
     assert settings.batch_root is not None
     body = {"model": model, "cron": "0 2 * * *", "timezone": "Europe/Paris",
-            "input_uri": f"{settings.batch_root.as_uri()}/{model}/{{date}}.jsonl", **extra}
+            "input_uri": f"{model}/{{date}}.jsonl", **extra}
     response = admin.post("/v1/schedules", json=body)
     assert response.status_code == 201, response.text
     return response.json()
@@ -69,8 +69,8 @@ def test_a_bad_schedule_is_refused(admin: httpx.Client, settings: Settings, regi
                                    change: dict[str, Any], status: int) -> None:
     assert settings.batch_root is not None
     model = register_synthetic("badsched")
-    body = {"model": model, "cron": "0 2 * * *", "input_uri": f"{settings.batch_root.as_uri()}/{{date}}.jsonl"}
-    body.update({k: v.replace("ROOT", settings.batch_root.as_uri()) if isinstance(v, str) else v
+    body = {"model": model, "cron": "0 2 * * *", "input_uri": "{date}.jsonl"}
+    body.update({k: v.replace("ROOT", (settings.batch_root / "tenants" / "admin").as_uri()) if isinstance(v, str) else v
                  for k, v in change.items()})
     response = admin.post("/v1/schedules", json=body)
     assert response.status_code == status, response.text
@@ -82,7 +82,7 @@ def test_each_due_slot_becomes_one_batch_however_many_dispatchers_run(
     assert settings.batch_root is not None
     model = register_synthetic("slots")
     created = _schedule(admin, settings, model, cron="*/10 * * * *", timezone="UTC", output_format="csv")
-    folder = settings.batch_root / model
+    folder = settings.batch_root / "tenants" / "admin" / model
     folder.mkdir(parents=True, exist_ok=True)
     start = datetime.now(UTC).replace(second=0, microsecond=0)
     iterator = croniter("*/10 * * * *", start - timedelta(hours=1))
@@ -125,7 +125,7 @@ def test_a_slot_whose_input_is_missing_is_a_failed_run_that_says_why(
         row.next_slot = slot
     [batch_id] = dispatch_due(registry, batch_root=settings.batch_root, now=slot + timedelta(minutes=1))
     run = admin.get(f"/v1/batches/{batch_id}").json()
-    assert run["status"] == "failed" and "is not a file" in run["error"] and run["finished_at"]
+    assert run["status"] == "failed" and "no such batch file" in run["error"] and run["finished_at"]
     with registry.session() as session:
         assert queries.get_batch(session, batch_id).schedule_id == created["id"]
 
@@ -155,15 +155,16 @@ def test_a_slot_whose_input_path_cannot_be_resolved_fails_alone(
 ) -> None:
     """A symlink loop where the input should be: that run fails; the other schedules' runs are made."""
     assert settings.batch_root is not None
+    admins = settings.batch_root / "tenants" / "admin"
     looping, healthy = register_synthetic("loop"), register_synthetic("healthy")
     broken = _schedule(admin, settings, looping, cron="0 * * * *", timezone="UTC")
     working = _schedule(admin, settings, healthy, cron="0 * * * *", timezone="UTC")
     slot = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
-    (settings.batch_root / looping).mkdir(parents=True, exist_ok=True)
-    (settings.batch_root / healthy).mkdir(parents=True, exist_ok=True)
-    (settings.batch_root / looping / f"{slot:%Y-%m-%d}.jsonl").symlink_to(settings.batch_root / looping / "loop")
-    (settings.batch_root / looping / "loop").symlink_to(settings.batch_root / looping / f"{slot:%Y-%m-%d}.jsonl")
-    (settings.batch_root / healthy / f"{slot:%Y-%m-%d}.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+    (admins / looping).mkdir(parents=True, exist_ok=True)
+    (admins / healthy).mkdir(parents=True, exist_ok=True)
+    (admins / looping / f"{slot:%Y-%m-%d}.jsonl").symlink_to(admins / looping / "loop")
+    (admins / looping / "loop").symlink_to(admins / looping / f"{slot:%Y-%m-%d}.jsonl")
+    (admins / healthy / f"{slot:%Y-%m-%d}.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
     # The broken one first: it used to stop the dispatch before the others were reached.
     _due(registry, broken["id"], slot - timedelta(hours=1))
     _due(registry, working["id"], slot)
@@ -181,14 +182,15 @@ def test_a_schedule_that_cannot_be_dispatched_records_why_and_the_others_go_on(
 ) -> None:
     """A schedule whose time zone this host no longer knows (tzdata drops and renames zones)."""
     assert settings.batch_root is not None
+    admins = settings.batch_root / "tenants" / "admin"
     stale, healthy = register_synthetic("stalezone"), register_synthetic("goes-on")
     broken = _schedule(admin, settings, stale, cron="0 * * * *", timezone="UTC")
     working = _schedule(admin, settings, healthy, cron="0 * * * *", timezone="UTC")
     assert broken["last_error"] is None and broken["last_error_at"] is None
     slot = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
     for model in (stale, healthy):
-        (settings.batch_root / model).mkdir(parents=True, exist_ok=True)
-        (settings.batch_root / model / f"{slot:%Y-%m-%d}.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+        (admins / model).mkdir(parents=True, exist_ok=True)
+        (admins / model / f"{slot:%Y-%m-%d}.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
     _due(registry, broken["id"], slot - timedelta(hours=1), timezone="Mars/Olympus")
     _due(registry, working["id"], slot)
     now = slot + timedelta(minutes=1)
@@ -216,8 +218,8 @@ def test_an_admin_cancels_a_tenant_s_scheduled_run_and_the_audit_log_says_so(
     _, stranger = new_tenant("stranger")
     created = _schedule(admin, settings, model, cron="0 * * * *", timezone="UTC", tenant=owner)
     slot = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
-    (settings.batch_root / model).mkdir(parents=True, exist_ok=True)
-    (settings.batch_root / model / f"{slot:%Y-%m-%d}.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+    (settings.batch_root / "tenants" / owner / model).mkdir(parents=True, exist_ok=True)
+    (settings.batch_root / "tenants" / owner / model / f"{slot:%Y-%m-%d}.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
     _due(registry, created["id"], slot)
     [batch_id] = dispatch_due(registry, batch_root=settings.batch_root, now=slot + timedelta(minutes=1))
     assert owner_client.get(f"/v1/batches/{batch_id}").json()["status"] == "queued"
