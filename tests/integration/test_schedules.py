@@ -218,8 +218,9 @@ def test_an_admin_cancels_a_tenant_s_scheduled_run_and_the_audit_log_says_so(
     _, stranger = new_tenant("stranger")
     created = _schedule(admin, settings, model, cron="0 * * * *", timezone="UTC", tenant=owner)
     slot = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
-    (settings.batch_root / "tenants" / owner / model).mkdir(parents=True, exist_ok=True)
-    (settings.batch_root / "tenants" / owner / model / f"{slot:%Y-%m-%d}.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+    folder = settings.batch_root / "tenants" / owner / model
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{slot:%Y-%m-%d}.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
     _due(registry, created["id"], slot)
     [batch_id] = dispatch_due(registry, batch_root=settings.batch_root, now=slot + timedelta(minutes=1))
     assert owner_client.get(f"/v1/batches/{batch_id}").json()["status"] == "queued"
