@@ -34,7 +34,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from celery import Celery, Task, bootsteps, signals
-from kombu import Queue
 from kombu.exceptions import KombuError
 
 from sluice import exposition
@@ -76,7 +75,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_transport_options": {"visibility_timeout": int(max(3600.0, 2 * settings.webhook_backoff_cap_s))},
         "worker_prefetch_multiplier": 1,
         # Every task on its pool's queue; a worker without -Q consumes all of them.
-        "task_queues": [Queue(WEBHOOK_QUEUE), Queue(BATCH_QUEUE)],
+        "task_queues": {queue: {"exchange": queue, "routing_key": queue} for queue in (WEBHOOK_QUEUE, BATCH_QUEUE)},
         "task_default_queue": WEBHOOK_QUEUE,
         "task_routes": {task: {"queue": queue} for task, queue in ROUTES.items()},
         "worker_concurrency": settings.webhook_concurrency,
