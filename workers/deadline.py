@@ -24,6 +24,7 @@ import httpcore
 import httpx
 
 _DEADLINE: ContextVar[float | None] = ContextVar("sluice_http_deadline", default=None)
+PASSED = "the attempt's deadline passed"
 
 
 @contextmanager
@@ -42,8 +43,19 @@ def _left(at: float | None, timeout: float | None, error: type[Exception]) -> fl
         return timeout
     left = at - time.monotonic()
     if left <= 0:
-        raise error("the attempt's deadline passed")
+        raise error(PASSED)
     return left if timeout is None else min(timeout, left)
+
+
+@contextmanager
+def _saying_why(at: float | None, error: type[Exception]) -> Iterator[None]:
+    """An operation cut short by the deadline says so (an operator reads it in `last_error`)."""
+    try:
+        yield
+    except error:
+        if at is not None and time.monotonic() >= at:
+            raise error(PASSED) from None
+        raise
 
 
 class _Stream(httpcore.NetworkStream):
@@ -52,17 +64,21 @@ class _Stream(httpcore.NetworkStream):
         self._at = at
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._inner.read(max_bytes, _left(self._at, timeout, httpcore.ReadTimeout))
+        with _saying_why(self._at, httpcore.ReadTimeout):
+            return self._inner.read(max_bytes, _left(self._at, timeout, httpcore.ReadTimeout))
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._inner.write(buffer, _left(self._at, timeout, httpcore.WriteTimeout))
+        with _saying_why(self._at, httpcore.WriteTimeout):
+            self._inner.write(buffer, _left(self._at, timeout, httpcore.WriteTimeout))
 
     def close(self) -> None:
         self._inner.close()
 
     def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
                   timeout: float | None = None) -> httpcore.NetworkStream:
-        inner = self._inner.start_tls(ssl_context, server_hostname, _left(self._at, timeout, httpcore.ConnectTimeout))
+        with _saying_why(self._at, httpcore.ConnectTimeout):
+            inner = self._inner.start_tls(ssl_context, server_hostname,
+                                          _left(self._at, timeout, httpcore.ConnectTimeout))
         return _Stream(inner, self._at)
 
     def get_extra_info(self, info: str) -> typing.Any:
@@ -76,16 +92,18 @@ class _Backend(httpcore.NetworkBackend):
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
                     socket_options: typing.Iterable[httpcore.SOCKET_OPTION] | None = None) -> httpcore.NetworkStream:
         at = _DEADLINE.get()
-        stream = self._inner.connect_tcp(host, port, _left(at, timeout, httpcore.ConnectTimeout), local_address,
-                                         socket_options)
+        with _saying_why(at, httpcore.ConnectTimeout):
+            stream = self._inner.connect_tcp(host, port, _left(at, timeout, httpcore.ConnectTimeout), local_address,
+                                             socket_options)
         return _Stream(stream, at)
 
     def connect_unix_socket(self, path: str, timeout: float | None = None,
                             socket_options: typing.Iterable[httpcore.SOCKET_OPTION] | None = None,
                             ) -> httpcore.NetworkStream:
         at = _DEADLINE.get()
-        return _Stream(self._inner.connect_unix_socket(path, _left(at, timeout, httpcore.ConnectTimeout),
-                                                       socket_options), at)
+        with _saying_why(at, httpcore.ConnectTimeout):
+            stream = self._inner.connect_unix_socket(path, _left(at, timeout, httpcore.ConnectTimeout), socket_options)
+        return _Stream(stream, at)
 
     def sleep(self, seconds: float) -> None:
         self._inner.sleep(seconds)
