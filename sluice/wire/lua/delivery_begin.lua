@@ -52,7 +52,8 @@ if share > 0 then
     local tat = math.max(tonumber(redis.call('GET', KEYS[4]) or '0'), now) + interval
     redis.call('SET', KEYS[4], tostring(tat), 'PX', math.ceil((tat - now) * 1000) + 1000)
     local over = tat - now - tonumber(ARGV[11]) * interval
-    if over > 0 then
+    -- A millisecond of slack: times are floats, and stored with 14 significant digits.
+    if over > 0.001 then
       wait = over
       redis.call('HSET', KEYS[1], 'rate_at', tostring(now + over))
     end
