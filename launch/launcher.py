@@ -1,7 +1,7 @@
 """`sluice up`: the whole platform on one machine, then a short demo.
 
 Child processes run in their own sessions, so Ctrl-C reaches only this process, which then
-stops them: Flower, the Celery worker (webhook delivery, with beat), the scheduler (its workers
+stops them: Flower, the Celery workers (webhook delivery with beat; batches), the scheduler (its workers
 drain) and the API all at once, each within one grace period, then the stores. Should this
 process die without stopping them (SIGKILL), each child gets its own SIGTERM from the kernel
 (`die_with_parent`) and the stores' watchdog stops the stores once the children are gone.
@@ -37,6 +37,7 @@ from sluice.settings import Settings
 from sluice.wire import heartbeats
 from sluice.wire.connections import as_cluster_url, connect, connect_sync
 from sluice.wire.heartbeats import WorkerState
+from workers.tasks import BATCH_QUEUE, WEBHOOK_QUEUE
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,22 @@ DEMO_TEXTS = (
     "What time do you open on Saturdays?",
     "How do I reset my password?",
 )
+
+
+def celery_workers(settings: Settings) -> list[tuple[str, list[str]]]:
+    """The Celery workers `sluice up` runs, a name and `celery` arguments each: one per queue
+    (workers/tasks.py), so batch feeders never hold a thread webhook deliveries need. The threads
+    pool: both wait on the network or the disk. Beat runs in the delivery worker."""
+    common = ["--pool", "threads", "--without-mingle", "--without-gossip", "--loglevel", "INFO"]
+    return [
+        ("celery-webhooks", ["-A", "workers.tasks", "worker", "--beat", "--queues", WEBHOOK_QUEUE,
+                             "--hostname", "sluice-webhooks@%h", "--concurrency", str(settings.webhook_concurrency),
+                             *common]),
+        # Its feeders, and a thread for the sweep.
+        ("celery-batches", ["-A", "workers.tasks", "worker", "--queues", BATCH_QUEUE,
+                            "--hostname", "sluice-batches@%h",
+                            "--concurrency", str(settings.batch_feeders_per_worker + 1), *common]),
+    ]
 
 
 class Platform:
@@ -152,26 +169,8 @@ class Platform:
             registry.dispose()
         self._spawn("api", ["api"], env)
         self._spawn("scheduler", ["scheduler", "--actuator", "local"], env)
-        # The threads pool: delivery waits on the network (see workers/tasks.py).
-        self._spawn(
-            "celery",
-            [
-                "-A",
-                "workers.tasks",
-                "worker",
-                "--beat",
-                "--pool",
-                "threads",
-                "--hostname",
-                "sluice@%h",
-                "--without-mingle",
-                "--without-gossip",
-                "--loglevel",
-                "INFO",
-            ],
-            env,
-            module="celery",
-        )
+        for name, args in celery_workers(self.settings):
+            self._spawn(name, args, env, module="celery")
         self._spawn(
             "flower",
             [

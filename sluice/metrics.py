@@ -34,7 +34,8 @@ BATCH_CLOSED = Counter("sluice_batches_total", "Batches by close reason (size, a
 PADDING_RATIO = Histogram("sluice_batch_padding_ratio", "Padded tokens / real tokens per batch",
                           ["model", "version", "lane"], buckets=(1, 1.1, 1.25, 1.5, 2, 3, 5, 10))
 WEBHOOK_ATTEMPTS = Counter("sluice_webhook_attempts_total",
-                           "Webhook delivery attempts by outcome (delivered, retrying, failed, refused)", ["outcome"])
+                           "Webhook delivery attempts by outcome (delivered, retrying, failed, refused; "
+                           "deferred: not made, its tenant over its share or rate)", ["outcome"])
 WORKER_STATE = Gauge("sluice_worker_ready", "1 when the worker's model is loaded and warm",
                      ["model", "version"])
 COLD_START = Gauge("sluice_worker_cold_start_seconds", "Verify + load + warm-up time", ["model", "version"])

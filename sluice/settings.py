@@ -111,16 +111,27 @@ class Settings(BaseSettings):
     # CIDRs a callback may reach although private or loopback (on-premise receivers, tests):
     # `SLUICE_WEBHOOK_ALLOWED_NETWORKS=10.0.0.0/8,127.0.0.0/8` (NoDecode: a comma list, not JSON).
     webhook_allowed_networks: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    # Delivery (workers/delivery.py): per-request timeout, attempts before a delivery is recorded as
-    # failed, the capped exponential backoff between attempts (defaults: 12 attempts over about two
-    # hours, well inside result_ttl_s, which bounds how long the job record is there to send),
-    # how often beat re-sends overdue deliveries, and the Celery worker's delivery threads.
+    # Delivery (workers/delivery.py): the timeout of each network operation, the deadline of a whole
+    # attempt (connect, send and every byte of the answer's head: a receiver that drips its status
+    # line a byte at a time trips it, where it never trips the per-operation timeout), attempts
+    # before a delivery is recorded as failed, the capped exponential backoff between attempts
+    # (defaults: 12 attempts over about two hours, well inside result_ttl_s, which bounds how long
+    # the job record is there to send), how often beat re-sends overdue deliveries, and the delivery
+    # worker's threads.
     webhook_timeout_s: float = Field(default=10.0, gt=0, le=120)
+    webhook_attempt_deadline_s: float = Field(default=10.0, gt=0, le=300)
     webhook_max_attempts: int = Field(default=12, ge=1, le=100)
     webhook_backoff_base_s: float = Field(default=5.0, gt=0)
     webhook_backoff_cap_s: float = Field(default=3600.0, gt=0)
     webhook_sweep_s: float = Field(default=30.0, gt=0)
     webhook_concurrency: int = Field(default=8, ge=1, le=256)
+    # Fairness between tenants (sluice/wire/lua/delivery_begin.lua): a tenant's attempts in flight at once,
+    # over every delivery worker, are at most this share of webhook_concurrency (at least one), and
+    # a tenant's attempts pass a token bucket of its own (rate per second, burst). An attempt over
+    # either is deferred, not lost and not counted as an attempt.
+    webhook_tenant_share: float = Field(default=0.25, gt=0, le=1)
+    webhook_rate_per_tenant_s: float = Field(default=20.0, gt=0)
+    webhook_rate_burst: int = Field(default=100, ge=1)
 
     # Batch scoring (workers/batches.py). An `input_uri` names a file in its tenant's folder,
     # `batch_root/tenants/<tenant>/` (unset: refused; sluice/tenant_files.py); uploads, inline
@@ -134,7 +145,8 @@ class Settings(BaseSettings):
     batch_max_in_flight: int = Field(default=256, ge=1, le=100_000)
     batch_max_running: int = Field(default=4, ge=1, le=256)
     # Feeders one Celery worker process runs at once: each holds a pool thread for its whole
-    # batch, and the others must stay free for webhook deliveries.
+    # batch. Deliveries have a queue and a worker of their own (workers/tasks.py), so feeders never
+    # take their threads; a worker that consumes both queues still keeps the rest for deliveries.
     batch_feeders_per_worker: int = Field(default=2, ge=1, le=64)
     batch_lease_s: float = Field(default=30.0, ge=2)
     batch_sweep_s: float = Field(default=2.0, gt=0)

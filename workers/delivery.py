@@ -5,6 +5,11 @@ drive it directly.
 Each attempt is counted in Redis (sluice/wire/lua/delivery_begin.lua) before the request is made
 and its outcome recorded (delivery_end.lua) after, under a lease, so duplicate messages and dead
 workers never add attempts beyond `max_attempts` and a delivered webhook is never sent again.
+
+No receiver can hold the pool: an attempt ends by its deadline whatever the receiver sends
+(workers/deadline.py), a tenant's attempts in flight are at most its share of the pool and pass
+its own rate (the same script counts both), and an attempt over either is deferred, uncounted,
+without waiting in a thread.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from sluice.webhooks import (
 from sluice.wire import keys, scripts
 from sluice.wire.connections import connect_sync, translate_redis_errors
 from sluice.wire.jobs import JobRecord
+from workers.deadline import DeadlineTransport, deadline
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +81,9 @@ def resolve(host: str, port: int) -> list[IPAddress]:
 
 @dataclass(frozen=True, slots=True)
 class Attempt:
-    """What one run of the task did: `delivered`, `retry` (after retry_in_s), `failed`, or
-    `skipped` (detail says why: done already, running elsewhere, or not due yet)."""
+    """What one run of the task did: `delivered`, `retry` (after retry_in_s), `deferred` (not
+    attempted, nor counted: its tenant is over its share or rate; again after retry_in_s),
+    `failed`, or `skipped` (detail says why: done already, running elsewhere, or not due yet)."""
 
     outcome: str
     number: int = 0
@@ -86,6 +93,24 @@ class Attempt:
 
 class _Undeliverable(SluiceError):
     """The delivery can never succeed (its job record or tenant is gone)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Subject:
+    """What a delivery reports: the tenant it belongs to, where it goes, and the resource sent."""
+
+    tenant: str
+    callback_url: str
+    resource: dict[str, object]
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """A tenant's attempts in flight at once (over every delivery worker) and its rate."""
+
+    in_flight: int
+    rate_per_s: float
+    burst: int
 
 
 class Deliverer:
@@ -101,7 +126,8 @@ class Deliverer:
         max_attempts: int,
         backoff_base_s: float,
         backoff_cap_s: float,
-        lease_s: float,
+        attempt_deadline_s: float,
+        tenant_limits: TenantLimits,
         ttl_s: int,
         secret_cache_s: float = 60.0,
         resolver: Resolver = resolve,
@@ -115,7 +141,11 @@ class Deliverer:
         self.max_attempts = max_attempts
         self.backoff_base_s = backoff_base_s
         self.backoff_cap_s = backoff_cap_s
-        self.lease_s = lease_s
+        self.attempt_deadline_s = attempt_deadline_s
+        # The lease, and a tenant's place in its share, outlive the attempt's deadline: a worker
+        # that died mid-attempt gives both back by then.
+        self.lease_s = attempt_deadline_s + 5.0
+        self.tenant_limits = tenant_limits
         self.ttl_s = ttl_s
         self.secret_cache_s = secret_cache_s
         self.resolver = resolver
@@ -128,21 +158,19 @@ class Deliverer:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Deliverer:
-        timeout = httpx.Timeout(settings.webhook_timeout_s)
         return cls(
             redis=connect_sync(settings.require_redis_url(), health_check_interval=15),
             registry=Registry(url=settings.require_database_url(), pool_size=2),
-            # No keep-alive: connections are made to a pinned address, and one verified for one
-            # host name must not carry a request for another name that resolves there too. No
-            # redirects (a 3xx could point anywhere) and no proxy from the environment.
-            http=httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False,
-                              limits=httpx.Limits(max_keepalive_connections=0)),
+            http=delivery_client(timeout_s=settings.webhook_timeout_s),
             allowed=allowed_networks(settings.webhook_allowed_networks),
             max_attempts=settings.webhook_max_attempts,
             backoff_base_s=settings.webhook_backoff_base_s,
             backoff_cap_s=settings.webhook_backoff_cap_s,
-            # Connect, write, read and pool each have the timeout; the lease outlives all four.
-            lease_s=4 * settings.webhook_timeout_s + 5,
+            attempt_deadline_s=settings.webhook_attempt_deadline_s,
+            tenant_limits=TenantLimits(
+                in_flight=max(1, int(settings.webhook_tenant_share * settings.webhook_concurrency)),
+                rate_per_s=settings.webhook_rate_per_tenant_s, burst=settings.webhook_rate_burst,
+            ),
             ttl_s=settings.result_ttl_s,
         )
 
@@ -154,39 +182,59 @@ class Deliverer:
     # --- one attempt ------------------------------------------------------------------------------
 
     def attempt(self, delivery_id: str, job_id: str) -> Attempt:
+        # The deadline runs from here: resolving the host and reading the subject count too.
+        until = time.monotonic() + self.attempt_deadline_s
         token = secrets.token_hex(8)
+        gone: _Undeliverable | None = None
+        try:
+            subject: _Subject | None = self._subject(job_id)
+        except _Undeliverable as exc:
+            subject, gone = None, exc
+        # What is gone is recorded failed at once, outside any tenant's share.
+        tenant = subject.tenant if subject is not None else ""
+        limits = self.tenant_limits
         with translate_redis_errors():
-            reply = self._begin(keys=[keys.delivery(delivery_id), keys.WEBHOOK_DUE], args=[
+            reply = self._begin(keys=[keys.delivery(delivery_id), keys.WEBHOOK_DUE, keys.webhook_tenant_slots(tenant),
+                                      keys.webhook_tenant_rate(tenant)], args=[
                 repr(self.clock()), job_id, token, self.lease_s, self.max_attempts, self.ttl_s, delivery_id,
-                EARLY_SLACK_S,
+                EARLY_SLACK_S, limits.in_flight if subject is not None else 0, limits.rate_per_s, limits.burst,
+                # A place in the share frees within a deadline; spread the deferred over it.
+                self.rng.uniform(0.1, 1.0) * self.attempt_deadline_s,
             ])
         verdict = _text(reply[0])
+        if verdict == "deferred":
+            WEBHOOK_ATTEMPTS.labels("deferred").inc()
+            return Attempt("deferred", retry_in_s=float(_text(reply[1])), detail="over the tenant's share or rate")
         if verdict != "go":
             return Attempt("skipped", detail=verdict)
         number = int(reply[1])
+        release = keys.webhook_tenant_slots(tenant)
+        if gone is not None or subject is None:
+            return self._record(delivery_id, token, release, number, "failed", error=str(gone))
         try:
-            status, retry_after = self._send(delivery_id, job_id)
+            with deadline(until):
+                status, retry_after = self._send(delivery_id, subject)
         except CallbackRefused as exc:
-            return self._record(delivery_id, token, number, "failed", error=str(exc), counted_as="refused")
+            return self._record(delivery_id, token, release, number, "failed", error=str(exc), counted_as="refused")
         except _Undeliverable as exc:
-            return self._record(delivery_id, token, number, "failed", error=str(exc))
+            return self._record(delivery_id, token, release, number, "failed", error=str(exc))
         except (httpx.TransportError, OSError, SluiceError) as exc:
-            return self._retry_or_fail(delivery_id, token, number, error=f"{type(exc).__name__}: {scrub(str(exc))}")
+            return self._retry_or_fail(delivery_id, token, release, number,
+                                       error=f"{type(exc).__name__}: {scrub(str(exc))}")
         if 200 <= status < 300:
-            return self._record(delivery_id, token, number, "delivered", status=status)
+            return self._record(delivery_id, token, release, number, "delivered", status=status)
         if should_retry(status):
-            return self._retry_or_fail(delivery_id, token, number, status=status, retry_after=retry_after)
-        return self._record(delivery_id, token, number, "failed", status=status)
+            return self._retry_or_fail(delivery_id, token, release, number, status=status, retry_after=retry_after)
+        return self._record(delivery_id, token, release, number, "failed", status=status)
 
-    def _send(self, delivery_id: str, job_id: str) -> tuple[int, float | None]:
-        tenant, callback_url, resource = self._subject(job_id)
-        secret = self._secret(tenant)
+    def _send(self, delivery_id: str, subject: _Subject) -> tuple[int, float | None]:
+        secret = self._secret(subject.tenant)
         if secret is None:
             raise _Undeliverable("the tenant no longer exists")
-        target = parse_callback(callback_url)
+        target = parse_callback(subject.callback_url)
         address = pin_address(target, self.resolver(target.host, target.port), self.allowed)
-        url = httpx.URL(callback_url)
-        body = json.dumps(resource, separators=(",", ":")).encode()
+        url = httpx.URL(subject.callback_url)
+        body = json.dumps(subject.resource, separators=(",", ":")).encode()
         headers = {
             "Host": url.netloc.decode("ascii"),
             "Content-Type": "application/json",
@@ -202,7 +250,7 @@ class Deliverer:
             # The answer's body is never read: a receiver cannot make us hold a large one.
             return response.status_code, retry_after_s(response.headers.get("Retry-After"), now=self.clock())
 
-    def _subject(self, subject_id: str) -> tuple[str, str, dict[str, object]]:
+    def _subject(self, subject_id: str) -> _Subject:
         """The tenant, callback URL and resource of what the delivery reports: a job, or a batch
         (its callback fires once, when it is final)."""
         if subject_id.startswith("bat_"):
@@ -210,7 +258,7 @@ class Deliverer:
                 batch = session.get(Batch, subject_id)
                 if batch is None or not batch.callback_url:
                     raise _Undeliverable("the batch no longer exists or has no callback_url")
-                return batch.tenant_id, batch.callback_url, batch_resource(batch)
+                return _Subject(batch.tenant_id, batch.callback_url, batch_resource(batch))
         with translate_redis_errors():
             raw = self.redis.hgetall(keys.job(subject_id))
         if not raw:
@@ -218,7 +266,7 @@ class Deliverer:
         record = JobRecord.from_redis(raw)
         if not record.callback_url:
             raise _Undeliverable("the job has no callback_url")
-        return record.tenant, record.callback_url, record.resource()
+        return _Subject(record.tenant, record.callback_url, record.resource())
 
     def _secret(self, tenant: str) -> str | None:
         """The tenant's signing secret, from the registry, cached for secret_cache_s per process."""
@@ -234,20 +282,22 @@ class Deliverer:
                 self._secrets[tenant] = (secret, now + self.secret_cache_s)
         return secret
 
-    def _retry_or_fail(self, delivery_id: str, token: str, number: int, *, status: int | None = None,
+    def _retry_or_fail(self, delivery_id: str, token: str, release: str, number: int, *, status: int | None = None,
                        error: str = "", retry_after: float | None = None) -> Attempt:
         if number >= self.max_attempts:
-            return self._record(delivery_id, token, number, "failed", status=status,
+            return self._record(delivery_id, token, release, number, "failed", status=status,
                                 error=f"gave up after {number} attempts; last: {error or f'answered {status}'}")
         delay = retry_delay(number, base_s=self.backoff_base_s, cap_s=self.backoff_cap_s, retry_after=retry_after,
                             rng=self.rng)
-        return self._record(delivery_id, token, number, "retrying", status=status, error=error, delay=delay)
+        return self._record(delivery_id, token, release, number, "retrying", status=status, error=error, delay=delay)
 
-    def _record(self, delivery_id: str, token: str, number: int, outcome: str, *, status: int | None = None,
-                error: str = "", delay: float = 0.0, counted_as: str | None = None) -> Attempt:
+    def _record(self, delivery_id: str, token: str, release: str, number: int, outcome: str, *,
+                status: int | None = None, error: str = "", delay: float = 0.0,
+                counted_as: str | None = None) -> Attempt:
+        """Record the attempt's outcome and give back its place in the tenant's share (`release`)."""
         now = self.clock()
         with translate_redis_errors():
-            self._end(keys=[keys.delivery(delivery_id), keys.WEBHOOK_DUE], args=[
+            self._end(keys=[keys.delivery(delivery_id), keys.WEBHOOK_DUE, release], args=[
                 token, outcome, repr(now), repr(now + delay) if outcome == "retrying" else "",
                 "" if status is None else str(status), error[:500], delivery_id,
             ])
@@ -285,3 +335,16 @@ class Deliverer:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def delivery_client(*, timeout_s: float) -> httpx.Client:
+    """The HTTP client deliveries share: `timeout_s` per network operation, and each attempt's
+    deadline over all of them (workers/deadline.py).
+
+    No keep-alive: connections are made to a pinned address, and one verified for one host name
+    must not carry a request for another name that resolves there too (and each request opens its
+    own connection, in its own thread, under its own deadline). No redirects (a 3xx could point
+    anywhere) and no proxy from the environment."""
+    limits = httpx.Limits(max_keepalive_connections=0)
+    return httpx.Client(timeout=httpx.Timeout(timeout_s), follow_redirects=False, trust_env=False,
+                        transport=DeadlineTransport(limits=limits))

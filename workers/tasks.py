@@ -1,8 +1,13 @@
 """The Celery app: webhook delivery (workers/delivery.py) and batch scoring (workers/batches.py,
 workers/schedules.py) run as tasks, watched by Flower.
 
-    celery -A workers.tasks worker -B -P threads     # delivery, the outbox relay, beat's sweep
+    celery -A workers.tasks worker -B -P threads -Q sluice.webhooks   # deliveries, the relay, beat
+    celery -A workers.tasks worker -P threads -Q sluice.batches -c 3   # batch feeders, schedules
     celery -A workers.tasks flower --port=5555
+
+Deliveries and batch feeding have queues of their own (`task_routes`), and each queue a worker of
+its own, so a feeder, which holds a thread for its whole batch, never takes a delivery's thread. A
+worker started without `-Q` consumes both queues (one process for a small installation).
 
 Importing this module reads no configuration. `app`'s configuration is a promise (Celery's
 `add_defaults` with a callable) that builds `Settings()` from the `SLUICE_*` environment the first
@@ -49,6 +54,11 @@ DELIVER_TASK = "sluice.deliver_webhook"
 SWEEP_TASK = "sluice.sweep_webhooks"
 RUN_BATCH_TASK = "sluice.run_batch"
 SWEEP_BATCHES_TASK = "sluice.sweep_batches"
+# A queue per pool: webhook deliveries wait on receivers, batch feeders hold a thread per batch.
+WEBHOOK_QUEUE = "sluice.webhooks"
+BATCH_QUEUE = "sluice.batches"
+ROUTES = {DELIVER_TASK: WEBHOOK_QUEUE, SWEEP_TASK: WEBHOOK_QUEUE, RUN_BATCH_TASK: BATCH_QUEUE,
+          SWEEP_BATCHES_TASK: BATCH_QUEUE}
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -64,6 +74,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_reject_on_worker_lost": True,
         "broker_transport_options": {"visibility_timeout": int(max(3600.0, 2 * settings.webhook_backoff_cap_s))},
         "worker_prefetch_multiplier": 1,
+        # Every task on its pool's queue; a worker without -Q consumes all of them.
+        "task_queues": {queue: {"exchange": queue, "routing_key": queue} for queue in (WEBHOOK_QUEUE, BATCH_QUEUE)},
+        "task_default_queue": WEBHOOK_QUEUE,
+        "task_routes": {task: {"queue": queue} for task, queue in ROUTES.items()},
         "worker_concurrency": settings.webhook_concurrency,
         "task_serializer": "json",
         "result_serializer": "json",
@@ -239,7 +253,8 @@ def create_app(*, settings: Settings | None = None) -> Celery:
         except BrokerError as exc:
             # Redis is unreachable: nothing was attempted or counted; try again shortly.
             raise self.retry(exc=exc, countdown=5.0) from exc
-        if result.outcome == "retry":
+        if result.outcome in {"retry", "deferred"}:
+            # A deferred attempt waits in the broker, not in a thread of the pool.
             raise self.retry(countdown=result.retry_in_s)
         return {"outcome": result.outcome, "attempt": result.number, "detail": result.detail}
 

@@ -168,3 +168,15 @@ def delivery(delivery_id: str) -> str:
     """One webhook delivery's state: status, attempts, last answer, lease of the running attempt.
     Every delivery shares the due set's slot, so one script updates both."""
     return f"sluice:delivery:{{webhooks}}:{delivery_id}"
+
+
+def webhook_tenant_slots(tenant: str) -> str:
+    """Sorted set: lease token -> lease end, of the tenant's delivery attempts in flight (its share
+    of the delivery pool). In the deliveries' slot, so the script that starts an attempt takes one."""
+    return f"sluice:webhook-slots:{{webhooks}}:{tenant}"
+
+
+def webhook_tenant_rate(tenant: str) -> str:
+    """The tenant's delivery rate limit: the theoretical arrival time of its next attempt (GCRA,
+    a token bucket kept as one number). In the deliveries' slot."""
+    return f"sluice:webhook-rate:{{webhooks}}:{tenant}"

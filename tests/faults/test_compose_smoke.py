@@ -159,7 +159,7 @@ def test_compose_services_run_in_order_until_jobs_succeed_and_a_registered_versi
 ) -> None:
     order = _order(stack.services)
     assert order[:2] == ["migrate", "seed"], order
-    assert set(order) == {"migrate", "seed", "api", "worker-pool", "celery-worker", "flower"}, order
+    assert set(order) == {"migrate", "seed", "api", "worker-pool", "celery-webhooks", "celery-batches", "flower"}, order
     stack.run_to_completion("migrate")
     demo_key = re.search(r"demo key: (\S+)", stack.run_to_completion("seed"))
     assert demo_key, "the seed prints the demo key (`docker compose logs seed`)"

@@ -24,7 +24,7 @@ from sluice.wire.connections import connect_sync
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
 from tests.support import REPO, Receiver, receiving
-from workers.delivery import USER_AGENT, Deliverer
+from workers.delivery import USER_AGENT, Deliverer, TenantLimits
 
 MAX_ATTEMPTS = 3
 # Longer than the slack a retry may run early (EARLY_SLACK_S), so an early attempt is refused.
@@ -56,7 +56,9 @@ def deliverer(redis_url: str, database_url: str, seeded: Seeded, clock: Clock) -
         redis=connect_sync(redis_url), registry=Registry(url=database_url, pool_size=1),
         http=httpx.Client(timeout=5.0, follow_redirects=False, trust_env=False),
         allowed=allowed_networks(["127.0.0.0/8"]), max_attempts=MAX_ATTEMPTS, backoff_base_s=BACKOFF_S,
-        backoff_cap_s=BACKOFF_S, lease_s=30.0, ttl_s=600, clock=clock, rng=random.Random(7),
+        backoff_cap_s=BACKOFF_S, attempt_deadline_s=25.0,
+        tenant_limits=TenantLimits(in_flight=8, rate_per_s=100.0, burst=100), ttl_s=600, clock=clock,
+        rng=random.Random(7),
     )
     yield made
     made.close()

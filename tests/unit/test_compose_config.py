@@ -15,7 +15,7 @@ from tests.support import REPO
 
 SECRETS = {"GRAFANA_ADMIN_PASSWORD": "a-grafana-password", "SLUICE_ADMIN_KEY": "an-admin-key-of-the-test-0123",
            "FLOWER_PASSWORD": "a-flower-password"}
-APP_SERVICES = ("api", "worker-pool", "celery-worker")
+APP_SERVICES = ("api", "worker-pool", "celery-webhooks", "celery-batches")
 
 
 def _config(**env: str) -> subprocess.CompletedProcess[str]:

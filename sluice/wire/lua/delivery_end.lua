@@ -2,6 +2,7 @@
 --
 -- KEYS[1]: the delivery's hash (`sluice.wire.keys.delivery`)
 -- KEYS[2]: the due set (`sluice.wire.keys.WEBHOOK_DUE`, the same slot)
+-- KEYS[3]: the tenant's attempts in flight (`sluice.wire.keys.webhook_tenant_slots`, the same slot)
 --
 -- ARGV[1]: the lease token
 -- ARGV[2]: the outcome: delivered, retrying or failed
@@ -14,7 +15,8 @@
 -- Returns: 1 if it recorded the outcome, else 0.
 --
 -- A delivered delivery stays delivered; an attempt whose lease was taken over records only a
--- success.
+-- success. Whatever it records, the attempt gives back its place in its tenant's share.
+redis.call('ZREM', KEYS[3], ARGV[1])
 if redis.call('HGET', KEYS[1], 'status') == 'delivered' then return 0 end
 if ARGV[2] ~= 'delivered' and redis.call('HGET', KEYS[1], 'lease') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'updated_at', ARGV[3], 'lease_until', '0',
