@@ -111,7 +111,8 @@ def scheduler(actuator: Annotated[Actuator, typer.Option(help="local: supervise 
 
         try:
             supervisor = connect(namespace=settings.kubernetes_namespace,
-                                 template=settings.kubernetes_worker_deployment)
+                                 template=settings.kubernetes_worker_deployment,
+                                 selector=settings.kubernetes_worker_selector)
         except ActuatorError as exc:
             console.print(f"[red]{exc}[/]")
             raise typer.Exit(1) from exc

@@ -91,9 +91,12 @@ class Settings(BaseSettings):
     scale_max_step_down: int = Field(default=1, ge=1)
     scale_interval_s: float = Field(default=2.0, gt=0)
     # The kubernetes actuator (scheduler/kubernetes.py) scales the Deployment named by the template
-    # in this namespace; {model} and {version} are made DNS-1123 labels first (`v1.2` -> `v1-2`).
+    # in this namespace; {model} and {version} are made DNS-1123 labels first (`v1.2` -> `v1-2`),
+    # and a hash of the exact names follows (`deployment_name`). On start it lists the Deployments
+    # the selector matches and scales to zero those of versions no longer served.
     kubernetes_namespace: str = "sluice"
     kubernetes_worker_deployment: str = "sluice-worker-{model}-{version}"
+    kubernetes_worker_selector: str = "app.kubernetes.io/component=worker"
 
     # Circuit breaker per version (sluice.breaker): trip on this error rate over at least
     # `breaker_min_samples` jobs in the window, or on no live worker for the grace period.
