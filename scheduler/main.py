@@ -27,7 +27,7 @@ import redis
 from scheduler.autoscale import ScalingPolicy
 from scheduler.quality import run_aggregator
 from scheduler.rollout import run_controller
-from scheduler.scaling import Autoscaler, publish, read_pools, scaled_versions, worker_config
+from scheduler.scaling import Autoscaler, publish, read_pools, scaled_versions, withdraw, worker_config
 from scheduler.supervisor import Supervisor, VersionKey
 from sluice import exposition
 from sluice.errors import ActuatorError, BrokerError, SluiceError
@@ -79,6 +79,7 @@ class Scheduler:
         self._snapshot: RoutingSnapshot | None = None
         self.scrape_target = scrape_target
         self._advertised_at = 0.0
+        self._published: set[VersionKey] = set()  # the versions whose series `publish` set
 
     def request_stop(self) -> None:
         self.stopping.set()
@@ -128,6 +129,8 @@ class Scheduler:
             publish(self._redis, decisions, readings, live=live)
         except BrokerError as exc:
             log.warning("could not publish the scaling decisions: %s", exc)
+        withdraw(self._published - decisions.keys())
+        self._published = set(decisions)
 
     def _advertise(self) -> None:
         now = time.time()
