@@ -51,7 +51,7 @@ def create_app(
                 if own_redis:
                     await client.aclose()
                 raise
-        reg = registry or Registry(url=settings.require_database_url())
+        reg = registry or Registry.serving(settings, pool_size=5)
         routing = RoutingCache(registry=reg, refresh_s=settings.routing_refresh_s)
         auth = AuthCache(lookup=registry_lookup(reg), ttl_s=settings.auth_cache_s)
 

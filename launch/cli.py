@@ -119,7 +119,7 @@ def scheduler(actuator: Annotated[Actuator, typer.Option(help="local: supervise 
     endpoint = exposition.serve_metrics(host=settings.metrics_host, port=settings.metrics_port)
     # One connection for each of the scheduler's threads: the loop, the rollout controller and
     # the quality aggregator.
-    registry = Registry(url=settings.require_database_url(), pool_size=3)
+    registry = Registry.serving(settings, pool_size=3)
     runner = Scheduler(registry=registry, redis_url=settings.require_redis_url(), supervisor=supervisor,
                        autoscaler=autoscaler(settings), refresh_s=settings.scale_interval_s,
                        scrape_target=exposition.ScrapeTarget(address=endpoint.address, process="scheduler"))

@@ -131,7 +131,7 @@ class Deliverer:
         timeout = httpx.Timeout(settings.webhook_timeout_s)
         return cls(
             redis=connect_sync(settings.require_redis_url(), health_check_interval=15),
-            registry=Registry(url=settings.require_database_url(), pool_size=2),
+            registry=Registry.serving(settings, pool_size=2),
             # No keep-alive: connections are made to a pinned address, and one verified for one
             # host name must not carry a request for another name that resolves there too. No
             # redirects (a 3xx could point anywhere) and no proxy from the environment.
