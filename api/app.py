@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from api import errors
 from api.admission import Admission
 from api.breakers import BreakerBoard
-from api.caches import AuthCache, RoutingCache
+from api.caches import AuthCache, RoutingCache, registry_lookup
 from api.deps import AppState
 from api.event_hub import EventHub
 from api.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware, StrictJsonMiddleware
@@ -51,9 +51,9 @@ def create_app(
                 if own_redis:
                     await client.aclose()
                 raise
-        reg = registry or Registry(url=settings.require_database_url())
+        reg = registry or Registry.serving(settings, pool_size=5)
         routing = RoutingCache(registry=reg, refresh_s=settings.routing_refresh_s)
-        auth = AuthCache(registry=reg, ttl_s=settings.auth_cache_s)
+        auth = AuthCache(lookup=registry_lookup(reg), ttl_s=settings.auth_cache_s)
 
         def on_control(event: events.Event) -> None:
             if isinstance(event, events.RoutingChanged):

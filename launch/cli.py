@@ -111,14 +111,15 @@ def scheduler(actuator: Annotated[Actuator, typer.Option(help="local: supervise 
 
         try:
             supervisor = connect(namespace=settings.kubernetes_namespace,
-                                 template=settings.kubernetes_worker_deployment)
+                                 template=settings.kubernetes_worker_deployment,
+                                 selector=settings.kubernetes_worker_selector)
         except ActuatorError as exc:
             console.print(f"[red]{exc}[/]")
             raise typer.Exit(1) from exc
     endpoint = exposition.serve_metrics(host=settings.metrics_host, port=settings.metrics_port)
     # One connection for each of the scheduler's threads: the loop, the rollout controller and
     # the quality aggregator.
-    registry = Registry(url=settings.require_database_url(), pool_size=3)
+    registry = Registry.serving(settings, pool_size=3)
     runner = Scheduler(registry=registry, redis_url=settings.require_redis_url(), supervisor=supervisor,
                        autoscaler=autoscaler(settings), refresh_s=settings.scale_interval_s,
                        scrape_target=exposition.ScrapeTarget(address=endpoint.address, process="scheduler"))

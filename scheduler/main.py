@@ -27,7 +27,7 @@ import redis
 from scheduler.autoscale import ScalingPolicy
 from scheduler.quality import run_aggregator
 from scheduler.rollout import run_controller
-from scheduler.scaling import Autoscaler, publish, read_pools, scaled_versions, worker_config
+from scheduler.scaling import Autoscaler, publish, read_pools, scaled_versions, withdraw, worker_config
 from scheduler.supervisor import Supervisor, VersionKey
 from sluice import exposition
 from sluice.errors import ActuatorError, BrokerError, SluiceError
@@ -50,8 +50,9 @@ def worker_command(python: str = sys.executable) -> Callable[[str, str, int], li
 
 
 class Actuator(Protocol):
-    """What carries out the decisions: the local `Supervisor`, or `scheduler/kubernetes.py`'s, which
-    raises `ActuatorError` when its API fails."""
+    """What carries out the decisions: the local `Supervisor`, or `scheduler/kubernetes.py`'s. `live`
+    may raise `ActuatorError`; `set_desired` takes each version on its own and never does, so one
+    version's failure neither stops the others' scaling nor the publishing of the decisions."""
 
     def live(self, key: VersionKey) -> int: ...
 
@@ -78,6 +79,7 @@ class Scheduler:
         self._snapshot: RoutingSnapshot | None = None
         self.scrape_target = scrape_target
         self._advertised_at = 0.0
+        self._published: set[VersionKey] = set()  # the versions whose series `publish` set
 
     def request_stop(self) -> None:
         self.stopping.set()
@@ -107,22 +109,28 @@ class Scheduler:
             return
 
         def live(key: VersionKey) -> int:
-            return self.supervisor.live(key) if self.supervisor else len(readings[key].beats)
+            if self.supervisor is None:
+                return len(readings[key].beats)
+            try:
+                return self.supervisor.live(key)
+            except ActuatorError as exc:
+                # One version's unreadable pool must not stop the others' decisions: its
+                # heartbeats are what Redis shows of it.
+                log.warning("%s; counting %s/%s's workers by their heartbeats", exc, *key)
+                return len(readings[key].beats)
 
-        try:
-            decisions = self.autoscaler.decide(versions, readings, live=live, now=time.time())
-            if self.supervisor:
-                self.supervisor.set_desired(
-                    {key: decision.replicas for key, decision in decisions.items()},
-                    configs={key: worker_config(scaled.info) for key, scaled in versions.items()},
-                    ready_pids={beat.pid for reading in readings.values() for beat in reading.ready})
-        except ActuatorError as exc:
-            log.warning("the actuator failed, keeping the current pools: %s", exc)
-            return
+        decisions = self.autoscaler.decide(versions, readings, live=live, now=time.time())
+        if self.supervisor:
+            self.supervisor.set_desired(
+                {key: decision.replicas for key, decision in decisions.items()},
+                configs={key: worker_config(scaled.info) for key, scaled in versions.items()},
+                ready_pids={beat.pid for reading in readings.values() for beat in reading.ready})
         try:
             publish(self._redis, decisions, readings, live=live)
-        except (BrokerError, ActuatorError) as exc:
+        except BrokerError as exc:
             log.warning("could not publish the scaling decisions: %s", exc)
+        withdraw(self._published - decisions.keys())
+        self._published = set(decisions)
 
     def _advertise(self) -> None:
         now = time.time()

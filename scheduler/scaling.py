@@ -4,7 +4,8 @@
 length: jobs queued or running, since finished entries are deleted; and `entries-added`, the
 monotonic arrival count) and the live workers' heartbeats. `Autoscaler.decide` turns those into
 `PoolSignals`, asks `scheduler.autoscale` for each version's need, stabilizes it, and shares the
-slot budget; `publish` leaves the decision where the API and dashboards read it.
+slot budget; `publish` leaves the decision where the API and dashboards read it, and `withdraw`
+takes away the series of versions no longer scaled.
 """
 
 from __future__ import annotations
@@ -193,3 +194,13 @@ def publish(client: redis.Redis, decisions: Mapping[VersionKey, ScaleDecision],
         pipe.expire(keys.replicas(*key), DECISION_TTL_S)
     with translate_redis_errors():
         pipe.execute()
+
+
+def withdraw(gone: Iterable[VersionKey]) -> None:
+    """Remove the series `publish` set for versions no longer scaled (retired, or no workers
+    allowed): a gauge otherwise exports its last value until the process ends."""
+    for key in gone:
+        DESIRED_REPLICAS.remove(*key)
+        LIVE_REPLICAS.remove(*key)
+        for lane in LANES:
+            STREAM_LAG.remove(*key, lane)

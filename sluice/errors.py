@@ -33,6 +33,11 @@ class RegistryUnavailable(RegistryError):
     """Postgres cannot be reached."""
 
 
+class RegistryTimeout(RegistryUnavailable):
+    """A statement or lock wait ran past the serving registry's bound (Postgres cancelled it), or
+    Postgres did not answer at all within it (the client gave up and closed the connection)."""
+
+
 # --- models and artifacts -------------------------------------------------------------------
 
 

@@ -45,6 +45,9 @@ INT8_SPEEDUP = Gauge("sluice_worker_int8_speedup", "int8's speed over fp32's, me
 
 DESIRED_REPLICAS = Gauge("sluice_desired_replicas", "Replicas the scheduler wants", ["model", "version"])
 LIVE_REPLICAS = Gauge("sluice_live_replicas", "Replicas alive", ["model", "version"])
+ACTUATOR_ERRORS = Counter("sluice_actuator_errors_total",
+                          "Kubernetes API calls of the scheduler's actuator that failed (read, patch, list)",
+                          ["operation"])
 STREAM_LAG = Gauge("sluice_stream_lag", "Entries not yet acknowledged", ["model", "version", "lane"])
 QUEUE_PENDING = Gauge("sluice_queue_pending", "Entries a worker has read and not yet acknowledged",
                       ["model", "version", "lane"])

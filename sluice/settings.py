@@ -45,6 +45,15 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["json", "text"] = "json"
 
+    # The registry's bounds in the serving processes (API, workers, scheduler, Celery), never in
+    # `sluice migrate`, whose statements may rightly run long: Postgres cancels a statement past
+    # the statement timeout and a lock wait past the lock timeout, and a Postgres that does not
+    # answer at all (stopped, or a network gone quiet) is given up by the client one second after
+    # the statement timeout, its connection closed, so no thread or pooled connection waits longer.
+    registry_statement_timeout_s: float = Field(default=5.0, gt=0, le=600)
+    registry_lock_timeout_s: float = Field(default=2.0, gt=0, le=600)
+    registry_connect_timeout_s: float = Field(default=3.0, ge=1, le=60)
+
     result_ttl_s: int = Field(default=24 * 3600, ge=60)
     idempotency_ttl_s: int = Field(default=24 * 3600, ge=60)
     claim_after_s: float = Field(default=30.0, gt=0)
@@ -96,9 +105,12 @@ class Settings(BaseSettings):
     scale_max_step_down: int = Field(default=1, ge=1)
     scale_interval_s: float = Field(default=2.0, gt=0)
     # The kubernetes actuator (scheduler/kubernetes.py) scales the Deployment named by the template
-    # in this namespace; {model} and {version} are made DNS-1123 labels first (`v1.2` -> `v1-2`).
+    # in this namespace; {model} and {version} are made DNS-1123 labels first (`v1.2` -> `v1-2`),
+    # and a hash of the exact names follows (`deployment_name`). On start it lists the Deployments
+    # the selector matches and scales to zero those of versions no longer served.
     kubernetes_namespace: str = "sluice"
     kubernetes_worker_deployment: str = "sluice-worker-{model}-{version}"
+    kubernetes_worker_selector: str = "app.kubernetes.io/component=worker"
 
     # Circuit breaker per version (sluice.breaker): trip on this error rate over at least
     # `breaker_min_samples` jobs in the window, or on no live worker for the grace period.

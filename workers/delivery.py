@@ -160,7 +160,7 @@ class Deliverer:
     def from_settings(cls, settings: Settings) -> Deliverer:
         return cls(
             redis=connect_sync(settings.require_redis_url(), health_check_interval=15),
-            registry=Registry(url=settings.require_database_url(), pool_size=2),
+            registry=Registry.serving(settings, pool_size=2),
             http=delivery_client(timeout_s=settings.webhook_timeout_s),
             allowed=allowed_networks(settings.webhook_allowed_networks),
             max_attempts=settings.webhook_max_attempts,

@@ -50,7 +50,7 @@ def run_worker(*, settings: Settings, model: str, version: str, threads: int | N
     from workers.models.precision import PrecisionPolicy
     from workers.worker import Worker
 
-    registry = Registry(url=settings.require_database_url(), pool_size=1)
+    registry = Registry.serving(settings, pool_size=1)
     started = time.perf_counter()
     try:
         kind, row = _load_version(registry, model, version)

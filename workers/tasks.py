@@ -139,7 +139,7 @@ class _Runtime:
                 self._feeder = BatchFeeder(
                     redis=connect_sync(settings.require_redis_url(), socket_timeout_s=10.0,
                                        health_check_interval=15),
-                    registry=Registry(url=settings.require_database_url(), pool_size=4),
+                    registry=Registry.serving(settings, pool_size=4),
                     storage=settings.batch_storage, batch_root=settings.batch_root,
                     max_in_flight=settings.batch_max_in_flight, max_running=settings.batch_max_running,
                     lease_s=settings.batch_lease_s, checkpoint_s=settings.batch_checkpoint_s,

@@ -190,6 +190,32 @@ class PostgresServer:
         except psycopg.OperationalError:
             return False
 
+    def family(self) -> list[int]:
+        """The postmaster and every process it forked (backends, checkpointer, walwriter, ...)."""
+        assert self.proc is not None
+        parents: dict[int, int] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue  # gone meanwhile
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        found = [self.proc.pid]
+        for pid in found:  # grows while it is walked: children's children too
+            found += [child for child, parent in parents.items() if parent == pid]
+        return found
+
+    def freeze(self) -> None:
+        """SIGSTOP every process of the cluster: connections stay open and the kernel still
+        acknowledges what a client sends, but nothing answers (a hung server, not a dead one)."""
+        for pid in self.family():
+            os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        for pid in self.family():
+            os.kill(pid, signal.SIGCONT)
+
     def stop(self) -> None:
         """SIGINT is Postgres' fast shutdown: sessions are aborted, then it checkpoints and exits."""
         stop_process(self.proc, signal.SIGINT, timeout_s=60)
