@@ -33,7 +33,8 @@ from typing import Any
 
 import redis as redis_sync
 
-from sluice.batch_files import BatchFileError, Format, Row, count_rows, error_json, output_line, read_rows, write_output
+from sluice.batch_files import BatchFileError, Format, error_json, output_line, write_output
+from sluice.batch_rows import Row, count_rows, read_rows
 from sluice.errors import InvalidInput
 from sluice.kinds import ModelKind, schema_text, validate_input
 from sluice.registry import batches as queries
@@ -90,6 +91,8 @@ class _Run:
     bytes_written: int
     status: str
     window: deque[_Slot] = field(default_factory=deque)
+    # Why the input cannot be read on: no more rows are queued, and the batch ends failed.
+    error: str | None = None
     cancel_sent: bool = False
     checkpointed_ids: list[str] = field(default_factory=list)
 
@@ -110,6 +113,7 @@ class BatchFeeder:
         max_running: int,
         lease_s: float,
         checkpoint_s: float,
+        max_line_bytes: int,
         result_ttl_s: int,
         max_text_chars: int,
         poll_s: float = 0.05,
@@ -123,6 +127,7 @@ class BatchFeeder:
         self.max_running = max_running
         self.lease_s = lease_s
         self.checkpoint_s = checkpoint_s
+        self.max_line_bytes = max_line_bytes
         self.result_ttl_s = result_ttl_s
         self.max_text_chars = max_text_chars
         self.poll_s = poll_s
@@ -188,25 +193,31 @@ class BatchFeeder:
     def _feed(self, run: _Run, owner: str) -> str:
         if not run.input_path.is_file():
             raise BatchFileError(f"the batch's input {run.input_path.name} is gone")
-        if run.total is None:
-            run.total = count_rows(run.input_path, run.input_format)
         out_path = self.output_file(run.id)
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        rows = read_rows(run.input_path, run.input_format, text_field=run.text_field, start=run.rows_written)
         exhausted = False
         with out_path.open("ab") as out:
             out.truncate(run.bytes_written)
             out.seek(run.bytes_written)
             self._checkpoint(run, owner, out)
             last_checkpoint = self.clock()
+            if run.total is None and run.status != BatchState.cancelled:
+                counted = self._count(run, owner, out)
+                if counted is None:
+                    return "stopped"
+                last_checkpoint = counted
+            rows = read_rows(run.input_path, run.input_format, text_field=run.text_field,
+                             max_line_bytes=self.max_line_bytes, start=run.rows_written)
             while True:
-                cancelling = run.status == BatchState.cancelled
-                if not cancelling and not exhausted and len(run.window) < self.max_in_flight:
+                # A batch cancelled, or whose input cannot be read on, queues nothing more; its
+                # queued jobs end cancelled, its running ones finish and are written.
+                stopping = run.status == BatchState.cancelled or run.error is not None
+                if not stopping and not exhausted and len(run.window) < self.max_in_flight:
                     exhausted = self._fill(run, rows)
                 progressed = self._drain(run, out)
-                if cancelling and not run.cancel_sent:
+                if stopping and not run.cancel_sent:
                     self._cancel_queued(run)
-                if not run.window and (exhausted or cancelling):
+                if not run.window and (exhausted or stopping):
                     self._checkpoint(run, owner, out)
                     break
                 if self.clock() - last_checkpoint >= self.checkpoint_s:
@@ -217,19 +228,46 @@ class BatchFeeder:
                         return "stopped"
                 if not progressed:
                     time.sleep(self.poll_s)
+        if run.error is not None:
+            self._finish(run, owner, BatchState.failed, error=run.error)
+            return BatchState.failed
         if run.output_path and run.status != BatchState.cancelled:
             write_output(out_path, run.output_format, Path(run.output_path), size=run.bytes_written)
         status = BatchState.cancelled if run.status == BatchState.cancelled else BatchState.succeeded
         self._finish(run, owner, status)
         return status
 
+    def _count(self, run: _Run, owner: str, out: Any) -> float | None:
+        """Count the input's rows into `run.total`, checkpointing as it goes: the lease stays held
+        and a cancel stops the count (the total stays unknown). Answer the last checkpoint's time,
+        or None when the worker is stopping (the batch is handed back)."""
+        last_checkpoint = self.clock()
+        total = None
+        for counted in count_rows(run.input_path, run.input_format, max_line_bytes=self.max_line_bytes):
+            total = counted
+            if self.clock() - last_checkpoint >= self.checkpoint_s:
+                self._checkpoint(run, owner, out)
+                last_checkpoint = self.clock()
+                if self._stop.is_set():
+                    self._release(run, owner)
+                    return None
+                if run.status == BatchState.cancelled:
+                    return last_checkpoint
+        run.total = total
+        return last_checkpoint
+
     def _fill(self, run: _Run, rows: Iterator[Row]) -> bool:
-        """Read and queue up to a chunk of rows; answer whether the input is exhausted."""
+        """Read and queue up to a chunk of rows; answer whether the input is exhausted (or cannot
+        be read on: `run.error` says why, and the rows read before are queued all the same)."""
         room = min(CHUNK_ROWS, self.max_in_flight - len(run.window))
         taken: list[_Slot] = []
         exhausted = False
         for _ in range(room):
-            row = next(rows, None)
+            try:
+                row = next(rows, None)
+            except BatchFileError as exc:
+                run.error = exc.message
+                row = None
             if row is None:
                 exhausted = True
                 break
