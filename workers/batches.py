@@ -4,6 +4,11 @@ on the version's bulk lane, and writes their results in input order.
 The bulk lane is read only when the online lane has nothing ready, so a batch takes the capacity
 online traffic leaves; `max_in_flight` bounds what it holds in Redis at any moment.
 
+An input the reader cannot go on with (`sluice.batch_rows`: a line over the bound, a Parquet row
+group that does not decode) ends the batch `failed` with the row and why, as a cancel ends it: what
+was queued is cancelled, what ran is written. It never escapes the task, which would leave the
+batch to be sent again every lease period.
+
 Exactly once, across a feeder killed at any point:
 - row r's job id is derived from the batch id and r, so a feeder that takes over finds the jobs
   its predecessor queued instead of queueing them again;
@@ -200,12 +205,9 @@ class BatchFeeder:
             out.truncate(run.bytes_written)
             out.seek(run.bytes_written)
             self._checkpoint(run, owner, out)
+            if run.total is None and run.status != BatchState.cancelled and not self._count(run, owner, out):
+                return "stopped"
             last_checkpoint = self.clock()
-            if run.total is None and run.status != BatchState.cancelled:
-                counted = self._count(run, owner, out)
-                if counted is None:
-                    return "stopped"
-                last_checkpoint = counted
             rows = read_rows(run.input_path, run.input_format, text_field=run.text_field,
                              max_line_bytes=self.max_line_bytes, start=run.rows_written)
             while True:
@@ -237,10 +239,10 @@ class BatchFeeder:
         self._finish(run, owner, status)
         return status
 
-    def _count(self, run: _Run, owner: str, out: Any) -> float | None:
+    def _count(self, run: _Run, owner: str, out: Any) -> bool:
         """Count the input's rows into `run.total`, checkpointing as it goes: the lease stays held
-        and a cancel stops the count (the total stays unknown). Answer the last checkpoint's time,
-        or None when the worker is stopping (the batch is handed back)."""
+        and a cancel stops the count (the total stays unknown). False when the worker is stopping
+        (the batch is handed back)."""
         last_checkpoint = self.clock()
         total = None
         for counted in count_rows(run.input_path, run.input_format, max_line_bytes=self.max_line_bytes):
@@ -250,11 +252,13 @@ class BatchFeeder:
                 last_checkpoint = self.clock()
                 if self._stop.is_set():
                     self._release(run, owner)
-                    return None
+                    return False
                 if run.status == BatchState.cancelled:
-                    return last_checkpoint
+                    return True
         run.total = total
-        return last_checkpoint
+        # At once, so the batch shows its total before its first rows are done.
+        self._checkpoint(run, owner, out)
+        return True
 
     def _fill(self, run: _Run, rows: Iterator[Row]) -> bool:
         """Read and queue up to a chunk of rows; answer whether the input is exhausted (or cannot
