@@ -1,7 +1,7 @@
 """Peak memory of reading a batch input as the feeder does, by input size: flat, not growing with rows.
 
 Each measurement runs in a fresh interpreter that imports the reader (and pyarrow), records its
-peak RSS (VmHWM), then reads every row of the file with `sluice.batch_files.read_rows`, validating each
+peak RSS (VmHWM), then reads every row of the file with `sluice.batch_rows.read_rows`, validating each
 input as the feeder does, and records the peak again. The figure is the growth: what reading the
 file added on top of the interpreter and its imports.
 
@@ -25,7 +25,7 @@ from bench.output import command_line, table, write_json
 _PROBE = """
 import json, sys
 from pathlib import Path
-from sluice.batch_files import read_rows, count_rows
+from sluice.batch_rows import read_rows, count_rows
 from sluice.kinds import ModelKind, validate_input
 import pyarrow.parquet  # noqa: F401  (imported before the baseline, as in the feeder)
 
@@ -38,9 +38,9 @@ def peak_kib():
 
 path, fmt = Path(sys.argv[1]), sys.argv[2]
 before = peak_kib()
-total = count_rows(path, fmt)
+total = list(count_rows(path, fmt, max_line_bytes=1 << 20))[-1]
 rows = 0
-for row in read_rows(path, fmt, text_field="text"):
+for row in read_rows(path, fmt, text_field="text", max_line_bytes=1 << 20):
     validate_input(ModelKind.embedding, row.input, max_text_chars=20000)
     rows += 1
 print(json.dumps({"rows": rows, "counted": total, "baseline_kib": before, "peak_kib": peak_kib()}))

@@ -1,12 +1,8 @@
-"""Batch files: the input formats (JSONL, CSV, Parquet) read as a stream, the output file and its
-conversions, and schedules' URI templates (which paths a key may name: sluice/tenant_files.py).
+"""Batch files: the input formats (JSONL, CSV, Parquet), the output file and its conversions, and
+schedules' URI templates. Reading an input's rows is `sluice.batch_rows`; which paths a key may name
+is `sluice.tenant_files`.
 
-Nothing here holds a whole file: readers yield one row at a time from a bounded buffer (a
-Parquet record batch at most), so a 1,000,000-row input costs the feeder the same memory as a
-thousand-row one. Rows are numbered from 0 in file order; blank JSONL lines are not rows.
-
-A row's input is `{"text": <the text_field column>}`; a JSONL row may instead carry the model's
-whole input as an object under `"input"`, for models whose input is not one text.
+Nothing here holds a whole file: the output is converted a chunk (a Parquet row group) at a time.
 """
 
 from __future__ import annotations
@@ -14,8 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Generator, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -31,7 +26,7 @@ _SUFFIXES: dict[str, Format] = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": 
                                 ".parquet": "parquet", ".pq": "parquet"}
 _MEDIA_TYPES: dict[Format, str] = {"jsonl": "application/x-ndjson", "csv": "text/csv",
                                    "parquet": "application/vnd.apache.parquet"}
-# Rows per Parquet record batch read, and per row group written: the readers' memory bound.
+# Rows per Parquet record batch read, and per row group written: the memory bound of both.
 PARQUET_CHUNK_ROWS = 4096
 # Placeholders an input or output URI template may use, filled from the schedule's slot.
 TEMPLATE_FIELDS = ("date", "time", "datetime", "year", "month", "day", "hour", "minute")
@@ -39,15 +34,6 @@ TEMPLATE_FIELDS = ("date", "time", "datetime", "year", "month", "day", "hour", "
 
 class BatchFileError(InvalidInput):
     """The file cannot be read as the batch says (format, column, path): the whole batch fails."""
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    """One input row: its number and either the model input or why the row cannot be one."""
-
-    row: int
-    input: Any = None
-    error: str | None = None
 
 
 def media_type(fmt: Format) -> str:
@@ -83,113 +69,6 @@ def render_template(template: str, slot: datetime) -> str:
         raise BatchFileError(f"URI template '{template}' may only use {{{'}, {'.join(TEMPLATE_FIELDS)}}}") from exc
 
 
-# --- reading ---------------------------------------------------------------------------------------
-
-
-def count_rows(path: Path, fmt: Format) -> int:
-    if fmt == "parquet":
-        return int(_parquet(path).metadata.num_rows)
-    if fmt == "csv":
-        with _text(path) as handle:
-            reader = csv.reader(handle)
-            next(reader, None)
-            return sum(1 for _ in reader)
-    with path.open("rb") as handle:
-        return sum(1 for line in handle if line.strip())
-
-
-def read_rows(path: Path, fmt: Format, *, text_field: str, start: int = 0) -> Generator[Row, None, None]:
-    """The rows from number `start` on, one at a time."""
-    if fmt == "parquet":
-        yield from _parquet_rows(path, text_field, start)
-    elif fmt == "csv":
-        yield from _csv_rows(path, text_field, start)
-    else:
-        yield from _jsonl_rows(path, text_field, start)
-
-
-def _jsonl_rows(path: Path, text_field: str, start: int) -> Iterator[Row]:
-    number = -1
-    with path.open("rb") as handle:
-        for line in handle:
-            if not line.strip():
-                continue
-            number += 1
-            if number < start:
-                continue
-            try:
-                value = orjson.loads(line)
-            except orjson.JSONDecodeError as exc:
-                yield Row(number, error=f"not JSON: {exc.msg}")
-                continue
-            yield _jsonl_input(number, value, text_field)
-
-
-def _jsonl_input(number: int, value: Any, text_field: str) -> Row:
-    if isinstance(value, str):
-        return Row(number, {"text": value})
-    if not isinstance(value, dict):
-        return Row(number, error=f"a row must be a JSON object or a string, not {type(value).__name__}")
-    if "input" in value and text_field not in value:
-        return Row(number, value["input"])
-    if text_field not in value:
-        return Row(number, error=f"the row has no field '{text_field}'")
-    return Row(number, {"text": value[text_field]})
-
-
-def _text(path: Path) -> io.TextIOWrapper:
-    # newline="": the csv module reads quoted newlines inside a field itself.
-    return path.open("r", encoding="utf-8", errors="replace", newline="")
-
-
-def _csv_rows(path: Path, text_field: str, start: int) -> Iterator[Row]:
-    with _text(path) as handle:
-        reader = csv.reader(handle)
-        header = next(reader, None) or []
-        if text_field not in header:
-            raise BatchFileError(f"the CSV header has no column '{text_field}' (it has {', '.join(header[:20])})")
-        column = header.index(text_field)
-        for number, record in enumerate(reader):
-            if number < start:
-                continue
-            if column >= len(record):
-                yield Row(number, error=f"the row has no value for '{text_field}'")
-            else:
-                yield Row(number, {"text": record[column]})
-
-
-def _parquet(path: Path) -> Any:
-    import pyarrow.parquet as pq
-
-    try:
-        # Buffered reads: a column chunk is read a megabyte at a time, not whole.
-        return pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
-    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError and more for a bad file
-        raise BatchFileError(f"'{path.name}' is not a readable Parquet file: {exc}") from exc
-
-
-def _parquet_rows(path: Path, text_field: str, start: int) -> Iterator[Row]:
-    parquet = _parquet(path)
-    if text_field not in parquet.schema_arrow.names:
-        raise BatchFileError(f"the Parquet schema has no column '{text_field}' "
-                             f"(it has {', '.join(parquet.schema_arrow.names[:20])})")
-    # Whole row groups before `start` are skipped without reading them.
-    groups, first_row = [], 0
-    for index in range(parquet.metadata.num_row_groups):
-        rows = parquet.metadata.row_group(index).num_rows
-        if first_row + rows > start:
-            groups.append(index)
-        else:
-            first_row += rows
-    if not groups:
-        return
-    number = first_row
-    for batch in parquet.iter_batches(batch_size=PARQUET_CHUNK_ROWS, row_groups=groups, columns=[text_field]):
-        for value in batch.column(0).to_pylist():
-            if number >= start:
-                yield (Row(number, error=f"'{text_field}' is null") if value is None
-                       else Row(number, {"text": value}))
-            number += 1
 
 
 # --- the output ------------------------------------------------------------------------------------

@@ -164,6 +164,10 @@ class Settings(BaseSettings):
     batch_sweep_s: float = Field(default=2.0, gt=0)
     batch_checkpoint_s: float = Field(default=1.0, gt=0)
     max_batch_inputs: int = Field(default=100_000, ge=1)
+    # The most bytes of one JSONL line or CSV record (its newline included) an input's reader holds
+    # (sluice/batch_rows.py): a longer one fails its batch; an inline input longer than this as a
+    # JSON line is refused at submit.
+    batch_max_line_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
     max_batch_upload_bytes: int = Field(default=4 * 1024**3, ge=1024)
 
     @field_validator("log_level", mode="before")

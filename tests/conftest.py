@@ -158,7 +158,8 @@ def feeder(settings: Settings) -> Iterator[Callable[..., BatchFeeder]]:
         options: dict[str, Any] = {
             "storage": settings.batch_storage, "batch_root": settings.batch_root, "max_in_flight": 64,
             "max_running": 8, "lease_s": 30.0, "checkpoint_s": 0.2, "result_ttl_s": 600,
-            "max_text_chars": settings.max_text_chars, **overrides,
+            "max_text_chars": settings.max_text_chars, "max_line_bytes": settings.batch_max_line_bytes,
+            **overrides,
         }
         made.append(BatchFeeder(redis=connect_sync(settings.require_redis_url()),
                                 registry=Registry(url=settings.require_database_url(), pool_size=4), **options))

@@ -4,6 +4,11 @@ on the version's bulk lane, and writes their results in input order.
 The bulk lane is read only when the online lane has nothing ready, so a batch takes the capacity
 online traffic leaves; `max_in_flight` bounds what it holds in Redis at any moment.
 
+An input the reader cannot go on with (`sluice.batch_rows`: a line over the bound, a Parquet row
+group that does not decode) ends the batch `failed` with the row and why, as a cancel ends it: what
+was queued is cancelled, what ran is written. It never escapes the task, which would leave the
+batch to be sent again every lease period.
+
 Exactly once, across a feeder killed at any point:
 - row r's job id is derived from the batch id and r, so a feeder that takes over finds the jobs
   its predecessor queued instead of queueing them again;
@@ -33,7 +38,8 @@ from typing import Any
 
 import redis as redis_sync
 
-from sluice.batch_files import BatchFileError, Format, Row, count_rows, error_json, output_line, read_rows, write_output
+from sluice.batch_files import BatchFileError, Format, error_json, output_line, write_output
+from sluice.batch_rows import Row, count_rows, read_rows
 from sluice.errors import InvalidInput
 from sluice.kinds import ModelKind, schema_text, validate_input
 from sluice.registry import batches as queries
@@ -91,6 +97,8 @@ class _Run:
     bytes_written: int
     status: str
     window: deque[_Slot] = field(default_factory=deque)
+    # Why the input cannot be read on: no more rows are queued, and the batch ends failed.
+    error: str | None = None
     cancel_sent: bool = False
     checkpointed_ids: list[str] = field(default_factory=list)
 
@@ -111,6 +119,7 @@ class BatchFeeder:
         max_running: int,
         lease_s: float,
         checkpoint_s: float,
+        max_line_bytes: int,
         result_ttl_s: int,
         max_text_chars: int,
         poll_s: float = 0.05,
@@ -124,6 +133,7 @@ class BatchFeeder:
         self.max_running = max_running
         self.lease_s = lease_s
         self.checkpoint_s = checkpoint_s
+        self.max_line_bytes = max_line_bytes
         self.result_ttl_s = result_ttl_s
         self.max_text_chars = max_text_chars
         self.poll_s = poll_s
@@ -192,25 +202,28 @@ class BatchFeeder:
             run.input_path = recheck(run.input_path, root=self.batch_root, tenant=run.tenant)
         if not run.input_path.is_file():
             raise BatchFileError(f"the batch's input {run.input_path.name} is gone")
-        if run.total is None:
-            run.total = count_rows(run.input_path, run.input_format)
         out_path = self.output_file(run.id)
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        rows = read_rows(run.input_path, run.input_format, text_field=run.text_field, start=run.rows_written)
         exhausted = False
         with out_path.open("ab") as out:
             out.truncate(run.bytes_written)
             out.seek(run.bytes_written)
             self._checkpoint(run, owner, out)
+            if run.total is None and run.status != BatchState.cancelled and not self._count(run, owner, out):
+                return "stopped"
             last_checkpoint = self.clock()
+            rows = read_rows(run.input_path, run.input_format, text_field=run.text_field,
+                             max_line_bytes=self.max_line_bytes, start=run.rows_written)
             while True:
-                cancelling = run.status == BatchState.cancelled
-                if not cancelling and not exhausted and len(run.window) < self.max_in_flight:
+                # A batch cancelled, or whose input cannot be read on, queues nothing more; its
+                # queued jobs end cancelled, its running ones finish and are written.
+                stopping = run.status == BatchState.cancelled or run.error is not None
+                if not stopping and not exhausted and len(run.window) < self.max_in_flight:
                     exhausted = self._fill(run, rows)
                 progressed = self._drain(run, out)
-                if cancelling and not run.cancel_sent:
+                if stopping and not run.cancel_sent:
                     self._cancel_queued(run)
-                if not run.window and (exhausted or cancelling):
+                if not run.window and (exhausted or stopping):
                     self._checkpoint(run, owner, out)
                     break
                 if self.clock() - last_checkpoint >= self.checkpoint_s:
@@ -221,6 +234,9 @@ class BatchFeeder:
                         return "stopped"
                 if not progressed:
                     time.sleep(self.poll_s)
+        if run.error is not None:
+            self._finish(run, owner, BatchState.failed, error=run.error)
+            return BatchState.failed
         if run.output_path and run.status != BatchState.cancelled:
             destination = recheck(Path(run.output_path), root=self.batch_root, tenant=run.tenant)
             write_output(out_path, run.output_format, destination, size=run.bytes_written)
@@ -228,13 +244,39 @@ class BatchFeeder:
         self._finish(run, owner, status)
         return status
 
+    def _count(self, run: _Run, owner: str, out: Any) -> bool:
+        """Count the input's rows into `run.total`, checkpointing as it goes: the lease stays held
+        and a cancel stops the count (the total stays unknown). False when the worker is stopping
+        (the batch is handed back)."""
+        last_checkpoint = self.clock()
+        total = None
+        for counted in count_rows(run.input_path, run.input_format, max_line_bytes=self.max_line_bytes):
+            total = counted
+            if self.clock() - last_checkpoint >= self.checkpoint_s:
+                self._checkpoint(run, owner, out)
+                last_checkpoint = self.clock()
+                if self._stop.is_set():
+                    self._release(run, owner)
+                    return False
+                if run.status == BatchState.cancelled:
+                    return True
+        run.total = total
+        # At once, so the batch shows its total before its first rows are done.
+        self._checkpoint(run, owner, out)
+        return True
+
     def _fill(self, run: _Run, rows: Iterator[Row]) -> bool:
-        """Read and queue up to a chunk of rows; answer whether the input is exhausted."""
+        """Read and queue up to a chunk of rows; answer whether the input is exhausted (or cannot
+        be read on: `run.error` says why, and the rows read before are queued all the same)."""
         room = min(CHUNK_ROWS, self.max_in_flight - len(run.window))
         taken: list[_Slot] = []
         exhausted = False
         for _ in range(room):
-            row = next(rows, None)
+            try:
+                row = next(rows, None)
+            except BatchFileError as exc:
+                run.error = exc.message
+                row = None
             if row is None:
                 exhausted = True
                 break

@@ -143,6 +143,7 @@ class _Runtime:
                     storage=settings.batch_storage, batch_root=settings.batch_root,
                     max_in_flight=settings.batch_max_in_flight, max_running=settings.batch_max_running,
                     lease_s=settings.batch_lease_s, checkpoint_s=settings.batch_checkpoint_s,
+                    max_line_bytes=settings.batch_max_line_bytes,
                     result_ttl_s=settings.result_ttl_s, max_text_chars=settings.max_text_chars,
                 )
             return self._feeder

@@ -67,13 +67,15 @@ class NewBatch:
     output_path: str | None = None
     callback_url: str | None = None
     metadata: dict[str, Any] | None = None
+    # Known at submit for inline inputs; otherwise the feeder counts the file's rows.
+    total: int | None = None
 
 
 def create_batch(session: Session, spec: NewBatch, *, batch_id: str | None = None) -> Batch:
     row = Batch(id=batch_id or new_batch_id(), tenant_id=spec.tenant, model=spec.model, version=spec.version,
                 status=BatchState.queued, input_path=spec.input_path, input_format=spec.input_format,
                 text_field=spec.text_field, output_format=spec.output_format, output_path=spec.output_path,
-                callback_url=spec.callback_url, metadata_=spec.metadata or None)
+                callback_url=spec.callback_url, metadata_=spec.metadata or None, total=spec.total)
     session.add(row)
     session.flush()
     session.refresh(row)

@@ -53,7 +53,7 @@ def test_inline_inputs_come_back_in_input_order_with_per_row_errors(
     inputs[7] = {"nope": 1}
     inputs[150] = "not an object"
     batch = _create(demo, model=synth, inputs=inputs, metadata={"team": "search"})
-    assert batch["status"] == "queued" and batch["total"] is None and batch["metadata"] == {"team": "search"}
+    assert batch["status"] == "queued" and batch["total"] == 300 and batch["metadata"] == {"team": "search"}
 
     assert feeder().run(batch["id"]) == "succeeded"
 
@@ -185,6 +185,18 @@ def test_cancelling_a_queued_batch_ends_it_and_its_feeder_skips_it(
     assert feeder().run(batch["id"]) == "skipped"
 
 
+def test_a_cancelled_inline_batch_keeps_the_total_given_at_submit(
+    demo: httpx.Client, synth: str, feeder: Callable[..., BatchFeeder]
+) -> None:
+    batch = _create(demo, model=synth, inputs=[{"text": f"r{i}"} for i in range(1000)])
+    assert batch["total"] == 1000
+    cancelled = demo.delete(f"/v1/batches/{batch['id']}").json()
+    assert (cancelled["status"], cancelled["total"]) == ("cancelled", 1000)
+    assert feeder().run(batch["id"]) == "skipped"
+    assert demo.get(f"/v1/batches/{batch['id']}").json()["total"] == 1000
+    assert batch["id"] in {b["id"] for b in demo.get("/v1/batches").json()["batches"] if b["total"] == 1000}
+
+
 def test_cancelling_a_running_batch_stops_its_feeding(
     demo: httpx.Client, register_synthetic: Callable[..., str], start_worker: Callable[..., Any],
     feeder: Callable[..., BatchFeeder],
@@ -200,7 +212,7 @@ def test_cancelling_a_running_batch_stops_its_feeding(
     thread.join(timeout=60)
     assert outcome == ["cancelled"]
     final = demo.get(f"/v1/batches/{batch['id']}").json()
-    assert final["status"] == "cancelled" and final["finished_at"]
+    assert final["status"] == "cancelled" and final["finished_at"] and final["total"] == 2000
     rows = _rows(demo.get(f"/v1/batches/{batch['id']}/output").content)
     assert [row["row"] for row in rows] == list(range(len(rows)))
     assert len(rows) < 2000 and final["done"] + final["failed"] <= len(rows)
@@ -268,7 +280,7 @@ def test_a_finished_batch_s_callback_is_queued_once_and_posts_the_signed_batch(
     from sluice.registry.tables import Batch
     from tests.support import receiving
     from workers.batches import callback_delivery_id
-    from workers.delivery import Deliverer
+    from workers.delivery import Deliverer, TenantLimits
 
     batch = _create(demo, model=synth, inputs=[{"text": "a"}, {"text": "b"}])
     with receiving() as receiver:
@@ -285,7 +297,8 @@ def test_a_finished_batch_s_callback_is_queued_once_and_posts_the_signed_batch(
         assert entries == [{"delivery": delivery_id, "job": batch["id"]}]
         deliverer = Deliverer(redis=connect_sync(settings.require_redis_url()), registry=registry,
                               http=httpx.Client(timeout=5.0), allowed=webhooks.allowed_networks(["127.0.0.0/8"]),
-                              max_attempts=3, backoff_base_s=1, backoff_cap_s=1, lease_s=30, ttl_s=600,
+                              max_attempts=3, backoff_base_s=1, backoff_cap_s=1, attempt_deadline_s=25.0,
+                              tenant_limits=TenantLimits(in_flight=8, rate_per_s=100.0, burst=100), ttl_s=600,
                               rng=random.Random(1))
         try:
             assert deliverer.attempt(delivery_id, batch["id"]).outcome == "delivered"
