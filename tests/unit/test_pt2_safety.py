@@ -8,7 +8,6 @@ import json
 import pickle
 import shutil
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,46 +16,10 @@ import torch
 
 from sluice.artifacts import artifact_sha256
 from sluice.errors import ArtifactError, PickleRefused
-from tests.exported_models import PROGRAM, build_exported_program
+from tests.exported_models import PROGRAM, WritesMarker, build_exported_program, pickled_weight, rewrite_program
 from workers.models.exported import load_exported
 from workers.models.loading import Sources, load_handler
 from workers.models.pt2_safety import check_program
-
-
-class WritesMarker:
-    """Unpickling it creates ``path``: the stand-in for any code an archive's author could run."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[Callable[..., Any], tuple[str]]:
-        return exec, (f"open({str(self.path)!r}, 'w').close()",)
-
-
-def _rewrite(program_dir: Path, replace: dict[str, bytes], *, add: dict[str, bytes] | None = None) -> None:
-    """Rewrite ``program.pt2`` with the members whose names end with a key of ``replace`` swapped."""
-    path = program_dir / PROGRAM
-    with zipfile.ZipFile(path) as source:
-        members = [(info, source.read(info)) for info in source.infolist()]
-    with zipfile.ZipFile(path, "w") as target:
-        for info, data in members:
-            swapped = next((new for suffix, new in replace.items() if info.filename.endswith(suffix)), data)
-            target.writestr(info, swapped)
-        for name, data in (add or {}).items():
-            target.writestr(name, data)
-
-
-def _pickled_weight(program_dir: Path, payload: bytes) -> None:
-    """Mark the first weight as pickled in the weights config (as torch.save does for a tensor
-    subclass) and make its payload ``payload``."""
-    with zipfile.ZipFile(program_dir / PROGRAM) as archive:
-        config_name = next(n for n in archive.namelist() if n.endswith("_weights_config.json"))
-        config = json.loads(archive.read(config_name))
-    for entry in config["config"].values():
-        if entry["path_name"] == "weight_0":
-            entry["use_pickle"] = True
-    _rewrite(program_dir, {config_name.split("/", 1)[1]: json.dumps(config).encode(),
-                           "data/weights/weight_0": payload})
 
 
 @pytest.fixture
@@ -69,7 +32,7 @@ def test_a_pickled_weight_that_runs_code_is_refused_and_never_runs(
 ) -> None:
     program, input_schema, output_schema = linear
     marker = tmp_path / "ran"
-    _pickled_weight(program, pickle.dumps(WritesMarker(marker)))
+    pickled_weight(program, pickle.dumps(WritesMarker(marker)))
     with pytest.raises(ArtifactError) as refused:
         load_exported(program, device="cpu", input_schema=input_schema, output_schema=output_schema)
     assert not marker.exists(), "the archive's pickle ran"
@@ -85,7 +48,7 @@ def test_sample_inputs_that_run_code_are_refused_and_never_run(
     marker = tmp_path / "ran"
     buffer = io.BytesIO()
     torch.save((WritesMarker(marker),), buffer)
-    _rewrite(program, {"data/sample_inputs/model.pt": buffer.getvalue()})
+    rewrite_program(program, {"data/sample_inputs/model.pt": buffer.getvalue()})
     with pytest.raises(ArtifactError) as refused:
         load_exported(program, device="cpu", input_schema=input_schema, output_schema=output_schema)
     assert not marker.exists(), "the archive's pickle ran"
@@ -99,7 +62,7 @@ def test_the_registry_row_decides_through_load_handler(
     it: the opt-in is the only gate, and trusts the archive whole."""
     program, input_schema, output_schema = linear
     marker = tmp_path / "ran"
-    _pickled_weight(program, pickle.dumps(WritesMarker(marker)))
+    pickled_weight(program, pickle.dumps(WritesMarker(marker)))
     artifact, sha = f"file://{program}", artifact_sha256(program)
 
     def load(allow_pickle: bool) -> None:
@@ -126,7 +89,7 @@ def test_a_plain_program_passes_and_serves(linear: tuple[Path, dict[str, Any], d
 def test_every_pickle_protocol_is_traced(tmp_path: Path, protocol: int) -> None:
     """Protocol 4 names globals with STACK_GLOBAL from strings on the stack, often memoized."""
     program, _, _ = build_exported_program(tmp_path / "model")
-    _pickled_weight(program, pickle.dumps(WritesMarker(tmp_path / "ran"), protocol=protocol))
+    pickled_weight(program, pickle.dumps(WritesMarker(tmp_path / "ran"), protocol=protocol))
     with pytest.raises(PickleRefused, match="exec"):
         check_program(program / PROGRAM)
 
@@ -134,26 +97,31 @@ def test_every_pickle_protocol_is_traced(tmp_path: Path, protocol: int) -> None:
 def test_code_before_a_broken_opcode_is_still_found(tmp_path: Path) -> None:
     """An unpickler runs the REDUCE before it meets the byte that does not parse."""
     program, _, _ = build_exported_program(tmp_path / "model")
-    _pickled_weight(program, pickle.dumps(WritesMarker(tmp_path / "ran"), protocol=0)[:-1] + b"\xff")
+    pickled_weight(program, pickle.dumps(WritesMarker(tmp_path / "ran"), protocol=0)[:-1] + b"\xff")
     with pytest.raises(PickleRefused, match="exec"):
         check_program(program / PROGRAM)
 
 
 def test_an_opaque_constant_is_scanned_whatever_its_flag(tmp_path: Path) -> None:
+    """torch unpickles an ``opaque_obj_`` constant with pickle.loads even when its config entry
+    says ``use_pickle: false``."""
     program, _, _ = build_exported_program(tmp_path / "model")
-    _rewrite(program, {}, add={"program/data/constants/opaque_obj_0": pickle.dumps(WritesMarker(tmp_path / "x"))})
-    with pytest.raises(PickleRefused):
+    config = {"config": {"obj": {"path_name": "opaque_obj_0", "is_param": False, "use_pickle": False,
+                                 "tensor_meta": None}}}
+    rewrite_program(program, {"data/constants/model_constants_config.json": json.dumps(config).encode()},
+                    add={"program/data/constants/opaque_obj_0": pickle.dumps(WritesMarker(tmp_path / "ran"))})
+    with pytest.raises(PickleRefused, match="exec"):
         check_program(program / PROGRAM)
 
 
 def test_compiled_code_and_duplicate_members_are_refused(tmp_path: Path) -> None:
     compiled, _, _ = build_exported_program(tmp_path / "compiled")
-    _rewrite(compiled, {}, add={"program/data/aotinductor/model/model.so": b"\x7fELF"})
+    rewrite_program(compiled, {}, add={"program/data/aotinductor/model/model.so": b"\x7fELF"})
     with pytest.raises(PickleRefused, match="compiled code"):
         check_program(compiled / PROGRAM)
     twice, _, _ = build_exported_program(tmp_path / "twice")
     with pytest.warns(UserWarning, match="Duplicate name"):
-        _rewrite(twice, {}, add={"program/data/weights/weight_0": pickle.dumps(WritesMarker(tmp_path / "x"))})
+        rewrite_program(twice, {}, add={"program/data/weights/weight_0": pickle.dumps(WritesMarker(tmp_path / "x"))})
     with pytest.raises(PickleRefused, match="twice"):
         check_program(twice / PROGRAM)
 
@@ -164,7 +132,7 @@ def test_raw_weights_are_not_read_as_pickles(tmp_path: Path) -> None:
     program, _, _ = build_exported_program(tmp_path / "model")
     with zipfile.ZipFile(program / PROGRAM) as archive:
         weight = archive.read("program/data/weights/weight_0")
-    _rewrite(program, {"data/weights/weight_0": b"cos\nsystem\n" + weight[11:]})
+    rewrite_program(program, {"data/weights/weight_0": b"cos\nsystem\n" + weight[11:]})
     check_program(program / PROGRAM)
 
 
