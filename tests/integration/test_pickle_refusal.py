@@ -4,6 +4,7 @@ run code (the version's last_error says why, and the code never runs)."""
 
 from __future__ import annotations
 
+import json
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -11,10 +12,13 @@ from typing import Any
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
+from launch.cli import app
+from launch.seed import Seeded
 from sluice.artifact_store import publish
 from tests.exported_models import WritesMarker, build_exported_program, pickled_weight
-from tests.support import WorkerProcess, unique
+from tests.support import ApiServer, WorkerProcess, unique
 
 
 @pytest.fixture
@@ -95,3 +99,30 @@ def test_a_worker_refuses_a_pickle_that_would_run_code(
     assert not marker.exists(), "the archive's pickle ran in the worker"
     version = admin.get(f"/v1/models/{model}/versions/v1").json()
     assert "builtins.exec" in (version["last_error"] or ""), version
+
+
+def test_the_register_command_sets_allow_pickle_with_an_admin_key_only(
+    api: ApiServer, seeded: Seeded, admin: httpx.Client, tmp_path: Path,
+) -> None:
+    program, input_schema, output_schema = build_exported_program(tmp_path / "program")
+    (tmp_path / "in.json").write_text(json.dumps(input_schema))
+    (tmp_path / "out.json").write_text(json.dumps(output_schema))
+    name = _model(admin)
+
+    def register(version: str, key: str, *extra: str) -> tuple[int, str]:
+        done = CliRunner().invoke(app, [
+            "models", "register", name, version, "--kind", "torch-export", "--path", str(program),
+            "--input-schema", str(tmp_path / "in.json"), "--output-schema", str(tmp_path / "out.json"), *extra,
+            "--url", api.url, "--key", key], env={"SLUICE_ARTIFACT_STORE": (tmp_path / "store").as_uri()})
+        return done.exit_code, " ".join(done.output.split())
+
+    status, output = register("v1", seeded.admin_key, "--allow-pickle")
+    assert status == 0, output
+    assert admin.get(f"/v1/models/{name}/versions/v1").json()["allow_pickle"] is True
+    status, output = register("v2", seeded.admin_key)
+    assert status == 0, output
+    assert admin.get(f"/v1/models/{name}/versions/v2").json()["allow_pickle"] is False
+    tenant_key = admin.post("/v1/tenants", json={"id": unique("pickle")}).json()["key"]["secret"]
+    status, output = register("v3", tenant_key, "--allow-pickle")
+    assert status != 0 and "403" in output, output
+    assert admin.get(f"/v1/models/{name}/versions/v3").status_code == 404
