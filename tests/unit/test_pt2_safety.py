@@ -114,6 +114,25 @@ def test_an_opaque_constant_is_scanned_whatever_its_flag(tmp_path: Path) -> None
         check_program(program / PROGRAM)
 
 
+def test_a_pickled_payload_named_like_json_is_scanned(tmp_path: Path) -> None:
+    """A config may point a pickled weight at any file name: the name does not make it text."""
+    program, _, _ = build_exported_program(tmp_path / "model")
+    config = {"config": {"obj": {"path_name": "evil.json", "is_param": False, "use_pickle": True,
+                                 "tensor_meta": None}}}
+    rewrite_program(program, {"data/weights/model_weights_config.json": json.dumps(config).encode()},
+                    add={"program/data/weights/evil.json": pickle.dumps(WritesMarker(tmp_path / "ran"))})
+    with pytest.raises(PickleRefused, match="exec"):
+        check_program(program / PROGRAM)
+
+
+def test_bytes_after_a_pickle_that_do_not_parse_are_refused(tmp_path: Path) -> None:
+    """pickletools and the C unpickler might read malformed bytes differently, so none are skipped."""
+    program, _, _ = build_exported_program(tmp_path / "model")
+    pickled_weight(program, pickle.dumps(None, protocol=2) + b"\xff")
+    with pytest.raises(PickleRefused, match="not a well-formed pickle"):
+        check_program(program / PROGRAM)
+
+
 def test_compiled_code_and_duplicate_members_are_refused(tmp_path: Path) -> None:
     compiled, _, _ = build_exported_program(tmp_path / "compiled")
     rewrite_program(compiled, {}, add={"program/data/aotinductor/model/model.so": b"\x7fELF"})

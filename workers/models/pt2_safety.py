@@ -8,16 +8,18 @@ torch, before anything is loaded.
 
 What is checked: every member that the loader might unpickle. Raw tensor payloads (the
 ``weight_N`` and ``tensor_N`` files that no payload config marks as pickled) and the JSON and text
-records are read as bytes by the loader and are skipped, because random tensor bytes can look like
-pickle opcodes; every other member is a pickle carrier. A carrier that is a zip (``torch.save``'s
+records (outside the payload folders, where a config may point at any name) are read as bytes by
+the loader and are skipped, because random tensor bytes can look like pickle opcodes; every other
+member is a pickle carrier. A carrier that is a zip (``torch.save``'s
 format) has each of its ``.pkl`` members scanned; any other carrier is scanned as back-to-back
 pickle streams from its first byte. A stream may name only the globals in ``SAFE_GLOBALS`` (what
 ``torch.save`` writes for plain tensors and parameters); extension-registry opcodes and a
 ``STACK_GLOBAL`` whose names cannot be traced to string opcodes are refused, as are compiled
 code and TorchScript, and duplicate member names (which zip readers may resolve differently).
 
-The one surprise: scanning stops at the first opcode that does not parse, since an unpickler
-would fail there too, but everything before it is checked, since an unpickler runs that first.
+The one surprise: a carrier must be nothing but well-formed pickles. Bytes that do not parse are
+refused rather than skipped, since ``pickletools`` and the C unpickler might read them differently;
+``torch.save`` has written zips, whose ``.pkl`` members are exactly one pickle, since torch 1.6.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ _TEXT_NAMES = frozenset({"archive_format", "archive_version", "byteorder", "vers
 _RAW_PAYLOAD = re.compile(r"data/(weights/weight|constants/tensor)_\d+")
 _PAYLOAD_CONFIG = re.compile(r"data/(weights|constants)/[^/]+_config\.json")
 _COMPILED = ("data/aotinductor/", "data/executorch/", "data/mtia")
+# Constants torch unpickles by their file name's prefix, whatever their config entry says.
+_OBJECT_PREFIXES = ("custom_obj_", "opaque_obj_")
 _ZIP_MAGIC = b"PK\x03\x04"
 _STRING_OPS = frozenset({"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE",
                          "SHORT_BINUNICODE", "BINUNICODE8"})
@@ -68,11 +72,9 @@ def check_program(path: Path) -> None:
             records = {name: _record(name) for name in names}
             pickled = _pickled_payloads(archive, records)
             for name, record in records.items():
-                if name.endswith("/") or _is_text(record):
-                    continue
                 if record.startswith(_COMPILED):
                     raise PickleRefused(f"{path.name} holds compiled code ({name}), which loading would run")
-                if _RAW_PAYLOAD.fullmatch(record) and record.rsplit("/", 1)[1] not in pickled:
+                if name.endswith("/") or not _may_be_unpickled(record, pickled):
                     continue
                 _check_carrier(archive.read(name), f"{path.name}:{name}")
     except (zipfile.BadZipFile, OSError, EOFError, RuntimeError) as exc:
@@ -84,8 +86,16 @@ def _record(name: str) -> str:
     return name.split("/", 1)[1] if "/" in name else name
 
 
-def _is_text(record: str) -> bool:
-    return record.endswith(".json") or record in _TEXT_NAMES or record.startswith("extra/")
+def _may_be_unpickled(record: str, pickled: set[str]) -> bool:
+    """False for the records the loader only ever reads as bytes or text. In the payload folders a
+    name proves nothing (a config may point at any file, and the constant prefixes decide how torch
+    reads it), so there only an unmarked config or raw payload is skipped."""
+    folder, _, base = record.rpartition("/")
+    if folder in ("data/weights", "data/constants"):
+        if base in pickled or base.startswith(_OBJECT_PREFIXES):
+            return True
+        return not (_PAYLOAD_CONFIG.fullmatch(record) or _RAW_PAYLOAD.fullmatch(record))
+    return not (record.endswith(".json") or record in _TEXT_NAMES or record.startswith("extra/"))
 
 
 def _pickled_payloads(archive: zipfile.ZipFile, records: dict[str, str]) -> set[str]:
@@ -123,14 +133,11 @@ def _check_pickles(data: bytes, where: str) -> None:
     """Check every pickle stream in ``data``, one after another from its first byte."""
     stream = io.BytesIO(data)
     while stream.tell() < len(data):
-        start = stream.tell()
-        for opcode, arg in _opcodes(stream):
+        for opcode, arg in _opcodes(stream, where):
             _check_opcode(opcode, arg, where)
-        if stream.tell() == start:
-            return
 
 
-def _opcodes(stream: io.BytesIO) -> Iterator[tuple[str, Any]]:
+def _opcodes(stream: io.BytesIO, where: str) -> Iterator[tuple[str, Any]]:
     """One stream's opcodes up to STOP or the first that does not parse, with ``STACK_GLOBAL``'s
     names traced back to the string opcodes that pushed them (None where they cannot be)."""
     # Only strings are followed; anything else pushed is None, which is enough to refuse a
@@ -143,9 +150,11 @@ def _opcodes(stream: io.BytesIO) -> Iterator[tuple[str, Any]]:
             opcode, arg, _ = next(ops)
         except StopIteration:
             return
-        except ValueError:
-            stream.seek(0, io.SEEK_END)
-            return
+        except Exception as exc:  # genops raises whatever its argument readers raise
+            # pickletools and the C unpickler could disagree on a malformed opcode, so an opcode
+            # that does not parse leaves the rest unknown, and unknown is refused.
+            raise PickleRefused(f"{where}: not a well-formed pickle ({exc}), so what it would run "
+                                "cannot be told") from exc
         name = opcode.name
         if name == "STACK_GLOBAL":
             names = stack[-2:]
