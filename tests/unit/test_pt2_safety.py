@@ -125,6 +125,17 @@ def test_a_pickled_payload_named_like_json_is_scanned(tmp_path: Path) -> None:
         check_program(program / PROGRAM)
 
 
+def test_a_pickled_payload_outside_its_folder_is_scanned(tmp_path: Path) -> None:
+    """A path_name that climbs out of data/weights names a member the loader would look up as is."""
+    program, _, _ = build_exported_program(tmp_path / "model")
+    config = {"config": {"obj": {"path_name": "../../models/x.json", "is_param": False, "use_pickle": True,
+                                 "tensor_meta": None}}}
+    rewrite_program(program, {"data/weights/model_weights_config.json": json.dumps(config).encode()}, add={
+        "program/data/weights/../../models/x.json": pickle.dumps(WritesMarker(tmp_path / "ran"))})
+    with pytest.raises(PickleRefused, match="exec"):
+        check_program(program / PROGRAM)
+
+
 def test_bytes_after_a_pickle_that_do_not_parse_are_refused(tmp_path: Path) -> None:
     """pickletools and the C unpickler might read malformed bytes differently, so none are skipped."""
     program, _, _ = build_exported_program(tmp_path / "model")

@@ -29,6 +29,7 @@ import json
 import pickletools
 import re
 import zipfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,7 @@ def check_program(path: Path) -> None:
                 if name.endswith("/") or not _may_be_unpickled(record, pickled):
                     continue
                 _check_carrier(archive.read(name), f"{path.name}:{name}")
-    except (zipfile.BadZipFile, OSError, EOFError, RuntimeError) as exc:
+    except (zipfile.BadZipFile, zlib.error, NotImplementedError, OSError, EOFError, RuntimeError, ValueError) as exc:
         raise ArtifactError(f"{path.name} is not a readable zip archive: {exc}") from exc
 
 
@@ -91,9 +92,10 @@ def _may_be_unpickled(record: str, pickled: set[str]) -> bool:
     name proves nothing (a config may point at any file, and the constant prefixes decide how torch
     reads it), so there only an unmarked config or raw payload is skipped."""
     folder, _, base = record.rpartition("/")
+    # Anywhere, not only in the payload folders: a path_name may climb out of its folder.
+    if base in pickled or base.startswith(_OBJECT_PREFIXES):
+        return True
     if folder in ("data/weights", "data/constants"):
-        if base in pickled or base.startswith(_OBJECT_PREFIXES):
-            return True
         return not (_PAYLOAD_CONFIG.fullmatch(record) or _RAW_PAYLOAD.fullmatch(record))
     return not (record.endswith(".json") or record in _TEXT_NAMES or record.startswith("extra/"))
 
