@@ -227,6 +227,8 @@ class VersionResource(BaseModel):
     handler: str | None = Field(default=None, description="Kind `handler`: the class serving the version")
     input_schema: dict[str, Any] | None = Field(default=None, description="The declared JSON Schema of one input")
     output_schema: dict[str, Any] | None = Field(default=None, description="The declared JSON Schema of one output")
+    allow_pickle: bool = Field(default=False, description="Kind `torch-export`: whether an admin let the version's "
+                               "archive load even though a pickle in it could run code in the worker")
     replicas: Replicas | None = None
 
 

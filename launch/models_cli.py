@@ -89,6 +89,9 @@ def register(
     max_wait_ms: Annotated[float | None, typer.Option(min=0)] = None,
     store: Annotated[str | None, typer.Option(help="Where to publish (an fsspec URL; default "
                                                    "SLUICE_ARTIFACT_STORE, else HOME/artifacts)")] = None,
+    allow_pickle: Annotated[bool, typer.Option(
+        "--allow-pickle", help="Kind torch-export, with an admin key: load the program even though a pickle "
+                               "in it could run code in the workers (refused without it)")] = False,
     url: UrlOption = None, key: KeyOption = None,
 ) -> None:
     """Publish ./my-model to the artifact store and register it as NAME VERSION, `staged`."""
@@ -107,6 +110,8 @@ def register(
                                  "each, in order", param_hint="--input-schema/--output-schema")
     if kind not in SCHEMA_KINDS and any(schemas.values()):
         raise typer.BadParameter(f"kind {kind} fixes its schemas", param_hint="--input-schema")
+    if allow_pickle and kind != ModelKind.torch_export:
+        raise typer.BadParameter("only a torch-export program is ever unpickled", param_hint="--allow-pickle")
     from sluice.artifact_store import publish
 
     settings = Settings()
@@ -123,6 +128,8 @@ def register(
         body["batching"] = batching
     if handler is not None:
         body["handler"] = handler
+    if allow_pickle:
+        body["allow_pickle"] = True
     body.update({f"{k}_schema": v for k, v in schemas.items() if v is not None})
     with api_errors(console), api_client(url, key) as client:
         try:

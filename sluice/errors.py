@@ -53,6 +53,11 @@ class ArtifactMismatch(ArtifactError):
     """The artifact's sha256 differs from the one recorded in the registry."""
 
 
+class PickleRefused(ArtifactError):
+    """An artifact holds a pickle (or compiled code) that could run code when loaded, and its
+    version does not allow pickles."""
+
+
 # How a worker process tells its supervisor that it refused its version's artifact: a restart
 # cannot help until an operator fixes the version, so the supervisor waits much longer.
 EXIT_ARTIFACT_REFUSED = 3

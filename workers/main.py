@@ -59,7 +59,8 @@ def run_worker(*, settings: Settings, model: str, version: str, threads: int | N
                                    min_speedup=settings.int8_min_speedup, rounds=settings.int8_calibration_rounds),
                                sources=Sources(handler=row.handler, input_schema=row.input_schema,
                                                output_schema=row.output_schema, cache_dir=settings.artifact_cache,
-                                               ca_bundle=settings.artifact_ca_bundle))
+                                               ca_bundle=settings.artifact_ca_bundle,
+                                               allow_pickle=row.allow_pickle))
         handler.warmup()
     except ArtifactError as exc:
         log.error("version %s/%s refused: %s", model, version, exc)

@@ -49,6 +49,12 @@ _SCHEMA = ("Kinds `handler` and `torch-export`: the JSON Schema (2020-12) of {wh
            "records the class's own schemas")
 
 
+_ALLOW_PICKLE = ("Kind `torch-export` only; an admin key's choice, written to the audit log. True loads the "
+                 "version's `program.pt2` even when a pickle in it could run code in the worker (torch "
+                 "unpickles parts of the archive with `weights_only=False`); false (the default) refuses "
+                 "such an archive and records why in `last_error`. Set it only for an archive you trust whole")
+
+
 class CreateModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: Name
@@ -76,6 +82,7 @@ class RegisterVersion(BaseModel):
     handler: str | None = Field(default=None, max_length=200, description=_HANDLER)
     input_schema: dict[str, Any] | None = Field(default=None, description=_SCHEMA.format(what="one input"))
     output_schema: dict[str, Any] | None = Field(default=None, description=_SCHEMA.format(what="one output"))
+    allow_pickle: bool = Field(default=False, description=_ALLOW_PICKLE)
 
 
 class UpdateVersion(BaseModel):
@@ -86,6 +93,7 @@ class UpdateVersion(BaseModel):
     max_replicas: int | None = Field(default=None, ge=1, le=256)
     cache_ttl_s: int | None = Field(default=None, ge=0, le=MAX_TTL_S, description=_CACHE_TTL)
     tier: Tier | None = Field(default=None, description=_TIER + " (set for the whole model)")
+    allow_pickle: bool | None = Field(default=None, description=_ALLOW_PICKLE)
     reason: str | None = Field(default=None, max_length=500)
 
 
@@ -153,6 +161,7 @@ async def register_version(model: str, body: RegisterVersion, key: AdminKey, sta
                 max_wait_ms=body.batching.max_wait_ms, isolate_tenants=body.batching.isolate_tenants,
                 min_replicas=body.min_replicas, max_replicas=body.max_replicas, cache_ttl_s=body.cache_ttl_s,
                 handler=body.handler, input_schema=body.input_schema, output_schema=body.output_schema,
+                allow_pickle=body.allow_pickle,
             )
             return catalog.version_resource(row)
 
@@ -195,7 +204,7 @@ async def update_version(model: str, version: str, body: UpdateVersion, key: Adm
                 state=body.state, min_replicas=body.min_replicas, max_replicas=body.max_replicas,
                 cache_ttl_s=body.cache_ttl_s, max_batch_size=batching.max_batch_size if batching else None,
                 max_wait_ms=batching.max_wait_ms if batching else None,
-                isolate_tenants=batching.isolate_tenants if batching else None,
+                isolate_tenants=batching.isolate_tenants if batching else None, allow_pickle=body.allow_pickle,
             )
             if body.tier is not None:
                 catalog.set_tier(session, model=model, tier=body.tier, actor=f"key:{key.key_id}", reason=body.reason)

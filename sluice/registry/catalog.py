@@ -70,11 +70,13 @@ def register_version(
     handler: str | None = None,
     input_schema: dict[str, Any] | None = None,
     output_schema: dict[str, Any] | None = None,
+    allow_pickle: bool = False,
 ) -> ModelVersion:
     model_row = session.get(Model, model)
     if model_row is None:
         raise NotFound(f"model '{model}' does not exist")
     _check_serving(ModelKind(model_row.kind), handler=handler, input_schema=input_schema, output_schema=output_schema)
+    _check_allow_pickle(ModelKind(model_row.kind), allow_pickle)
     if session.get(ModelVersion, (model, version)) is not None:
         raise Conflict(f"model '{model}' already has a version '{version}'")
     if state not in tuple(VersionState):
@@ -86,13 +88,15 @@ def register_version(
         model=model, version=version, artifact=artifact, sha256=sha256.lower(), state=state,
         max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, isolate_tenants=isolate_tenants,
         min_replicas=min_replicas, max_replicas=max_replicas, cache_ttl_s=cache_ttl_s,
-        handler=handler, input_schema=input_schema, output_schema=output_schema,
+        handler=handler, input_schema=input_schema, output_schema=output_schema, allow_pickle=allow_pickle,
     )
     session.add(row)
     session.flush()
-    after = {"version": version, "artifact": artifact, "sha256": sha256, "state": state}
+    after: dict[str, Any] = {"version": version, "artifact": artifact, "sha256": sha256, "state": state}
     if handler is not None:
         after["handler"] = handler
+    if allow_pickle:
+        after["allow_pickle"] = True
     audit.record(session, actor=actor, action="version.register", model=model, before=None, after=after, reason=None)
     return row
 
@@ -122,6 +126,13 @@ def _check_serving(kind: ModelKind, *, handler: str | None, input_schema: dict[s
     elif input_schema is not None or output_schema is not None:
         raise BadRequest(f"kind '{kind}' fixes its schemas; input_schema and output_schema are for "
                          f"{' and '.join(sorted(SCHEMA_KINDS))} models")
+
+
+def _check_allow_pickle(kind: ModelKind, allow_pickle: bool) -> None:
+    """Only a torch-export archive is ever unpickled with code allowed; the other kinds refuse
+    pickles whatever the version says, so the flag would promise what it does not do."""
+    if allow_pickle and kind is not ModelKind.torch_export:
+        raise BadRequest(f"allow_pickle is for models of kind 'torch-export'; this model is '{kind}'")
 
 
 def _check_cache_ttl(cache_ttl_s: int) -> None:
@@ -166,6 +177,7 @@ def version_resource(row: ModelVersion) -> dict[str, Any]:
         "handler": row.handler,
         "input_schema": row.input_schema,
         "output_schema": row.output_schema,
+        "allow_pickle": row.allow_pickle,
     }
 
 
@@ -190,10 +202,13 @@ def update_version(
     session: Session, *, model: str, version: str, actor: str, reason: str | None, state: str | None = None,
     max_batch_size: int | None = None, max_wait_ms: float | None = None, isolate_tenants: bool | None = None,
     min_replicas: int | None = None, max_replicas: int | None = None, cache_ttl_s: int | None = None,
+    allow_pickle: bool | None = None,
 ) -> tuple[ModelVersion, AuditEntry]:
-    """Change a version's state, batching, replicas or response-cache TTL. Retiring also takes its
-    routing weight away."""
+    """Change a version's state, batching, replicas, response-cache TTL or pickle opt-in. Retiring
+    also takes its routing weight away. A new allow_pickle takes effect when a worker next loads it."""
     row = get_version(session, model, version)
+    if allow_pickle is not None:
+        _check_allow_pickle(ModelKind(row.model_row.kind), allow_pickle)
     before = version_resource(row)
     if state is not None:
         if state not in tuple(VersionState):
@@ -205,7 +220,8 @@ def update_version(
             session.execute(delete(Pin).where(Pin.model == model, Pin.version == version))
     for name, value in (("max_batch_size", max_batch_size), ("max_wait_ms", max_wait_ms),
                         ("isolate_tenants", isolate_tenants), ("min_replicas", min_replicas),
-                        ("max_replicas", max_replicas), ("cache_ttl_s", cache_ttl_s)):
+                        ("max_replicas", max_replicas), ("cache_ttl_s", cache_ttl_s),
+                        ("allow_pickle", allow_pickle)):
         if value is not None:
             setattr(row, name, value)
     if row.max_replicas < row.min_replicas:

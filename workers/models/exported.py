@@ -9,6 +9,10 @@ program is stored under the ``i``-th property of the output schema, one row per 
 Each input's dtype is read from its schema: ``integer`` leaves are int64, ``number`` leaves
 float32, ``boolean`` leaves bool; ``"x-dtype": "float16"`` (or any name in ``_DTYPES``) on the
 property overrides it. Its row shape comes from ``minItems == maxItems`` at every array level.
+
+``torch.export.load`` unpickles parts of the archive with ``weights_only=False``, so an archive is
+first checked by ``workers/models/pt2_safety.py`` and refused if a pickle in it could run code,
+unless the version allows pickles (an admin's choice, recorded in the registry).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch.export.graph_signature import InputKind, TensorArgument
 from sluice.errors import ArtifactError, InferenceError
 from sluice.kinds import ModelKind
 from workers.models.protocol import ModelHandler
+from workers.models.pt2_safety import check_program
 
 PROGRAM = "program.pt2"
 
@@ -184,9 +189,10 @@ class ExportedProgramHandler(ModelHandler):
 
 
 def load_exported(model_dir: Path, *, device: str, input_schema: dict[str, Any],
-                  output_schema: dict[str, Any]) -> ExportedProgramHandler:
+                  output_schema: dict[str, Any], allow_pickle: bool = False) -> ExportedProgramHandler:
     """Load ``model_dir/program.pt2`` onto ``device`` (``"cpu"`` or ``"cuda"``), check it against
-    the schemas and warm it up. Raises ArtifactError on anything that would fail every job."""
+    the schemas and warm it up. Raises ArtifactError on anything that would fail every job, and
+    PickleRefused, before torch reads it, on an archive that could run code, unless ``allow_pickle``."""
     if not model_dir.is_dir():
         raise ArtifactError(f"a torch-export artifact must be a directory holding {PROGRAM}, got {model_dir}")
     path = model_dir / PROGRAM
@@ -194,6 +200,8 @@ def load_exported(model_dir: Path, *, device: str, input_schema: dict[str, Any],
         raise ArtifactError(f"{model_dir} has no {PROGRAM} (save one with torch.export.save)")
     specs = [_input_spec(name, schema) for name, schema in _properties(input_schema, "input").items()]
     outputs = list(_properties(output_schema, "output"))
+    if not allow_pickle:
+        check_program(path)
     try:
         program = torch.export.load(path)
     except Exception as exc:  # a corrupt or foreign file raises anything from zipfile to pickle

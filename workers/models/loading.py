@@ -107,6 +107,8 @@ class Sources:
     # Remote artifacts (https://, s3://, a file:// store) are fetched here, keyed by content hash.
     cache_dir: Path | None = None
     ca_bundle: Path | None = None
+    # An admin's opt-in: load a torch-export archive even when a pickle in it could run code.
+    allow_pickle: bool = False
 
 
 def _load_synthetic(artifact: str, sha256: str | None, device: str, threads: int | None,
@@ -247,7 +249,7 @@ def _load_exported(artifact: str, sha256: str | None, device: str, threads: int 
     from workers.models.exported import load_exported
 
     return load_exported(path, device=dev, input_schema=dict(sources.input_schema),
-                         output_schema=dict(sources.output_schema))
+                         output_schema=dict(sources.output_schema), allow_pickle=sources.allow_pickle)
 
 
 def _load_handler_class(artifact: str, sha256: str | None, device: str, threads: int | None,
@@ -293,7 +295,9 @@ def load_handler(
     where ``precision`` says it pays on this host. The handler's ``precision`` is that choice.
 
     ``device`` is ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available; the CPU for int8). Raises
-    ArtifactError if the artifact is missing, malformed or refused, ArtifactMismatch on a hash mismatch.
+    ArtifactError if the artifact is missing, malformed or refused (PickleRefused for a torch-export
+    archive whose pickles could run code, unless ``sources.allow_pickle``), ArtifactMismatch on a
+    hash mismatch.
     """
     try:
         model_kind = ModelKind(kind)
