@@ -92,6 +92,35 @@ def stop_process(proc: subprocess.Popen[bytes] | None, sig: int, timeout_s: floa
 # --- stores and settings ---------------------------------------------------------------------------
 
 
+@dataclass
+class CeleryWorker:
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def celery_worker_process(env: dict[str, str], *, log_path: Path, name: str) -> Iterator[CeleryWorker]:
+    """`celery -A workers.tasks worker --beat` on four threads, every queue, until its outbox relay is up."""
+    with log_path.open("wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "workers.tasks", "worker", "--beat", "--pool", "threads",
+             "--concurrency", "4", "--hostname", f"{name}-{secrets.token_hex(3)}@%h", "--without-mingle",
+             "--without-gossip", "--loglevel", "INFO"],
+            cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
+        )
+    worker = CeleryWorker(proc=proc, log_path=log_path)
+    try:
+        wait_until(lambda: proc.poll() is not None or ("outbox relay" in worker.log() and " ready." in worker.log()),
+                   timeout_s=60, what="the Celery worker")
+        assert proc.poll() is None, worker.log()
+        yield worker
+    finally:
+        stop_process(proc, signal.SIGTERM, timeout_s=30)
+
+
 @contextmanager
 def fresh_database(prefix: str, revision: str | None = "head") -> Iterator[str]:
     """A database of its own in the shared Postgres, migrated to `revision` (None: left empty),

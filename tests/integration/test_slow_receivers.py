@@ -14,10 +14,7 @@ import itertools
 import os
 import secrets
 import select
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,7 +32,16 @@ from sluice.settings import Settings
 from sluice.wire import keys
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
-from tests.support import REPO, ApiServer, Receiver, celery_broker_env, receiving, serving, stop_process, wait_until
+from tests.support import (
+    ApiServer,
+    CeleryWorker,
+    Receiver,
+    celery_broker_env,
+    celery_worker_process,
+    receiving,
+    serving,
+    wait_until,
+)
 from workers.delivery import Attempt, Deliverer
 
 pytestmark = pytest.mark.slow
@@ -283,15 +289,6 @@ def hooks_api(settings: Settings, seeded: Seeded) -> Iterator[ApiServer]:
         yield server
 
 
-@dataclass
-class CeleryWorker:
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
 @pytest.fixture
 def celery_worker(redis_url: str, database_url: str, home: Path, seeded: Seeded,
                   tmp_path: Path) -> Iterator[CeleryWorker]:
@@ -305,22 +302,8 @@ def celery_worker(redis_url: str, database_url: str, home: Path, seeded: Seeded,
         "SLUICE_WEBHOOK_BACKOFF_CAP_S": "1", "SLUICE_WEBHOOK_SWEEP_S": "1", "PYTHONUNBUFFERED": "1",
         **celery_broker_env(),
     })
-    log_path = tmp_path / "celery.log"
-    with log_path.open("wb") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "workers.tasks", "worker", "--beat", "--pool", "threads",
-             "--concurrency", "4", "--hostname", f"slow-{secrets.token_hex(3)}@%h", "--without-mingle",
-             "--without-gossip", "--loglevel", "INFO"],
-            cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
-        )
-    worker = CeleryWorker(proc=proc, log_path=log_path)
-    try:
-        wait_until(lambda: proc.poll() is not None or ("outbox relay" in worker.log() and " ready." in worker.log()),
-                   timeout_s=60, what="the Celery worker")
-        assert proc.poll() is None, worker.log()
+    with celery_worker_process(env, log_path=tmp_path / "celery.log", name="slow") as worker:
         yield worker
-    finally:
-        stop_process(proc, signal.SIGTERM, timeout_s=30)
 
 
 def _cancelled_with_callback(client: httpx.Client, model: str, callback_url: str) -> str:

@@ -14,9 +14,6 @@ import asyncio
 import json
 import os
 import secrets
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,17 +36,17 @@ from sluice.wire.connections import connect
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
 from tests.support import (
-    REPO,
     ApiServer,
+    CeleryWorker,
     Receiver,
     celery_broker_env,
+    celery_worker_process,
     claim_one,
     finish_one_call,
     http_client,
     receiving,
     serving,
     spawn_worker,
-    stop_process,
     wait_until,
 )
 from workers.outbox import OutboxRelay
@@ -108,15 +105,6 @@ def model(register_synthetic: Callable[..., str], hooks_api: ApiServer, redis_ur
     assert worker.terminate() == 0, worker.log()
 
 
-@dataclass
-class CeleryWorker:
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
 @pytest.fixture(scope="module")
 def celery_worker(redis_url: str, database_url: str, home: Path, seeded: Seeded,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[CeleryWorker]:
@@ -130,22 +118,9 @@ def celery_worker(redis_url: str, database_url: str, home: Path, seeded: Seeded,
         "SLUICE_CLAIM_AFTER_S": str(CLAIM_AFTER_S), "PYTHONUNBUFFERED": "1", **celery_broker_env(),
     })
     log_path = tmp_path_factory.mktemp("celery") / "celery.log"
-    with log_path.open("wb") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "workers.tasks", "worker", "--beat", "--pool", "threads",
-             "--concurrency", "4", "--hostname", f"webhooks-{secrets.token_hex(3)}@%h", "--without-mingle",
-             "--without-gossip", "--loglevel", "INFO"],
-            cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
-        )
-    worker = CeleryWorker(proc=proc, log_path=log_path)
-    try:
-        wait_until(lambda: proc.poll() is not None or ("outbox relay" in worker.log() and " ready." in worker.log()),
-                   timeout_s=60, what="the Celery worker")
-        assert proc.poll() is None, worker.log()
+    with celery_worker_process(env, log_path=log_path, name="webhooks") as worker:
         yield worker
-    finally:
-        stop_process(proc, signal.SIGTERM, timeout_s=30)
-    assert proc.returncode == 0, worker.log()[-4000:]
+    assert worker.proc.returncode == 0, worker.log()[-4000:]
     assert "Traceback" not in worker.log(), worker.log()[-4000:]
 
 
