@@ -28,7 +28,8 @@ from sluice.artifacts import MINILM_URI, resolve_artifact
 from workers.models.int8 import needs_reduce_range
 from workers.models.minilm import MiniLMEncoder
 
-pytestmark = pytest.mark.model
+# Timed reference runs of two implementations side by side: a soak-length measurement.
+pytestmark = [pytest.mark.model, pytest.mark.soak]
 
 MAX_SEQ_LENGTH = 256
 BATCH = 32

@@ -74,6 +74,7 @@ def _dashboard_queries() -> list[str]:
             for e in found]
 
 
+@pytest.mark.soak  # half a minute of real scrapes
 def test_every_process_of_up_is_scraped_by_a_real_prometheus_and_the_dashboard_queries_answer(
     tmp_path: Path,
 ) -> None:

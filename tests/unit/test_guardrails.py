@@ -331,6 +331,7 @@ def test_a_latency_regression_rolls_back() -> None:
     assert outcome.decisions[-1].decision.reason == "guardrail breach: latency"
 
 
+@pytest.mark.soak  # 200 simulated rollouts: a statistical run, not a unit check
 def test_identical_versions_under_slow_traffic_roll_back_at_most_alpha(
     record_property: pytest.RecordProperty,
 ) -> None:
