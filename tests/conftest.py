@@ -142,6 +142,16 @@ def rds(redis_url: str) -> Iterator[redis.Redis]:
     client.close()
 
 
+@pytest.fixture
+def deliveries(rds: redis.Redis) -> Iterator[list[str]]:
+    """Delivery ids a test made; taken off the due set afterwards so that no later sweep sends them."""
+    made: list[str] = []
+    yield made
+    for delivery_id in made:
+        rds.zrem(keys.WEBHOOK_DUE, delivery_id)
+        rds.delete(keys.delivery(delivery_id))
+
+
 @pytest.fixture(scope="session")
 def registry(database_url: str) -> Iterator[Registry]:
     reg = Registry(url=database_url, pool_size=2)

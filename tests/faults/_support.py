@@ -22,6 +22,8 @@ from pathlib import Path
 import httpx
 import redis
 
+from launch.seed import Seeded, seed
+from sluice.registry.store import Registry
 from sluice.wire import keys
 from tests.support import FINAL, stop_process, wait_until
 
@@ -308,3 +310,13 @@ class SubmissionLoad:
         for thread in self.threads:
             thread.join(timeout=40)
         return at
+
+
+def seed_tenants(database_url: str, *, home: Path) -> Seeded:
+    """The demo tenant and the bootstrap admin key, no models: a synthetic model is enough for a
+    fault test, and the demo models' artifacts would need hashing (MiniLM)."""
+    registry = Registry(url=database_url, pool_size=1)
+    try:
+        return seed(registry, home=home, versions=())
+    finally:
+        registry.dispose()

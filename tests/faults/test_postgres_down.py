@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 
 from api.app import create_app
-from launch.seed import seed
-from sluice.registry.store import Registry
 from sluice.settings import Settings
 from tests.support import (
     ApiServer,
@@ -31,7 +29,7 @@ from tests.support import (
     wait_until,
 )
 
-from ._support import PostgresServer, RedisServer
+from ._support import PostgresServer, RedisServer, seed_tenants
 
 pytestmark = pytest.mark.slow
 
@@ -43,13 +41,7 @@ def test_submissions_continue_on_the_cached_routing_table_while_postgres_is_down
     start_api: Callable[[Settings], ApiServer], spawn: Callable[..., WorkerProcess],
     figure: Callable[[str, object], None], caplog: pytest.LogCaptureFixture,
 ) -> None:
-    registry = Registry(url=private_postgres.url, pool_size=1)
-    try:
-        # Tenants and keys only: the demo models' artifacts would need hashing (MiniLM), and a
-        # synthetic model is enough here.
-        seeded = seed(registry, home=tmp_path, versions=())
-    finally:
-        registry.dispose()
+    seeded = seed_tenants(private_postgres.url, home=tmp_path)
     # A short refresh period, so the routing cache notices the outage (and the recovery) quickly.
     settings = make_settings(redis_url=private_redis.url, database_url=private_postgres.url, home=tmp_path,
                              routing_refresh_s=0.5, auth_cache_s=1.0)
@@ -126,11 +118,7 @@ def test_an_api_started_while_postgres_is_down_opens_breakers_once_it_is_back(
 ) -> None:
     """With no routing table yet, the breakers' refresh has nothing to judge: it must wait for one,
     not end the task that keeps the breakers for the life of the process."""
-    registry = Registry(url=private_postgres.url, pool_size=1)
-    try:
-        seeded = seed(registry, home=tmp_path, versions=())
-    finally:
-        registry.dispose()
+    seeded = seed_tenants(private_postgres.url, home=tmp_path)
     private_postgres.stop()
     settings = make_settings(redis_url=private_redis.url, database_url=private_postgres.url, home=tmp_path,
                              routing_refresh_s=0.5, breaker_min_samples=5)

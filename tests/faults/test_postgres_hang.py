@@ -18,12 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from launch.seed import seed
-from sluice.registry.store import Registry
 from sluice.settings import Settings
 from tests.support import ApiServer, http_client, make_settings, register_synthetic_model
 
-from ._support import PostgresServer, RedisServer
+from ._support import PostgresServer, RedisServer, seed_tenants
 
 pytestmark = pytest.mark.slow
 
@@ -37,11 +35,7 @@ def test_submissions_go_on_and_registry_reads_answer_503_while_postgres_hangs(
     private_postgres: PostgresServer, private_redis: RedisServer, tmp_path: Path,
     start_api: Callable[[Settings], ApiServer], figure: Callable[[str, object], None],
 ) -> None:
-    registry = Registry(url=private_postgres.url, pool_size=1)
-    try:
-        seeded = seed(registry, home=tmp_path, versions=())
-    finally:
-        registry.dispose()
+    seeded = seed_tenants(private_postgres.url, home=tmp_path)
     settings = make_settings(redis_url=private_redis.url, database_url=private_postgres.url, home=tmp_path,
                              routing_refresh_s=0.5, registry_statement_timeout_s=1.0,
                              registry_lock_timeout_s=0.5, registry_connect_timeout_s=1.0)

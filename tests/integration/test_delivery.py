@@ -64,16 +64,6 @@ def deliverer(redis_url: str, database_url: str, seeded: Seeded, clock: Clock) -
     made.close()
 
 
-@pytest.fixture
-def deliveries(rds: redis.Redis) -> Iterator[list[str]]:
-    """Delivery ids a test made; taken off the due set afterwards so that no later sweep sends them."""
-    made: list[str] = []
-    yield made
-    for delivery_id in made:
-        rds.zrem(keys.WEBHOOK_DUE, delivery_id)
-        rds.delete(keys.delivery(delivery_id))
-
-
 def final_job(rds: redis.Redis, callback_url: str, deliveries: list[str]) -> tuple[str, str]:
     """A succeeded job of the demo tenant, written straight to Redis; answer (job, delivery) ids."""
     now = time.time()

@@ -168,16 +168,6 @@ def deliverer_for(settings: Settings, seeded: Seeded) -> Iterator[Callable[..., 
         deliverer.close()
 
 
-@pytest.fixture
-def deliveries(rds: redis.Redis) -> Iterator[list[str]]:
-    """Delivery ids a test made; taken off the due set afterwards so that no later sweep sends them."""
-    made: list[str] = []
-    yield made
-    for delivery_id in made:
-        rds.zrem(keys.WEBHOOK_DUE, delivery_id)
-        rds.delete(keys.delivery(delivery_id))
-
-
 def final_job(rds: redis.Redis, tenant: str, callback_url: str, deliveries: list[str]) -> tuple[str, str]:
     """A succeeded job of `tenant`, written straight to Redis; answer (delivery, job) ids."""
     record = JobRecord(id=new_job_id("direct", "v1"), tenant=tenant, model="direct", version="v1", lane="online",
