@@ -104,6 +104,13 @@ class Settings(BaseSettings):
     scale_down_stabilization_s: float = Field(default=300.0, ge=0)
     scale_max_step_down: int = Field(default=1, ge=1)
     scale_interval_s: float = Field(default=2.0, gt=0)
+    # Placement (scheduler/placement.py): whether a latency-tier version may share a worker process
+    # with a batch-tier one (unset: only when the budget gives a single process), the share of the
+    # machine's memory one process may hold in loaded weights, and how long a retired version's
+    # workers may finish what is queued for it before the rest fails with `version_retired`.
+    pack_across_tiers: bool | None = None
+    process_memory_share: float = Field(default=0.5, gt=0, le=1)
+    retire_drain_s: float = Field(default=60.0, ge=0)
     # The kubernetes actuator (scheduler/kubernetes.py) scales the Deployment named by the template
     # in this namespace; {model} and {version} are made DNS-1123 labels first (`v1.2` -> `v1-2`),
     # and a hash of the exact names follows (`deployment_name`). On start it lists the Deployments

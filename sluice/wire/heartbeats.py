@@ -44,6 +44,10 @@ class Heartbeat:
     # worker measured it at start-up, int8's speed over fp32's (workers/models/precision.py).
     precision: str = ""
     int8_speedup: float | None = None
+    # The placement group (worker process) serving it, and the resident memory its load added to
+    # that process: 0 when it shares weights another version had loaded there.
+    group: str = ""
+    resident_bytes: int = 0
 
     def to_fields(self) -> dict[str, str]:
         return {
@@ -51,6 +55,7 @@ class Heartbeat:
             "cold_start_s": f"{self.cold_start_s:.3f}", "processed": str(self.processed), "pid": str(self.pid),
             "at": repr(self.at), "precision": self.precision,
             "int8_speedup": "" if self.int8_speedup is None else f"{self.int8_speedup:.3f}",
+            "group": self.group, "resident_bytes": str(self.resident_bytes),
         }
 
     @classmethod
@@ -61,7 +66,8 @@ class Heartbeat:
                    batch_size=int(data["batch_size"]), cold_start_s=float(data["cold_start_s"]),
                    processed=int(data["processed"]), pid=int(data["pid"]), at=float(data["at"]),
                    precision=data.get("precision", ""),
-                   int8_speedup=float(data["int8_speedup"]) if data.get("int8_speedup") else None)
+                   int8_speedup=float(data["int8_speedup"]) if data.get("int8_speedup") else None,
+                   group=data.get("group", ""), resident_bytes=int(data.get("resident_bytes") or 0))
 
 
 def live_since(now: float) -> float:

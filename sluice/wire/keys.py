@@ -139,6 +139,17 @@ def scrape_targets() -> str:
     return "sluice:scrape-targets"
 
 
+def placements() -> str:
+    """String: the scheduler's placement plan as JSON, which worker process (group) serves which
+    versions and which versions cannot be served now (`sluice.wire.placements`)."""
+    return "sluice:placements"
+
+
+def refused_versions() -> str:
+    """Hash: `model/version` -> why a worker refused the version's artifact; deleted once it loads."""
+    return "sluice:refused"
+
+
 def live_workers(model: str, version: str) -> str:
     """Sorted set: worker name -> time of its last heartbeat, so readers need no SCAN."""
     return f"sluice:{tag(model, version)}:live"
