@@ -205,6 +205,14 @@ class VersionBatching(BaseModel):
     isolate_tenants: bool
 
 
+class ProcessPlacement(BaseModel):
+    """A worker process (placement group) serving the version, and the versions it shares it with."""
+
+    group: str
+    tier: str = Field(description="latency, batch, or mixed where the operator lets tiers share a process")
+    shares_with: list[str] = Field(description="The other versions this process serves, as model/version")
+
+
 class Replicas(BaseModel):
     """The scheduler's last scaling decision for the version (absent when no scheduler has made one
     in the last minute)."""
@@ -212,6 +220,10 @@ class Replicas(BaseModel):
     desired: int
     live: int
     reason: str
+    processes: list[ProcessPlacement] = Field(default_factory=list,
+                                              description="The worker processes the version is placed on")
+    not_served: str | None = Field(default=None, description="Why no worker can serve the version now "
+                                   "(submissions get 503 `not_served`), or null")
 
 
 class VersionResource(BaseModel):

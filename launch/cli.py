@@ -68,15 +68,22 @@ def api(host: Annotated[str | None, typer.Option()] = None,
 
 
 @app.command()
-def worker(model: Annotated[str, typer.Option()], version: Annotated[str, typer.Option()],
+def worker(group: Annotated[str | None, typer.Option(help="Serve the versions the scheduler places on this "
+                                                            "placement group")] = None,
+           model: Annotated[str | None, typer.Option(help="Serve this one model's --version instead")] = None,
+           version: Annotated[str | None, typer.Option()] = None,
            threads: Annotated[int | None, typer.Option(min=1)] = None,
            device: Annotated[str, typer.Option()] = "auto") -> None:
-    """Serve one model version from its streams."""
+    """Serve the versions of a placement group (or one given version) from their streams."""
     from workers.main import run_worker
 
+    if (group is None) == (model is None or version is None) or (model is None) != (version is None):
+        console.print("[red]give either --group, or both --model and --version[/]")
+        raise typer.Exit(2)
     settings = Settings()
-    configure_logging(settings.log_level, name=f"worker[{model}/{version}]", fmt=settings.log_format)
-    raise typer.Exit(run_worker(settings=settings, model=model, version=version, threads=threads, device=device))
+    configure_logging(settings.log_level, name=f"worker[{group or f'{model}/{version}'}]", fmt=settings.log_format)
+    raise typer.Exit(run_worker(settings=settings, model=model, version=version, group=group, threads=threads,
+                                device=device))
 
 
 class Actuator(StrEnum):
@@ -89,10 +96,10 @@ class Actuator(StrEnum):
 
 @app.command()
 def scheduler(actuator: Annotated[Actuator, typer.Option(help="local: supervise worker processes here; "
-                                                              "kubernetes: scale each version's Deployment; "
-                                                              "none: only export desired replicas")]
+                                                              "kubernetes: a Deployment per placement group; "
+                                                              "none: only publish the plan and decisions")]
               = Actuator.local) -> None:
-    """Keep every servable version's worker pool at its desired size."""
+    """Place every servable version on worker processes and size them to its load."""
     from scheduler.main import Actuator as PoolActuator
     from scheduler.main import Scheduler, autoscaler, local_supervisor
     from sluice import exposition
@@ -103,8 +110,7 @@ def scheduler(actuator: Annotated[Actuator, typer.Option(help="local: supervise 
     configure_logging(settings.log_level, name="scheduler", fmt=settings.log_format)
     supervisor: PoolActuator | None = None
     if actuator is Actuator.local:
-        supervisor = local_supervisor(home=settings.home.resolve(), cores=settings.cpu_cores,
-                                      slots=settings.worker_slots, stop_grace_s=settings.shutdown_grace_s)
+        supervisor = local_supervisor(home=settings.home.resolve(), stop_grace_s=settings.shutdown_grace_s)
     elif actuator is Actuator.kubernetes:
         # Imported here: the official client is heavy and only this actuator needs it.
         from scheduler.kubernetes import connect

@@ -49,6 +49,19 @@ def models(ctx: typer.Context, url: UrlOption = None, key: KeyOption = None) -> 
                 share = model["routing"].get(version["version"], 0)
                 console.print(f"  {model['name']} {version['version']} ({version['state']}, {share:g} % of traffic): "
                               f"{scaled}", soft_wrap=True)
+                if replicas:
+                    console.print(f"    {_placement(replicas)}", soft_wrap=True)
+
+
+def _placement(replicas: dict[str, Any]) -> str:
+    """Where the version runs and with whom: the blast radius of a process that fails."""
+    if replicas.get("not_served"):
+        return f"not served: {replicas['not_served']}"
+    processes = replicas.get("processes") or []
+    if not processes:
+        return "placed on no process"
+    return "; ".join(f"process {p['group']} ({p['tier']}), shared with "
+                     f"{', '.join(p['shares_with']) if p['shares_with'] else 'no other version'}" for p in processes)
 
 
 def _schema_file(path: Path | None, option: str) -> dict[str, Any] | None:

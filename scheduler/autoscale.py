@@ -11,9 +11,9 @@ lane of a version:
 
 ``need`` answers the replicas those call for, with a one-line reason carrying the numbers;
 ``Stabilizer`` scales up at once and down only after ``stabilization_s`` of lower
-recommendations, by at most ``max_step_down`` a decision, so a periodic load does not flap;
-``allocate`` shares a budget of worker slots between versions: the latency tier before the batch
-tier, online need before bulk, and in proportion to need when a round cannot be met in full.
+recommendations, by at most ``max_step_down`` a decision, so a periodic load does not flap.
+Where each replica runs is ``scheduler/placement.py``'s decision: a replica is a worker process
+the version is placed on.
 The scheduler and the simulator (`scheduler/planning/capacity_sim.py`) run exactly this code.
 """
 
@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Literal
 
-K = TypeVar("K", bound=Hashable)
 Tier = Literal["latency", "batch"]
 TIERS: tuple[Tier, ...] = ("latency", "batch")
 
@@ -167,44 +165,3 @@ class Stabilizer:
             return current, f"; holding {current} (recommended {ceiling} within {self.policy.stabilization_s:.0f}s)"
         target = max(ceiling, current - self.policy.max_step_down)
         return target, f"; down from {current}"
-
-
-@dataclass(frozen=True, slots=True)
-class Demand:
-    """One version's claim on the slot budget."""
-
-    tier: Tier
-    floor: int  # its min_replicas (keeps it warm)
-    online: int  # replicas its online lane needs, floor included, up to `desired`
-    desired: int  # everything it needs (stabilized, clamped)
-    # False for a shadow version: it answers no caller, so it gets only what serving versions leave.
-    serving: bool = True
-
-
-def allocate(demands: Mapping[K, Demand], slots: int) -> dict[K, int]:
-    """Replicas per version within `slots`: the versions that serve callers tier by tier (latency
-    first), then shadow versions the same way; within each, the floors, then the online need,
-    then the rest; a round that cannot be met in full is shared in proportion to what each
-    version asked for in it (largest remainder, ties to the earlier key)."""
-    granted = dict.fromkeys(demands, 0)
-    left = max(0, slots)
-    for serving, tier in [(serving, tier) for serving in (True, False) for tier in TIERS]:
-        members = [key for key, demand in demands.items() if demand.tier == tier and demand.serving == serving]
-        for level in ("floor", "online", "desired"):
-            asks = {key: max(0, getattr(demands[key], level) - granted[key]) for key in members}
-            total = sum(asks.values())
-            if total == 0:
-                continue
-            if total <= left:
-                shares = asks
-            else:
-                exact = {key: left * ask / total for key, ask in asks.items()}
-                shares = {key: math.floor(value) for key, value in exact.items()}
-                spare = left - sum(shares.values())
-                order = sorted(members, key=lambda key: exact[key] - shares[key], reverse=True)
-                for key in order[:spare]:
-                    shares[key] += 1
-            for key, share in shares.items():
-                granted[key] += share
-            left -= sum(shares.values())
-    return granted

@@ -1,11 +1,12 @@
-"""`sluice scheduler`: sizes every servable version's worker pool to its load.
+"""`sluice scheduler`: places every servable version on worker processes, sized to its load.
 
 Every `scale_interval_s` (and on each routing event) it reads the registry and what Redis shows
-of each pool, asks the autoscaler (scheduler/scaling.py, deciding with scheduler/autoscale.py)
-for the replicas each version needs within the slot budget, and hands them to an actuator. With
-the `local` actuator it supervises worker processes on this machine; with `kubernetes` it sizes each
-version's Deployment (scheduler/kubernetes.py); with `none` it only exports
-the decisions (metrics, and the `replicas` of `GET /v1/models/{m}`) for KEDA/HPA or compose. The
+of each version, asks the autoscaler (scheduler/scaling.py, deciding with scheduler/autoscale.py
+and scheduler/placement.py) for the processes each version needs and which processes serve which
+versions, publishes that placement plan (sluice/wire/placements.py), and hands it to an actuator.
+With the `local` actuator it supervises one worker process per placement group on this machine;
+with `kubernetes` it keeps a Deployment per group (scheduler/kubernetes.py); with `none` it only
+publishes the plan and the decisions (metrics, and `GET /v1/models/{m}`) for compose. The
 rollout controller (scheduler/rollout.py) and the quality aggregator (scheduler/quality.py) run
 beside it, each on a thread of its own.
 """
@@ -18,46 +19,45 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
 import redis
 
 from scheduler.autoscale import ScalingPolicy
+from scheduler.placement import Budget
 from scheduler.quality import run_aggregator
 from scheduler.rollout import run_controller
-from scheduler.scaling import Autoscaler, publish, read_pools, scaled_versions, withdraw, worker_config
-from scheduler.supervisor import Supervisor, VersionKey
+from scheduler.scaling import Autoscaler, VersionKey, publish, read_pools, scaled_versions, withdraw
+from scheduler.supervisor import Supervisor
 from sluice import exposition
-from sluice.errors import ActuatorError, BrokerError, SluiceError
+from sluice.errors import BrokerError, SluiceError
 from sluice.registry import routing_table
 from sluice.registry.store import Registry
 from sluice.routing import RoutingSnapshot
 from sluice.settings import Settings
-from sluice.wire import events
+from sluice.wire import events, placements
 from sluice.wire.connections import connect_sync
+from sluice.wire.placements import PlacementPlan
 
 log = logging.getLogger(__name__)
 
 
-def worker_command(python: str = sys.executable) -> Callable[[str, str, int], list[str]]:
-    def build(model: str, version: str, threads: int) -> list[str]:
-        return [python, "-m", "launch.cli", "worker", "--model", model, "--version", version,
-                "--threads", str(threads)]
+def worker_command(python: str = sys.executable) -> Callable[[str, int], list[str]]:
+    def build(group: str, threads: int) -> list[str]:
+        return [python, "-m", "launch.cli", "worker", "--group", group, "--threads", str(threads)]
 
     return build
 
 
 class Actuator(Protocol):
-    """What carries out the decisions: the local `Supervisor`, or `scheduler/kubernetes.py`'s. `live`
-    may raise `ActuatorError`; `set_desired` takes each version on its own and never does, so one
-    version's failure neither stops the others' scaling nor the publishing of the decisions."""
+    """What carries out the placement plan: the local `Supervisor` (a process per group), or
+    `scheduler/kubernetes.py`'s (a Deployment per group). `apply` takes each group on its own and
+    never raises, so one group's failure neither stops the others nor the publishing of the plan."""
 
-    def live(self, key: VersionKey) -> int: ...
-
-    def set_desired(self, desired: Mapping[VersionKey, int], *, configs: Mapping[VersionKey, str] | None = None,
-                    ready_pids: Collection[int] = ()) -> None: ...
+    def apply(self, plan: PlacementPlan) -> None: ...
 
     def reconcile(self) -> None: ...
 
@@ -100,35 +100,29 @@ class Scheduler:
                 return
             log.warning("registry unreachable, scaling on the last routing snapshot: %s", exc)
         versions = scaled_versions(self._snapshot)
+        now = time.time()
         try:
-            readings = read_pools(self._redis, versions, now=time.time())
+            readings = read_pools(self._redis, versions, now=now)
+            refused = placements.refused(self._redis)
         except BrokerError as exc:
             log.warning("Redis unreachable, keeping the current pools: %s", exc)
             if self.supervisor:
                 self.supervisor.reconcile()
             return
-
-        def live(key: VersionKey) -> int:
-            if self.supervisor is None:
-                return len(readings[key].beats)
-            try:
-                return self.supervisor.live(key)
-            except ActuatorError as exc:
-                # One version's unreadable pool must not stop the others' decisions: its
-                # heartbeats are what Redis shows of it.
-                log.warning("%s; counting %s/%s's workers by their heartbeats", exc, *key)
-                return len(readings[key].beats)
-
-        decisions = self.autoscaler.decide(versions, readings, live=live, now=time.time())
-        if self.supervisor:
-            self.supervisor.set_desired(
-                {key: decision.replicas for key, decision in decisions.items()},
-                configs={key: worker_config(scaled.info) for key, scaled in versions.items()},
-                ready_pids={beat.pid for reading in readings.values() for beat in reading.ready})
+        decisions, placed = self.autoscaler.decide(versions, readings, now=now)
+        plan = placed.to_plan(at=now)
+        not_served = {**plan.not_served, **{name: f"its artifact was refused: {why}" for name, why in refused.items()
+                                            if tuple(name.split("/", 1)) in versions}}
+        plan = replace(plan, not_served=not_served)
         try:
-            publish(self._redis, decisions, readings, live=live)
+            publish(self._redis, decisions, readings, plan)
         except BrokerError as exc:
             log.warning("could not publish the scaling decisions: %s", exc)
+            if self.supervisor:
+                self.supervisor.reconcile()
+            return
+        if self.supervisor:
+            self.supervisor.apply(plan)
         withdraw(self._published - decisions.keys())
         self._published = set(decisions)
 
@@ -178,15 +172,29 @@ class Scheduler:
             self._redis.close()
 
 
-def local_supervisor(*, home: Path, cores: int | None, slots: int | None, env: dict[str, str] | None = None,
-                     stop_grace_s: float = 30.0) -> Supervisor:
-    cores = cores or os.cpu_count() or 1
-    return Supervisor(command=worker_command(), log_dir=home / "logs", cores=cores, slots=slots or cores,
-                      env=env, stop_grace_s=stop_grace_s)
+def local_supervisor(*, home: Path, env: dict[str, str] | None = None, stop_grace_s: float = 30.0) -> Supervisor:
+    return Supervisor(command=worker_command(), log_dir=home / "logs", env=env, stop_grace_s=stop_grace_s)
+
+
+def machine_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def budget(settings: Settings) -> Budget:
+    """The processes the cores give (one per worker slot), each with its share of the cores' threads.
+
+    Tiers share a process only where the operator says so, or where the budget gives one process
+    in all: there, keeping them apart would leave one tier without any."""
+    cores = settings.cpu_cores or os.cpu_count() or 1
+    processes = max(1, settings.worker_slots or cores)
+    pack = settings.pack_across_tiers if settings.pack_across_tiers is not None else processes == 1
+    return Budget(processes=processes, threads_per_process=max(1, cores // processes),
+                  memory_per_process=int(settings.process_memory_share * machine_memory_bytes()),
+                  pack_across_tiers=pack)
 
 
 def autoscaler(settings: Settings) -> Autoscaler:
     policy = ScalingPolicy(headroom=settings.scale_headroom, drain_target_s=settings.scale_drain_target_s,
                            stabilization_s=settings.scale_down_stabilization_s,
                            max_step_down=settings.scale_max_step_down)
-    return Autoscaler(policy=policy, slots=settings.worker_slots or settings.cpu_cores or os.cpu_count() or 1)
+    return Autoscaler(policy=policy, budget=budget(settings))

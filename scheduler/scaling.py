@@ -3,46 +3,40 @@
 `read_pools` reads, in two pipelined round trips for all versions, each lane's stream (its
 length: jobs queued or running, since finished entries are deleted; and `entries-added`, the
 monotonic arrival count) and the live workers' heartbeats. `Autoscaler.decide` turns those into
-`PoolSignals`, asks `scheduler.autoscale` for each version's need, stabilizes it, and shares the
-slot budget; `publish` leaves the decision where the API and dashboards read it, and `withdraw`
+`PoolSignals`, asks `scheduler.autoscale` for each version's need, stabilizes it, and has
+`scheduler.placement` place it on that many worker processes; `publish` leaves the decisions and
+the placement plan where the API, the worker processes and dashboards read them, and `withdraw`
 takes away the series of versions no longer scaled.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis
 
-from scheduler.autoscale import (
-    Demand,
-    LaneLoad,
-    PoolSignals,
-    RateTracker,
-    ScalingPolicy,
-    Stabilizer,
-    Tier,
-    allocate,
-    need,
-)
+from scheduler.autoscale import LaneLoad, PoolSignals, RateTracker, ScalingPolicy, Stabilizer, Tier, need
+from scheduler.placement import Budget, Placed, Placer, Want
 from sluice.metrics import DESIRED_REPLICAS, LIVE_REPLICAS, STREAM_LAG
 from sluice.routing import RoutingSnapshot, VersionInfo
 from sluice.versions import VersionState
 from sluice.vocabulary import LANES
-from sluice.wire import keys
+from sluice.wire import keys, placements
 from sluice.wire.connections import translate_redis_errors
 from sluice.wire.heartbeats import Heartbeat, WorkerState, live_since
+from sluice.wire.placements import PlacementPlan
 
 log = logging.getLogger(__name__)
 
 VersionKey = tuple[str, str]
 # The scheduler's decision outlives a few missed ticks, not a scheduler that is gone.
 DECISION_TTL_S = 60
+# What one loaded copy of a version's weights is taken to cost until a worker has measured it.
+DEFAULT_RESIDENT_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +58,7 @@ class PoolReading:
 
 @dataclass(frozen=True, slots=True)
 class ScaleDecision:
-    replicas: int  # granted within the slot budget
+    replicas: int  # processes the version is placed on
     desired: int  # what the version needs (stabilized, clamped), before the budget
     reason: str
 
@@ -109,16 +103,30 @@ def read_pools(client: redis.Redis, versions: Iterable[VersionKey], *, now: floa
 class ScaledVersion:
     info: VersionInfo
     tier: Tier
+    kind: str = ""
 
 
 def scaled_versions(snapshot: RoutingSnapshot) -> dict[VersionKey, ScaledVersion]:
     """Every version that can be asked for (all but retired) and may have workers, with its model's tier."""
     return {
-        (model.name, version.version): ScaledVersion(info=version, tier="batch" if model.tier == "batch" else "latency")
+        (model.name, version.version): ScaledVersion(info=version, tier="batch" if model.tier == "batch" else "latency",
+                                                     kind=model.kind)
         for model in snapshot.models.values()
         for version in model.versions.values()
         if version.state != VersionState.retired and version.max_replicas > 0
     }
+
+
+def draining_versions(snapshot: RoutingSnapshot, keep: Iterable[VersionKey]) -> dict[VersionKey, ScaledVersion]:
+    """Retired versions still finishing their queue (`keep`): one process each, until drained."""
+    found = {}
+    for key in keep:
+        model = snapshot.models.get(key[0])
+        info = model.versions.get(key[1]) if model else None
+        if model is not None and info is not None:
+            found[key] = ScaledVersion(info=replace(info, min_replicas=1, max_replicas=1),
+                                       tier="batch" if model.tier == "batch" else "latency", kind=model.kind)
+    return found
 
 
 def worker_config(info: VersionInfo) -> str:
@@ -127,18 +135,34 @@ def worker_config(info: VersionInfo) -> str:
             f"isolate_tenants={info.isolate_tenants}")
 
 
+def weights_identity(scaled: ScaledVersion) -> str:
+    """Versions with equal identities share one loaded copy in a process (workers/models/shared.py)."""
+    return f"{scaled.kind}|{scaled.info.artifact}@{scaled.info.sha256}|{scaled.info.handler or ''}"
+
+
+def live_processes(reading: PoolReading) -> int:
+    """Processes serving the version or starting to: its live heartbeats, one per group."""
+    beats = [beat for beat in reading.beats if beat.state in (WorkerState.starting, WorkerState.ready)]
+    return len({beat.group or f"pid {beat.pid}" for beat in beats})
+
+
 class Autoscaler:
-    def __init__(self, *, policy: ScalingPolicy, slots: int) -> None:
+    """Each version's need from its lag (scheduler/autoscale.py), then where it runs
+    (scheduler/placement.py): the need is a count of processes to be placed on, and every version
+    with a floor is placed whatever the budget."""
+
+    def __init__(self, *, policy: ScalingPolicy, budget: Budget, estimate_bytes: int = DEFAULT_RESIDENT_BYTES) -> None:
         self.policy = policy
-        self.slots = max(1, slots)
+        self.budget = budget
+        self.estimate_bytes = estimate_bytes
+        self.placer = Placer()
         self._trackers: dict[tuple[VersionKey, str], RateTracker] = {}
         self._stabilizers: dict[VersionKey, Stabilizer] = {}
-        self.desired: dict[VersionKey, int] = {}  # stabilized need, before the budget
-        self.granted: dict[VersionKey, int] = {}  # what the actuator was told
+        self.desired: dict[VersionKey, int] = {}  # stabilized need
 
     def decide(self, versions: Mapping[VersionKey, ScaledVersion], readings: Mapping[VersionKey, PoolReading], *,
-               live: Callable[[VersionKey], int], now: float) -> dict[VersionKey, ScaleDecision]:
-        needs, demands = {}, {}
+               now: float) -> tuple[dict[VersionKey, ScaleDecision], Placed]:
+        needs: dict[VersionKey, tuple[int, str]] = {}
         for key, scaled in versions.items():
             info, reading = scaled.info, readings[key]
             loads = {}
@@ -152,38 +176,56 @@ class Autoscaler:
             signals = PoolSignals(
                 online=loads["online"], bulk=loads["bulk"],
                 service_rate=sum(measured) / len(measured) if measured else None,
-                cold_start_s=max(colds) if colds else None, live=live(key), ready=len(ready),
+                cold_start_s=max(colds) if colds else None, live=live_processes(reading),
+                ready=len({beat.group or beat.pid for beat in ready}),
                 min_replicas=info.min_replicas, max_replicas=info.max_replicas)
             needed = need(signals, self.policy)
             stabilizer = self._stabilizers.setdefault(key, Stabilizer(policy=self.policy))
             desired, held = stabilizer.apply(now, needed.replicas, self.desired.get(key, info.min_replicas))
             needs[key] = (desired, needed.reason + held)
-            online = min(desired, max(info.min_replicas, math.ceil(round(needed.online, 6))))
-            demands[key] = Demand(tier=scaled.tier, floor=min(info.min_replicas, desired), online=online,
-                                  desired=desired, serving=info.state != VersionState.shadow)
-        granted = allocate(demands, self.slots)
         for gone in set(self.desired).difference(versions):
             del self.desired[gone]
-            self.granted.pop(gone, None)
             self._stabilizers.pop(gone, None)
+            for lane in LANES:
+                self._trackers.pop((gone, lane), None)
+        placed = self.placer.place(self._wants(versions, readings, needs), self.budget)
+        for change in placed.changes:
+            log.info("placement: %s", change)
         decisions = {}
         for key, (desired, reason) in needs.items():
-            replicas = int(granted[key])
-            if replicas < desired:
-                reason += f"; {replicas} of {desired} within the {self.slots}-slot budget"
-            if self.granted.get(key) != replicas:
-                log.info("scale %s/%s to %d (was %s): %s", *key, replicas, self.granted.get(key, "unset"), reason)
-            self.desired[key], self.granted[key] = desired, replicas
+            replicas = placed.replicas(key)
+            if key in placed.not_served:
+                reason += f"; not placed: {placed.not_served[key]}"
+            elif replicas < desired:
+                reason += f"; on {replicas} of {desired} processes within the {self.budget.processes}-process budget"
+            if self.desired.get(key) != desired:
+                log.info("scale %s/%s to %d (was %s): %s", *key, desired, self.desired.get(key, "unset"), reason)
+            self.desired[key] = desired
             decisions[key] = ScaleDecision(replicas=replicas, desired=desired, reason=reason)
-        return decisions
+        return decisions, placed
+
+    def _wants(self, versions: Mapping[VersionKey, ScaledVersion], readings: Mapping[VersionKey, PoolReading],
+               needs: Mapping[VersionKey, tuple[int, str]]) -> dict[VersionKey, Want]:
+        weights = {key: weights_identity(scaled) for key, scaled in versions.items()}
+        measured: dict[str, int] = {}
+        for key, identity in weights.items():
+            for beat in readings[key].beats:
+                measured[identity] = max(measured.get(identity, 0), beat.resident_bytes)
+        return {key: Want(tier=scaled.tier, floor=min(scaled.info.min_replicas, needs[key][0]),
+                          replicas=needs[key][0], weights=weights[key],
+                          resident_bytes=measured.get(weights[key]) or self.estimate_bytes,
+                          config=worker_config(scaled.info), serving=scaled.info.state != VersionState.shadow)
+                for key, scaled in versions.items()}
 
 
 def publish(client: redis.Redis, decisions: Mapping[VersionKey, ScaleDecision],
-            readings: Mapping[VersionKey, PoolReading], *, live: Callable[[VersionKey], int]) -> None:
-    """Metrics, and one hash per version that `GET /v1/models/{m}` shows as `replicas`."""
+            readings: Mapping[VersionKey, PoolReading], plan: PlacementPlan) -> None:
+    """The placement plan, metrics, and one hash per version that `GET /v1/models/{m}` shows as
+    `replicas`."""
     pipe = client.pipeline(transaction=False)
+    placements.queue_write(pipe, plan)
     for key, decision in decisions.items():
-        running = live(key)
+        running = live_processes(readings[key])
         DESIRED_REPLICAS.labels(*key).set(decision.replicas)
         LIVE_REPLICAS.labels(*key).set(running)
         reading = readings[key]

@@ -115,6 +115,8 @@ class Worker:
         int8_speedup: float | None = None,
         top_up: bool = False,
         batch_timeout_s: float = 120.0,
+        group: str = "",
+        resident_bytes: int = 0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.model = model
@@ -129,6 +131,8 @@ class Worker:
         self.cold_start_s = cold_start_s
         self.precision = precision
         self.int8_speedup = int8_speedup
+        self.group = group
+        self.resident_bytes = resident_bytes
         self.clock = clock
         # Top-up is off by default: on one CPU thread a forward pass costs per padded token, and
         # topping up with shorter items raised padding 1.3-2.4x under a backlog (bench/README.md).
@@ -484,6 +488,7 @@ class Worker:
                 await self.streams.beat(Heartbeat(
                     state=self.state, items_per_s=self.items_per_s(), batch_size=self.last_batch_size,
                     cold_start_s=self.cold_start_s, processed=self.processed, pid=os.getpid(), at=self.clock(),
-                    precision=self.precision, int8_speedup=self.int8_speedup,
+                    precision=self.precision, int8_speedup=self.int8_speedup, group=self.group,
+                    resident_bytes=self.resident_bytes,
                 ))
             await asyncio.sleep(BEAT_EVERY_S)

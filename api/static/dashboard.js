@@ -308,9 +308,21 @@
         el("td", { class: "num" }, total ? pct(weight / total) : "—"),
         el("td", { class: "num" }, q ? String(q.live_workers) : "—"),
         el("td", { class: "num" }, replicas ? String(replicas.desired) : "—"),
+        el("td", { class: "small placement" }, placement(replicas)),
         el("td", { class: "muted small" }, replicas ? replicas.reason : "no scheduler decision in the last minute"));
     });
-    return table(["Version", "State", "Weight", "Share", "Live", "Desired", "Scheduler"], rows, "weights", "");
+    return table(["Version", "State", "Weight", "Share", "Live", "Desired", "Processes", "Scheduler"], rows, "weights", "");
+  }
+
+  // Which worker processes serve the version and what each shares with it: a process that fails
+  // takes every version it holds.
+  function placement(replicas) {
+    if (!replicas) return "—";
+    if (replicas.not_served) return `not served: ${replicas.not_served}`;
+    const processes = replicas.processes || [];
+    if (!processes.length) return "none";
+    return processes.map((p) => `${p.group} (${p.tier})` +
+      (p.shares_with.length ? ` with ${p.shares_with.join(", ")}` : " alone")).join("; ");
   }
 
   function rolloutView(rollout) {

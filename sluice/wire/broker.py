@@ -23,6 +23,7 @@ from sluice.wire.connections import reply_text, translate_redis_errors
 from sluice.wire.durability import fsynced, wait_fsynced
 from sluice.wire.idempotency import LEASE_S, IdempotencyClaim, IdempotencyRecord
 from sluice.wire.jobs import JobRecord, JobStatus, JobView
+from sluice.wire.placements import PlacementPlan, version_name
 from sluice.wire.quota import Refusal, TenantLimits, admit_call
 from sluice.wire.samples import Sample, read_samples
 from sluice.wire.script_calls import queue_call
@@ -194,18 +195,26 @@ class Broker:
 
     async def scaling_decisions(self, versions: list[tuple[str, str]]) -> dict[tuple[str, str], dict[str, Any]]:
         """The scheduler's last decision per (model, version) (`scheduler/scaling.py` writes them),
-        where one was made in the last minute: `{"desired", "live", "reason"}`. One round trip."""
+        where one was made in the last minute: `{"desired", "live", "reason", "processes",
+        "not_served"}`, the processes being the placement groups serving it and what each shares
+        with it (`sluice.wire.placements`). One round trip."""
         with translate_redis_errors():
             pipe = self.redis.pipeline(transaction=False)
+            pipe.get(keys.placements())
             for model, version in versions:
                 pipe.hgetall(keys.replicas(model, version))
-            replies = await pipe.execute()
+            raw_plan, *replies = await pipe.execute()
+        plan = PlacementPlan.from_json(raw_plan)
         decisions = {}
         for key, raw in zip(versions, replies, strict=True):
             if raw:
                 data = {k.decode(): v.decode() for k, v in raw.items()}
-                decisions[key] = {"desired": int(data["desired"]), "live": int(data["live"]),
-                                  "reason": data["reason"]}
+                groups = plan.groups_of(key) if plan else []
+                decisions[key] = {
+                    "desired": int(data["desired"]), "live": int(data["live"]), "reason": data["reason"],
+                    "processes": [{"group": name, "tier": plan.groups[name].tier,
+                                   "shares_with": plan.shares_with(key, name)} for name in groups] if plan else [],
+                    "not_served": plan.not_served.get(version_name(key)) if plan else None}
         return decisions
 
     async def cancel(self, record: JobRecord) -> str | None:

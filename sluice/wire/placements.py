@@ -92,6 +92,11 @@ def write(client: redis.Redis, plan: PlacementPlan) -> None:
         client.set(keys.placements(), plan.to_json())
 
 
+def queue_write(pipe: Any, plan: PlacementPlan) -> None:
+    """Add the plan's write to a pipeline, beside the decisions it goes with."""
+    pipe.set(keys.placements(), plan.to_json())
+
+
 def read(client: redis.Redis) -> PlacementPlan | None:
     with translate_redis_errors():
         raw: bytes | None = client.get(keys.placements())  # type: ignore[assignment]

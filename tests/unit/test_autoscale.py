@@ -6,13 +6,11 @@ from __future__ import annotations
 import pytest
 
 from scheduler.autoscale import (
-    Demand,
     LaneLoad,
     PoolSignals,
     RateTracker,
     ScalingPolicy,
     Stabilizer,
-    allocate,
     need,
 )
 
@@ -106,37 +104,3 @@ def test_the_rate_tracker_follows_a_step_and_reports_its_trend() -> None:
     assert rate.rate > 20 and rate.trend > 1
     # A recreated stream (its counter restarted) does not read as a negative rate.
     assert tracker.observe(70.0, 0).rate == rate.rate
-
-
-def test_the_latency_tier_keeps_its_need_and_the_batch_tier_waits() -> None:
-    demands = {
-        "chat": Demand(tier="latency", floor=1, online=4, desired=5),
-        "nightly": Demand(tier="batch", floor=1, online=1, desired=6),
-    }
-    assert allocate(demands, 4) == {"chat": 4, "nightly": 0}
-    assert allocate(demands, 6) == {"chat": 5, "nightly": 1}
-    assert allocate(demands, 20) == {"chat": 5, "nightly": 6}
-
-
-def test_online_need_comes_before_bulk_and_a_short_round_is_shared_in_proportion() -> None:
-    demands = {
-        "a": Demand(tier="latency", floor=1, online=5, desired=9),
-        "b": Demand(tier="latency", floor=1, online=3, desired=3),
-    }
-    # Floors (2), then online need (a +4, b +2): 6 asked with 4 left -> a 2.67, b 1.33 -> 3 and 1.
-    assert allocate(demands, 6) == {"a": 4, "b": 2}
-    # Online met in full (8), then a's bulk.
-    assert allocate(demands, 10) == {"a": 7, "b": 3}
-    assert sum(allocate(demands, 7).values()) == 7
-    assert allocate(demands, 0) == {"a": 0, "b": 0}
-
-
-def test_a_shadow_version_gets_only_the_slots_serving_versions_leave() -> None:
-    demands = {
-        "minilm/v1": Demand(tier="latency", floor=1, online=1, desired=1),
-        "minilm/v2": Demand(tier="latency", floor=1, online=1, desired=1, serving=False),
-        "intent/v1": Demand(tier="latency", floor=1, online=1, desired=1),
-        "nightly/v1": Demand(tier="batch", floor=0, online=0, desired=1),
-    }
-    assert allocate(demands, 2) == {"minilm/v1": 1, "minilm/v2": 0, "intent/v1": 1, "nightly/v1": 0}
-    assert allocate(demands, 4) == {"minilm/v1": 1, "minilm/v2": 1, "intent/v1": 1, "nightly/v1": 1}
