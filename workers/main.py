@@ -51,7 +51,8 @@ def run_worker(*, settings: Settings, model: str | None = None, version: str | N
 
     async def main() -> None:
         nonlocal code
-        redis = connect(settings.require_redis_url(), max_connections=8)
+        # Each version's Worker holds a blocking read, a heartbeat, a refresh and its writes at once.
+        redis = connect(settings.require_redis_url(), max_connections=64)
         host = WorkerHost(redis=redis, registry=registry, settings=settings, models=LoadedModels(),
                           slots=ExecutionSlots(slots=1), group=group, fixed=fixed, device=device, threads=threads)
 
