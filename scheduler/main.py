@@ -80,6 +80,19 @@ class Scheduler:
         self.scrape_target = scrape_target
         self._advertised_at = 0.0
         self._published: set[VersionKey] = set()  # the versions whose series `publish` set
+        self._resume()
+
+    def _resume(self) -> None:
+        """Start from the plan a previous scheduler published, so the groups keep their ids and
+        their versions: a Deployment per group outlives the scheduler, and a restart must not
+        reshuffle what every process serves."""
+        try:
+            plan = placements.read(self._redis)
+        except BrokerError as exc:
+            log.warning("could not read the last placement plan, starting afresh: %s", exc)
+            return
+        if plan is not None:
+            self.autoscaler.resume(plan)
 
     def request_stop(self) -> None:
         self.stopping.set()

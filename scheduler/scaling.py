@@ -20,7 +20,7 @@ from typing import Any
 import redis
 
 from scheduler.autoscale import LaneLoad, PoolSignals, RateTracker, ScalingPolicy, Stabilizer, Tier, need
-from scheduler.placement import Budget, Placed, Placer, Want
+from scheduler.placement import Budget, GroupPlan, Placed, Placer, Want
 from sluice.metrics import DESIRED_REPLICAS, LIVE_REPLICAS, STREAM_LAG
 from sluice.routing import RoutingSnapshot, VersionInfo
 from sluice.versions import VersionState
@@ -159,6 +159,12 @@ class Autoscaler:
         self._trackers: dict[tuple[VersionKey, str], RateTracker] = {}
         self._stabilizers: dict[VersionKey, Stabilizer] = {}
         self.desired: dict[VersionKey, int] = {}  # stabilized need
+
+    def resume(self, plan: PlacementPlan) -> None:
+        """Place from where a previous scheduler left off (its published plan)."""
+        self.placer = Placer(groups={name: GroupPlan(tier=group.tier, threads=group.threads,
+                                                     versions=frozenset(p.key for p in group.versions))
+                                     for name, group in plan.groups.items()})
 
     def decide(self, versions: Mapping[VersionKey, ScaledVersion], readings: Mapping[VersionKey, PoolReading], *,
                now: float) -> tuple[dict[VersionKey, ScaleDecision], Placed]:

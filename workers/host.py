@@ -37,6 +37,7 @@ from sluice.registry.store import Registry
 from sluice.registry.tables import ModelVersion
 from sluice.settings import Settings
 from sluice.wire import placements
+from sluice.wire.heartbeats import WorkerState
 from sluice.wire.placements import VersionKey, version_name
 from workers.models.loading import Sources
 from workers.models.precision import PrecisionPolicy
@@ -67,7 +68,7 @@ class _Served:
 
     @property
     def ready(self) -> bool:
-        return self.worker is not None and self.worker.state.value == "ready"
+        return self.worker is not None and self.worker.state == WorkerState.ready
 
     def request_stop(self) -> None:
         self.stop.set()
