@@ -10,7 +10,7 @@ from sluice.artifacts import MINILM_PACKAGE, artifact_sha256, resolve_artifact
 from sluice.errors import ArtifactMismatch
 from workers.models.loading import Sources
 from workers.models.precision import PrecisionPolicy
-from workers.models.shared import LoadedModels
+from workers.models.shared import Loaded, LoadedModels
 
 pytestmark = pytest.mark.model
 
@@ -18,9 +18,10 @@ MINILM = f"pkg:{MINILM_PACKAGE}"
 HEAD = "pkg:workers.models/intent_head.safetensors"
 
 
-def acquire(models: LoadedModels, kind: str, artifact: str, sha256: str | None = None):  # type: ignore[no-untyped-def]
-    return models.acquire(kind=kind, artifact=artifact, sha256=sha256 or artifact_sha256(resolve_artifact(artifact.split("?")[0])),
-                          device="cpu", threads=1, precision=PrecisionPolicy(rounds=1), sources=Sources())
+def acquire(models: LoadedModels, kind: str, artifact: str, sha256: str | None = None) -> Loaded:
+    declared = sha256 or artifact_sha256(resolve_artifact(artifact.split("?")[0]))
+    return models.acquire(kind=kind, artifact=artifact, sha256=declared, device="cpu", threads=1,
+                          precision=PrecisionPolicy(rounds=1), sources=Sources())
 
 
 def test_clones_share_one_handler_and_the_head_shares_the_encoder() -> None:
