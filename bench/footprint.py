@@ -82,7 +82,7 @@ def process_name(pid: int) -> str:
     except OSError:
         return "?"
     if len(argv) == 1:  # a process that rewrote its title (Postgres: "postgres: checkpointer")
-        return argv[0]
+        argv = argv[0].split(" ")
     words = [Path(argv[0]).name, *(word for word in argv[1:] if word != "-I")]
     if words[1:3] == ["-m", "launch.cli"]:
         words = ["sluice", *words[3:]]
