@@ -88,8 +88,8 @@ def process_name(pid: int) -> str:
         words = ["sluice", *words[3:]]
     elif words[1:2] == ["-m"]:
         words = words[2:]
-    elif words[1:2] == ["-c"]:  # an inline script (the stores' watchdog): its code says nothing short
-        words = ["python", "-c", "..."]
+    elif words[1:2] == ["-c"]:  # the only inline script `sluice up` runs (launch/watchdog.py)
+        words = ["python", "-c", "(the stores' watchdog)"]
     return " ".join(words)
 
 
@@ -120,6 +120,35 @@ def footprint_table(rows: Sequence[Resident]) -> str:
     body.append(("", "total", round(sum(r.rss_bytes for r in rows) / MB, 1),
                  round(sum(r.pss_bytes for r in rows) / MB, 1)))
     return table(["pid", "process", "RSS MB", "PSS MB"], body, max_width=80)
+
+
+def role(name: str) -> str:
+    """What a process is for, so the processes of one server add up: every Postgres process is
+    "postgres", a Celery worker is named by its queue, a worker process by its group or version."""
+    words = name.split(" ")
+    if words[0].startswith("postgres"):
+        return "postgres"
+    if words[0].startswith("valkey"):
+        return "valkey"
+    if words[0] == "celery":
+        queue = words[words.index("--queues") + 1] if "--queues" in words else ""
+        return f"celery {queue}".strip() if "worker" in words else f"celery {words[3] if len(words) > 3 else ''}"
+    return " ".join(words[:2]) if words[0] == "sluice" and words[1:2] != ["worker"] else name
+
+
+def by_role(rows: Sequence[Resident]) -> dict[str, tuple[int, int, int]]:
+    """(processes, RSS bytes, PSS bytes) per role, in the order the roles first appear."""
+    found: dict[str, tuple[int, int, int]] = {}
+    for row in rows:
+        count, rss, pss = found.get(role(row.name), (0, 0, 0))
+        found[role(row.name)] = (count + 1, rss + row.rss_bytes, pss + row.pss_bytes)
+    return found
+
+
+def role_table(rows: Sequence[Resident]) -> str:
+    body: list[tuple[object, ...]] = [(name, count, round(rss / MB, 1), round(pss / MB, 1))
+                                      for name, (count, rss, pss) in by_role(rows).items()]
+    return table(["role", "processes", "RSS MB", "PSS MB"], body, max_width=80)
 
 
 @dataclass
@@ -204,8 +233,10 @@ def measure(checkout: Path, *, extra: bool, cores: int, idle_s: float) -> dict[s
         time.sleep(idle_s)
         rows = resident(process_tree(up.proc.pid))
     return {"versions": versions, "answered": answered, "processes": [asdict(row) for row in rows],
+            "roles": {name: {"processes": count, "rss_bytes": rss, "pss_bytes": pss}
+                      for name, (count, rss, pss) in by_role(rows).items()},
             "total_rss_bytes": sum(r.rss_bytes for r in rows), "total_pss_bytes": sum(r.pss_bytes for r in rows),
-            "table": footprint_table(rows)}
+            "tables": f"{footprint_table(rows)}\n{role_table(rows)}"}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -220,11 +251,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     result = measure(args.checkout.resolve(), extra=args.extra_versions, cores=args.cores, idle_s=args.idle_s)
     print(f"{len(result['versions'])} versions: {', '.join(result['versions'])}")
-    print(result["table"])
+    print(result["tables"])
     label = args.label or ("extra" if args.extra_versions else "demo")
     path = write_json(f"footprint_{label}.json", {
         "command": command_line("bench.footprint"), "checkout": str(args.checkout), "machine": machine_info(),
-        **{k: v for k, v in result.items() if k != "table"}})
+        **{k: v for k, v in result.items() if k != "tables"}})
     print(f"wrote {path}")
 
 
