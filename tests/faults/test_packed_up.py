@@ -189,7 +189,7 @@ def test_the_readme_rollout_through_rest_keeps_every_version_served(
         wait_for(shadowing, 60 - live_s, "minilm v2 compared no shadow copy with v1 within 60 s")
         figure("v2_live_after_s", round(live_s, 1))
         figure("v2_first_shadow_samples_after_s", round(time.monotonic() - started, 1))
-        time.sleep(5)  # a little traffic with the rollout running
+        time.sleep(10)  # traffic with the rollout running
         aborted = admin.delete("/v1/models/minilm/rollouts/current")
         assert aborted.status_code == 200, aborted.text
         time.sleep(5)
@@ -200,9 +200,9 @@ def test_the_readme_rollout_through_rest_keeps_every_version_served(
     for model in ("intent", "minilm"):
         answers = callers.answers(model)
         figure(f"{model}_jobs", len(answers))
-        assert len(answers) > 40, answers
+        assert len(answers) >= 40, len(answers)
         assert answers == [(200, "succeeded")] * len(answers), {a: answers.count(a) for a in set(answers)}
-    assert watch.readings > 40
+    assert watch.readings >= 40, watch.readings
     assert not watch.lost, f"versions shown with no live process after they had one: {watch.lost[:10]}"
 
 
