@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -156,6 +157,7 @@ class RunningUp:
     proc: subprocess.Popen[bytes]
     api_url: str
     home: Path
+    log: Path
 
 
 @contextmanager
@@ -178,7 +180,7 @@ def sluice_up(checkout: Path, workdir: Path, *, cores: int, timeout_s: float = 3
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"sluice up did not get ready; see {log}")
             time.sleep(0.5)
-        yield RunningUp(proc=proc, api_url=f"http://127.0.0.1:{api_port}", home=workdir / "home")
+        yield RunningUp(proc=proc, api_url=f"http://127.0.0.1:{api_port}", home=workdir / "home", log=log)
     finally:
         tree = process_tree(proc.pid)
         proc.terminate()
@@ -217,8 +219,19 @@ def answer(admin: httpx.Client, model: str, version: str, *, timeout_s: float) -
 
 
 def measure(checkout: Path, *, extra: bool, cores: int, idle_s: float) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="sluice-footprint-") as tmp, \
-            sluice_up(checkout, Path(tmp), cores=cores) as up, \
+    """The reading; the run's directory (its `up.out`) is kept, and named, when it fails."""
+    workdir = Path(tempfile.mkdtemp(prefix="sluice-footprint-"))
+    try:
+        result = _measure(checkout, workdir, extra=extra, cores=cores, idle_s=idle_s)
+    except BaseException:
+        print(f"failed; the run's output is in {workdir / 'up.out'}", file=sys.stderr)
+        raise
+    shutil.rmtree(workdir, ignore_errors=True)
+    return result
+
+
+def _measure(checkout: Path, workdir: Path, *, extra: bool, cores: int, idle_s: float) -> dict[str, Any]:
+    with sluice_up(checkout, workdir, cores=cores) as up, \
             httpx.Client(base_url=up.api_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=40) as admin:
         answered = {}
         for model, version, artifact in EXTRA_VERSIONS if extra else ():
@@ -231,6 +244,8 @@ def measure(checkout: Path, *, extra: bool, cores: int, idle_s: float) -> dict[s
         models = admin.get("/v1/models").json()["models"]
         versions = [f"{m['name']}/{v['version']}" for m in models for v in m["versions"] if v["state"] != "retired"]
         time.sleep(idle_s)
+        if up.proc.poll() is not None:
+            raise RuntimeError(f"sluice up exited with {up.proc.returncode}:\n{up.log.read_text()[-3000:]}")
         rows = resident(process_tree(up.proc.pid))
     return {"versions": versions, "answered": answered, "processes": [asdict(row) for row in rows],
             "roles": {name: {"processes": count, "rss_bytes": rss, "pss_bytes": pss}
