@@ -218,6 +218,11 @@ def answer(admin: httpx.Client, model: str, version: str, *, timeout_s: float) -
     return record
 
 
+def worker_rss(pid: int) -> int:
+    """The resident bytes of the worker processes under `pid` now."""
+    return sum(row.rss_bytes for row in resident(process_tree(pid)) if row.name.startswith("sluice worker"))
+
+
 def measure(checkout: Path, *, extra: bool, cores: int, idle_s: float) -> dict[str, Any]:
     """The reading; the run's directory (its `up.out`) is kept, and named, when it fails."""
     workdir = Path(tempfile.mkdtemp(prefix="sluice-footprint-"))
@@ -234,13 +239,19 @@ def _measure(checkout: Path, workdir: Path, *, extra: bool, cores: int, idle_s: 
     with sluice_up(checkout, workdir, cores=cores) as up, \
             httpx.Client(base_url=up.api_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=40) as admin:
         answered = {}
+        workers_before = worker_rss(up.proc.pid)
         for model, version, artifact in EXTRA_VERSIONS if extra else ():
             started = time.monotonic()
             register_version(admin, model, version, artifact)
             record = answer(admin, model, version, timeout_s=120)
-            answered[f"{model}/{version}"] = (record.get("status"), round(time.monotonic() - started, 1))
-            print(f"{model}/{version}: {record.get('status')} {answered[f'{model}/{version}'][1]} s after its "
-                  f"registration", flush=True)
+            took = round(time.monotonic() - started, 1)
+            time.sleep(2)  # its worker settled
+            workers_now = worker_rss(up.proc.pid)
+            answered[f"{model}/{version}"] = {"status": record.get("status"), "answered_after_s": took,
+                                              "workers_rss_added_bytes": workers_now - workers_before}
+            print(f"{model}/{version}: {record.get('status')} {took} s after its registration; the worker "
+                  f"processes grew {(workers_now - workers_before) / MB:.1f} MB", flush=True)
+            workers_before = workers_now
         models = admin.get("/v1/models").json()["models"]
         versions = [f"{m['name']}/{v['version']}" for m in models for v in m["versions"] if v["state"] != "retired"]
         time.sleep(idle_s)
