@@ -8,7 +8,8 @@ answers which asks may start now, one per free slot:
   queueing): a version's virtual time grows by the model seconds its batches take, and a version
   that becomes active again starts at the smallest virtual time among the active ones, so time
   spent idle earns no credit to spend later in a burst;
-* ties by the order of asking.
+* ties to the version served least recently, then by the order of asking: a version back from
+  idle starts level with the busiest one, and must not lose the tie to it.
 
 The guarantee: a version with a ready batch waits for the batches already running (one per
 slot) and for the versions behind it in virtual time, never for a flood. A flooding version
@@ -42,6 +43,7 @@ class FairTurns:
         self._asks: dict[Hashable, _Ask] = {}  # ticket -> its ask, not granted yet
         self._running: dict[Hashable, Hashable] = {}  # ticket -> version
         self._virtual: dict[Hashable, float] = {}  # version -> model seconds used, shifted on return
+        self._served: dict[Hashable, int] = {}  # version -> when it last got a turn (a sequence number)
         self._order = count()
 
     def request(self, ticket: Hashable, *, version: Hashable, rank: Rank, now: float) -> None:
@@ -58,8 +60,9 @@ class FairTurns:
         granted = []
         while len(self._running) < self.slots and self._asks:
             ticket = min(self._asks, key=lambda t: (self._asks[t].rank, self._virtual[self._asks[t].version],
-                                                    self._asks[t].order))
+                                                    self._served.get(self._asks[t].version, -1), self._asks[t].order))
             ask = self._asks.pop(ticket)
+            self._served[ask.version] = next(self._order)
             self._running[ticket] = ask.version
             granted.append(ticket)
         return granted

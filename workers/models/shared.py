@@ -79,6 +79,9 @@ class EncoderCache:
 class LoadedModels:
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # One load at a time: the resident growth measured around a load is that load's alone,
+        # and two versions arriving together do not both peak in memory at once.
+        self._loading = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self.encoders = EncoderCache()
 
@@ -103,10 +106,13 @@ class LoadedModels:
                 raise entry.error
             assert entry.handler is not None
             return Loaded(handler=entry.handler, weights=identity, resident_bytes=0, shared=True)
-        before = resident_bytes()
         try:
-            entry.handler = load_handler(kind=kind, artifact=artifact, sha256=sha256, device=device, threads=threads,
-                                         precision=precision, sources=replace(sources, encoders=self.encoders))
+            with self._loading:
+                before = resident_bytes()
+                entry.handler = load_handler(kind=kind, artifact=artifact, sha256=sha256, device=device,
+                                             threads=threads, precision=precision,
+                                             sources=replace(sources, encoders=self.encoders))
+                grown = max(0, resident_bytes() - before)
         except BaseException as exc:
             entry.error = exc
             with self._lock:
@@ -117,8 +123,7 @@ class LoadedModels:
             raise
         finally:
             done.set()
-        return Loaded(handler=entry.handler, weights=identity, resident_bytes=max(0, resident_bytes() - before),
-                      shared=False)
+        return Loaded(handler=entry.handler, weights=identity, resident_bytes=grown, shared=False)
 
     def release(self, loaded: Loaded) -> None:
         with self._lock:
