@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 Tier = Literal["latency", "batch"]
-TIERS: tuple[Tier, ...] = ("latency", "batch")
 
 
 @dataclass(frozen=True, slots=True)
