@@ -17,6 +17,7 @@ from api.caches import AuthCache, RoutingCache, registry_lookup
 from api.deps import AppState
 from api.event_hub import EventHub
 from api.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware, StrictJsonMiddleware
+from api.placement_view import PlacementView
 from api.routes import batches, dashboard, health, jobs, models, rollouts, schedules, tenants, waits
 from sluice.breaker import CircuitBreaker
 from sluice.registry.store import Registry
@@ -76,12 +77,13 @@ def create_app(
                          admission=Admission(
                              redis=client, broker=broker, max_answered_jobs=settings.max_answered_jobs,
                              cache_hit_token_cost=settings.cache_hit_token_cost),
-                         breakers=breakers)
+                         breakers=breakers, placement=PlacementView(redis=client))
         app.state.sluice = state
         await routing.reload()
         tasks = [asyncio.create_task(hub.run(), name="events"),
                  asyncio.create_task(routing.refresh_forever(), name="routing-reload"),
-                 asyncio.create_task(breakers.run_forever(), name="breakers")]
+                 asyncio.create_task(breakers.run_forever(), name="breakers"),
+                 asyncio.create_task(state.placement.run_forever(), name="placement")]
         try:
             yield
         finally:

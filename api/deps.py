@@ -14,6 +14,7 @@ from api.admission import Admission
 from api.breakers import BreakerBoard
 from api.caches import AuthCache, RoutingCache
 from api.event_hub import EventHub
+from api.placement_view import PlacementView
 from sluice.errors import Forbidden, InvalidInput, Unauthenticated
 from sluice.registry.store import Registry
 from sluice.registry.tenants import KeyInfo
@@ -33,6 +34,7 @@ class AppState:
     hub: EventHub
     admission: Admission
     breakers: BreakerBoard
+    placement: PlacementView
     # Set by the first SIGTERM: /readyz answers 503, new jobs are refused, waits end early.
     draining: asyncio.Event = field(default_factory=asyncio.Event)
 

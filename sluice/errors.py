@@ -182,6 +182,13 @@ class NoServableVersion(ServiceUnavailable):
     code = "no_servable_version"
 
 
+class NotServed(ServiceUnavailable):
+    """The version the job was routed to cannot be served now (no placement possible, its artifact
+    refused): refused at once rather than accepted for a worker that will never come."""
+
+    code = "not_served"
+
+
 class NotDurable(ServiceUnavailable):
     """Durable accept: the store did not confirm the job's fsync in time; the job was withdrawn."""
 

@@ -19,7 +19,15 @@ from api.deps import AppState, CurrentKey, StateDep, checked_callback
 from api.json_response import JsonResponse
 from api.middleware import StrictJsonRoute
 from api.response_models import BulkAccepted, ErrorResource, JobResource
-from sluice.errors import Conflict, InvalidInput, JobExpired, PayloadTooLarge, ServiceUnavailable, TooManyRequests
+from sluice.errors import (
+    Conflict,
+    InvalidInput,
+    JobExpired,
+    NotServed,
+    PayloadTooLarge,
+    ServiceUnavailable,
+    TooManyRequests,
+)
 from sluice.kinds import SCHEMA_KINDS, ModelKind, validate_input
 from sluice.logs import current_request_id
 from sluice.metrics import CACHE_LOOKUPS, JOBS_FINISHED, JOBS_REJECTED, JOBS_SUBMITTED
@@ -44,7 +52,9 @@ _SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
                                                  "answered from the response cache) or load shedding, with "
                                                  "`Retry-After`; load shedding of the online lane says "
                                                  "`retry_with: {lane: bulk}`"},
-    503: {"model": ErrorResource, "description": "No servable version, an open circuit breaker, or draining"},
+    503: {"model": ErrorResource, "description": "No servable version, an open circuit breaker, draining, or "
+                                                 "`not_served`: the version routed to cannot be served now "
+                                                 "(no placement possible, its artifact refused), with why"},
 }
 
 _LANES = ("`online`: load-shed, a 429 (with `retry_with`) when the predicted queue wait exceeds the version's "
@@ -134,6 +144,11 @@ async def _queue(
     decision = route(snapshot, model=model, tenant=key.tenant, routing_key=options.routing_key,
                      version=options.version, blocked=state.breakers.blocked(model), admin=key.is_admin)
     version = decision.version
+    unserved = state.placement.not_served(model, version.version)
+    if unserved is not None:
+        JOBS_REJECTED.labels(model, NotServed.code).inc()
+        raise NotServed(f"{model}/{version.version} cannot be served now: {unserved}",
+                        headers={"Retry-After": "30"})
     if kind in SCHEMA_KINDS:
         validated = _validated(state, model, kind, options, inputs, schema=version.input_schema)
     # No await since `blocked`: a half-open version this job was routed to still has its slot free.
@@ -149,7 +164,8 @@ async def _queue(
             callback_url=callback_url,
             deadline=now + options.timeout_s if options.timeout_s else None,
             metadata=dict(options.metadata or {}),
-            shadow=shadow_target(snapshot, model=model, primary=version, point=hash_unit(model, job_id)),
+            shadow=_served(state, model, shadow_target(snapshot, model=model, primary=version,
+                                                      point=hash_unit(model, job_id))),
             request_id=request_id,
         ))
     try:
@@ -168,6 +184,11 @@ async def _queue(
         raise
     JOBS_SUBMITTED.labels(model, version.version, options.lane).inc(len(records))
     return records
+
+
+def _served(state: AppState, model: str, shadow: str | None) -> str | None:
+    """No shadow copy for a shadow version no worker can serve: it would never run."""
+    return None if shadow is not None and state.placement.not_served(model, shadow) else shadow
 
 
 def _validated(state: AppState, model: str, kind: ModelKind, options: SubmitJob | SubmitBulk, inputs: list[Any],
