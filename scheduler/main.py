@@ -29,8 +29,20 @@ import redis
 from scheduler.autoscale import ScalingPolicy
 from scheduler.placement import Budget
 from scheduler.quality import run_aggregator
+from scheduler.retirement import retiring, watched
 from scheduler.rollout import run_controller
-from scheduler.scaling import Autoscaler, VersionKey, publish, read_pools, scaled_versions, withdraw
+from scheduler.scaling import (
+    Autoscaler,
+    PoolReading,
+    ScaledVersion,
+    VersionKey,
+    draining_versions,
+    publish,
+    read_pools,
+    retired_versions,
+    scaled_versions,
+    withdraw,
+)
 from scheduler.supervisor import Supervisor
 from sluice import exposition
 from sluice.errors import BrokerError, SluiceError
@@ -38,7 +50,8 @@ from sluice.registry import routing_table
 from sluice.registry.store import Registry
 from sluice.routing import RoutingSnapshot
 from sluice.settings import Settings
-from sluice.wire import events, placements
+from sluice.versions import VersionState
+from sluice.wire import events, placements, settling
 from sluice.wire.connections import connect_sync
 from sluice.wire.placements import PlacementPlan
 
@@ -66,12 +79,13 @@ class Actuator(Protocol):
 
 class Scheduler:
     def __init__(self, *, registry: Registry, redis_url: str, supervisor: Actuator | None,
-                 autoscaler: Autoscaler, refresh_s: float = 2.0,
+                 autoscaler: Autoscaler, refresh_s: float = 2.0, retire_drain_s: float = 60.0,
                  scrape_target: exposition.ScrapeTarget | None = None) -> None:
         self.registry = registry
         self.redis_url = redis_url
         self.supervisor = supervisor
         self.autoscaler = autoscaler
+        self.retire_drain_s = retire_drain_s
         self.refresh_s = refresh_s
         self.stopping = threading.Event()
         self._wake = threading.Event()
@@ -114,9 +128,12 @@ class Scheduler:
             log.warning("registry unreachable, scaling on the last routing snapshot: %s", exc)
         versions = scaled_versions(self._snapshot)
         now = time.time()
+        retired = {key: at for key, at in retired_versions(self._snapshot).items()
+                   if watched(at, now=now, drain_s=self.retire_drain_s)}
         try:
-            readings = read_pools(self._redis, versions, now=now)
+            readings = read_pools(self._redis, [*versions, *retired], now=now)
             refused = placements.refused(self._redis)
+            versions.update(self._settle(retired, readings, now=now))
         except BrokerError as exc:
             log.warning("Redis unreachable, keeping the current pools: %s", exc)
             if self.supervisor:
@@ -138,6 +155,26 @@ class Scheduler:
             self.supervisor.apply(plan)
         withdraw(self._published - decisions.keys())
         self._published = set(decisions)
+
+    def _settle(self, retired: dict[VersionKey, float], readings: dict[VersionKey, PoolReading], *,
+                now: float) -> dict[VersionKey, ScaledVersion]:
+        """The jobs no worker will run: queued ones past their deadline expire, a retired version
+        past its drain limit has the rest failed; answer the retired versions still draining,
+        which stay placed (docs/ARCHITECTURE.md, "No job waits for a worker that will never come")."""
+        assert self._snapshot is not None
+        for model in self._snapshot.models.values():
+            for version in model.versions:
+                if (model.name, version) in retired or model.versions[version].state != VersionState.retired:
+                    expired = settling.expire_due(self._redis, model.name, version, now=now)
+                    if expired:
+                        log.info("%s/%s: %d queued jobs expired past their deadline", model.name, version, expired)
+        backlog = {key: readings[key].online.queued + readings[key].bulk.queued for key in retired}
+        decided = retiring(retired, backlog, now=now, drain_s=self.retire_drain_s)
+        for key in sorted(decided.fail_now):
+            failed = settling.fail_retired(self._redis, *key, now=now)
+            log.warning("%s/%s: retired %.0f s ago, past its %.0f s drain limit: %d unfinished jobs failed "
+                        "(version_retired)", *key, now - retired[key], self.retire_drain_s, failed)
+        return draining_versions(self._snapshot, decided.keep_placed)
 
     def _advertise(self) -> None:
         now = time.time()

@@ -117,6 +117,13 @@ def scaled_versions(snapshot: RoutingSnapshot) -> dict[VersionKey, ScaledVersion
     }
 
 
+def retired_versions(snapshot: RoutingSnapshot) -> dict[VersionKey, float]:
+    """Retired versions with when they were retired."""
+    return {(model.name, version.version): version.retired_at
+            for model in snapshot.models.values() for version in model.versions.values()
+            if version.state == VersionState.retired and version.retired_at is not None}
+
+
 def draining_versions(snapshot: RoutingSnapshot, keep: Iterable[VersionKey]) -> dict[VersionKey, ScaledVersion]:
     """Retired versions still finishing their queue (`keep`): one process each, until drained."""
     found = {}

@@ -43,6 +43,7 @@ class VersionInfo:
     cache_ttl_s: int = 0  # > 0: the version's response cache keeps outputs this long
     handler: str | None = None  # kind `handler`: "package.module:Class"
     input_schema: str | None = None  # the declared JSON Schema of one input, canonical JSON
+    retired_at: float | None = None  # unix time it was retired (its drain limit counts from it)
 
 
 @dataclass(frozen=True, slots=True)

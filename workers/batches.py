@@ -40,12 +40,13 @@ import redis as redis_sync
 
 from sluice.batch_files import BatchFileError, Format, error_json, output_line, write_output
 from sluice.batch_rows import Row, count_rows, read_rows
-from sluice.errors import InvalidInput
+from sluice.errors import InvalidInput, SluiceError
 from sluice.kinds import ModelKind, schema_text, validate_input
 from sluice.registry import batches as queries
 from sluice.registry.store import Registry
 from sluice.registry.tables import Model, ModelVersion
 from sluice.tenant_files import recheck
+from sluice.versions import VersionState
 from sluice.vocabulary import BatchState
 from sluice.wire import keys, scripts
 from sluice.wire.connections import translate_redis_errors
@@ -105,6 +106,10 @@ class _Run:
 
 class LeaseLost(Exception):
     """Another feeder took the batch over: this one stops without writing more."""
+
+
+class VersionRetired(SluiceError):
+    """The batch's version was retired: the batch ends `failed` with the code `version_retired`."""
 
 
 class BatchFeeder:
@@ -171,6 +176,11 @@ class BatchFeeder:
             return "lease_lost"
         except BatchFileError as exc:
             self._finish(run, owner, BatchState.failed, error=exc.message)
+            return BatchState.failed
+        except VersionRetired as exc:
+            log.warning("batch %s: %s", batch_id, exc)
+            self._cancel_queued(run)
+            self._finish(run, owner, BatchState.failed, error=str(exc))
             return BatchState.failed
         return outcome
 
@@ -387,8 +397,14 @@ class BatchFeeder:
         with self.registry.session() as session:
             status = queries.checkpoint(session, run.id, owner=owner, progress=progress, now=self._now(),
                                         lease_s=self.lease_s, total=run.total)
+            version = session.get(ModelVersion, (run.model, run.version))
+            retired = version is None or version.state == VersionState.retired
         if status is None:
             raise LeaseLost(run.id)
+        if retired:
+            # Its rows would be queued for a version no worker will serve again.
+            raise VersionRetired(f"version_retired: {run.model}/{run.version} was retired; the rows not yet "
+                                 f"answered were not run")
         run.status = status
         # Their lines are on disk and counted: the records are no longer needed.
         if run.checkpointed_ids:

@@ -3,6 +3,7 @@ and updating them, and the resources the REST API answers for them."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import delete, select
@@ -213,6 +214,8 @@ def update_version(
     if state is not None:
         if state not in tuple(VersionState):
             raise BadRequest(f"state must be one of {', '.join(VersionState)}")
+        if state != row.state:
+            row.retired_at = datetime.now(UTC) if state == VersionState.retired else None
         row.state = state
         if state == VersionState.retired:
             session.execute(delete(RoutingWeight).where(RoutingWeight.model == model,

@@ -115,6 +115,8 @@ class ModelVersion(Base):
     last_error: Mapped[str | None] = mapped_column(Text)
     # Kind `torch-export`: loading a .pt2 runs pickle; only an admin may allow it (ARCHITECTURE.md).
     allow_pickle: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
+    # Set when the version is retired (cleared if it leaves that state): its drain limit counts from it.
+    retired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now()

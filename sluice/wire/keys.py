@@ -82,6 +82,12 @@ def stream(model: str, version: str, lane: Lane) -> str:
     return f"sluice:{tag(model, version)}:{lane}"
 
 
+def deadlines(model: str, version: str) -> str:
+    """Sorted set: job hash key -> its deadline, of the version's jobs queued with `timeout_s`, so
+    the scheduler's sweeper expires them with no worker to read them (`sluice.wire.settling`)."""
+    return f"sluice:{tag(model, version)}:deadlines"
+
+
 def dead_stream(model: str, version: str) -> str:
     return f"sluice:{tag(model, version)}:dead"
 

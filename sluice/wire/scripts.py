@@ -60,6 +60,7 @@ CLAIM = load("claim.lua")
 FINISH = load("finish.lua")
 REFRESH = load("refresh.lua")
 CANCEL = load("cancel.lua")
+SETTLE = load("settle.lua")
 WITHDRAW = load("withdraw.lua")
 # A tenant's admission (`sluice.wire.quota`) and its Idempotency-Keys (`sluice.wire.idempotency`).
 ADMIT = load("admit.lua")

@@ -42,6 +42,8 @@ def queue_jobs(pipe: Any, records: Sequence[JobRecord], *, result_ttl_s: int) ->
         key = keys.job(record.id)
         pipe.hset(key, mapping=record.to_redis())
         pipe.expire(key, result_ttl_s)
+        if record.deadline is not None:
+            pipe.zadd(keys.deadlines(record.model, record.version), {key: record.deadline})
     for record in records:
         pipe.xadd(keys.stream(record.model, record.version, record.lane), StreamEntry.of(record).to_fields())  # type: ignore[arg-type]
 

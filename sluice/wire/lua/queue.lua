@@ -4,7 +4,8 @@
 --
 -- KEYS[1]: the lane's stream
 -- KEYS[2]: the version's webhook outbox
--- KEYS[3..]: one job hash per queued job, then one per job answered from the response cache
+-- KEYS[3]: the version's deadline index (a job with a deadline is entered under it)
+-- KEYS[4..]: one job hash per queued job, then one per job answered from the response cache
 -- Every key is of the version's slot (`sluice.wire.keys`), so the script runs on a Redis Cluster.
 --
 -- ARGV[1]: result_ttl_s
@@ -31,11 +32,13 @@ local i = 4 + 2 * n
 local m = tonumber(ARGV[i])
 local entry = {unpack(ARGV, i + 1, i + 2 * m)}
 i = i + 1 + 2 * m
-for k = 3, 2 + count do
+for k = 4, 3 + count do
   local own = tonumber(ARGV[i])
   redis.call('HSET', KEYS[k], unpack(ARGV, i + 1, i + 2 * own))
   if n > 0 then redis.call('HSET', KEYS[k], unpack(record)) end
   redis.call('EXPIRE', KEYS[k], ttl)
+  local deadline = redis.call('HGET', KEYS[k], 'deadline')
+  if deadline then redis.call('ZADD', KEYS[3], deadline, KEYS[k]) end
   i = i + 1 + 2 * own
   own = tonumber(ARGV[i])
   local fields = {unpack(ARGV, i + 1, i + 2 * own)}
@@ -43,7 +46,7 @@ for k = 3, 2 + count do
   redis.call('XADD', KEYS[1], '*', unpack(fields))
   i = i + 1 + 2 * own
 end
-for h = 3 + count, #KEYS do
+for h = 4 + count, #KEYS do
   local own = tonumber(ARGV[i])
   redis.call('HSET', KEYS[h], unpack(ARGV, i + 1, i + 2 * own))
   redis.call('EXPIRE', KEYS[h], ttl)

@@ -1,0 +1,90 @@
+"""Jobs no worker will run, made final from outside the workers (settle.lua): the scheduler's
+sweeper expires queued jobs past their deadline, and retirement fails what a retired version left
+unfinished once its drain limit has passed (docs/ARCHITECTURE.md, "No job waits for a worker that
+will never come").
+
+Each settled job gets its final state, its webhook and its announcement in one step, and its
+tenant's quota place freed after (another slot). A worker that reads such a job's entry later
+finds it final and acknowledges it without running it (claim.lua).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import redis
+
+from sluice.vocabulary import LANES
+from sluice.wire import events, keys, scripts
+from sluice.wire.connections import translate_redis_errors
+from sluice.wire.jobs import SHADOW_TENANT, JobStatus
+
+EXPIRED = json.dumps({"code": "expired", "message": "the job deadline passed before it started"})
+# Deadlines settled per version and call: a backlog of them is worked off over a few ticks.
+EXPIRE_BATCH = 500
+RETIRE_PAGE = 1000
+
+
+def retired_error(model: str, version: str) -> str:
+    return json.dumps({"code": "version_retired",
+                       "message": f"{model}/{version} was retired before this job ran"})
+
+
+def _settle(client: redis.Redis, model: str, version: str, job_keys: Sequence[str], *, now: float, status: str,
+            error: str, running_too: bool, past_deadline: bool) -> int:
+    if not job_keys:
+        return 0
+    with translate_redis_errors():
+        replies = client.eval(scripts.SETTLE, 1 + len(job_keys), keys.outbox(model, version),  # type: ignore[misc]
+                              *job_keys, repr(now), events.channel(client), status, error,
+                              "1" if running_too else "0", "1" if past_deadline else "0")
+        settled = [[_text(part) for part in reply] for reply in replies if reply]
+        pipe = client.pipeline(transaction=False)
+        for tenant, job_id in settled:
+            if tenant != SHADOW_TENANT:
+                pipe.zrem(keys.queued_jobs(tenant), job_id)
+        pipe.execute()
+    return len(settled)
+
+
+def expire_due(client: redis.Redis, model: str, version: str, *, now: float) -> int:
+    """Expire the version's queued jobs past their deadline; answer how many."""
+    index = keys.deadlines(model, version)
+    with translate_redis_errors():
+        due = [_text(key) for key in client.zrangebyscore(index, "-inf", now, start=0, num=EXPIRE_BATCH)]  # type: ignore[union-attr]
+    expired = _settle(client, model, version, due, now=now, status=JobStatus.expired, error=EXPIRED,
+                      running_too=False, past_deadline=True)
+    if due:
+        with translate_redis_errors():
+            # Settled, running, final or gone: none of them is the sweeper's any more.
+            client.zrem(index, *due)
+    return expired
+
+
+def fail_retired(client: redis.Redis, model: str, version: str, *, now: float) -> int:
+    """Fail every job a retired version still has in its streams (`version_retired`), then drop
+    its streams and deadline index; answer how many jobs were failed."""
+    failed, error = 0, retired_error(model, version)
+    for lane in LANES:
+        stream, start = keys.stream(model, version, lane), "-"
+        while True:
+            with translate_redis_errors():
+                page = client.xrange(stream, min=start, max="+", count=RETIRE_PAGE)
+            if not page:
+                break
+            job_keys = [keys.job(_field(fields, "id")) for _, fields in page if _field(fields, "id")]
+            failed += _settle(client, model, version, job_keys, now=now, status=JobStatus.failed, error=error,
+                              running_too=True, past_deadline=False)
+            start = "(" + _text(page[-1][0])
+    with translate_redis_errors():
+        client.delete(*(keys.stream(model, version, lane) for lane in LANES), keys.deadlines(model, version))
+    return failed
+
+
+def _field(fields: object, name: str) -> str:
+    return _text(fields.get(name, fields.get(name.encode(), b"")))  # type: ignore[attr-defined]
+
+
+def _text(raw: object) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
