@@ -117,8 +117,7 @@ def scheduler(actuator: Annotated[Actuator, typer.Option(help="local: supervise 
 
         try:
             supervisor = connect(namespace=settings.kubernetes_namespace,
-                                 template=settings.kubernetes_worker_deployment,
-                                 selector=settings.kubernetes_worker_selector)
+                                 template=settings.kubernetes_worker_template)
         except ActuatorError as exc:
             console.print(f"[red]{exc}[/]")
             raise typer.Exit(1) from exc

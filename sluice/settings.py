@@ -111,13 +111,10 @@ class Settings(BaseSettings):
     pack_across_tiers: bool | None = None
     process_memory_share: float = Field(default=0.5, gt=0, le=1)
     retire_drain_s: float = Field(default=60.0, ge=0)
-    # The kubernetes actuator (scheduler/kubernetes.py) scales the Deployment named by the template
-    # in this namespace; {model} and {version} are made DNS-1123 labels first (`v1.2` -> `v1-2`),
-    # and a hash of the exact names follows (`deployment_name`). On start it lists the Deployments
-    # the selector matches and scales to zero those of versions no longer served.
+    # The kubernetes actuator (scheduler/kubernetes.py) keeps one Deployment per placement group in
+    # this namespace, each a copy of the template Deployment named here (`<template>-<group>`).
     kubernetes_namespace: str = "sluice"
-    kubernetes_worker_deployment: str = "sluice-worker-{model}-{version}"
-    kubernetes_worker_selector: str = "app.kubernetes.io/component=worker"
+    kubernetes_worker_template: str = "sluice-worker"
 
     # Circuit breaker per version (sluice.breaker): trip on this error rate over at least
     # `breaker_min_samples` jobs in the window, or on no live worker for the grace period.
@@ -194,18 +191,6 @@ class Settings(BaseSettings):
     def _valid_networks(cls, value: list[str]) -> list[str]:
         for cidr in value:
             ipaddress.ip_network(cidr, strict=False)
-        return value
-
-    @field_validator("kubernetes_worker_deployment")
-    @classmethod
-    def _names_each_version(cls, value: str) -> str:
-        # Without both fields every version would scale the same Deployment.
-        if "{model}" not in value or "{version}" not in value:
-            raise ValueError("SLUICE_KUBERNETES_WORKER_DEPLOYMENT must contain {model} and {version}")
-        try:
-            value.format(model="m", version="v")
-        except (KeyError, IndexError) as exc:
-            raise ValueError(f"SLUICE_KUBERNETES_WORKER_DEPLOYMENT has an unknown field: {exc}") from exc
         return value
 
     @field_validator("bootstrap_admin_key")

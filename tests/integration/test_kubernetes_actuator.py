@@ -1,13 +1,12 @@
-"""The kubernetes actuator against a local HTTP server that answers the scale subresource as the
-API server does, through the official client: the requests it sends, the replicas it reads back,
-and what a missing Deployment, a refusal and no connection become. No cluster is needed."""
+"""The kubernetes actuator against a local HTTP server that answers Deployments as the API server
+does, through the official client: the group Deployments it makes from the template, what it
+deletes, and what a failing or unreachable server becomes. No cluster is needed."""
 
 from __future__ import annotations
 
 import json
 import logging
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -16,62 +15,52 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs
 
 import pytest
 import redis
+import yaml
 from kubernetes import client
 from kubernetes.config import kube_config
 from prometheus_client import REGISTRY
 from typer.testing import CliRunner
 
 from launch.cli import app
-from scheduler.kubernetes import DEFAULT_TEMPLATE, KubernetesActuator, deployment_name
-from sluice.errors import ActuatorError, SluiceError
+from scheduler.kubernetes import DEFAULT_TEMPLATE, GROUP_LABEL, MANAGED_SELECTOR, KubernetesActuator
 from sluice.registry import catalog
 from sluice.registry.store import Registry
-from sluice.wire import keys
+from sluice.wire import keys, placements
+from sluice.wire.placements import Group, PlacedVersion, PlacementPlan
 from tests.support import SYNTHETIC_SHA, unique
 
 NS = "sluice"
-SCALE_PATH = "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale"
-SCALE_ROUTE = re.compile(r"/apis/apps/v1/namespaces/(?P<ns>[^/?]+)/deployments/(?P<name>[^/?]+)/scale")
-LIST_ROUTE = re.compile(r"/apis/apps/v1/namespaces/(?P<ns>[^/?]+)/deployments")
-
-
-WORKER_LABELS = {"app.kubernetes.io/component": "worker"}
+ONE = re.compile(r"/apis/apps/v1/namespaces/(?P<ns>[^/?]+)/deployments/(?P<name>[^/?]+)")
+ALL = re.compile(r"/apis/apps/v1/namespaces/(?P<ns>[^/?]+)/deployments")
+TEMPLATE = yaml.safe_load((Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "base"
+                           / "workers.yaml").read_text().split("---", 1)[1])
 
 
 @dataclass
 class FakeApiServer:
-    """Deployments by name: [spec.replicas, status.replicas]. `failing` names answer 500, and so does
-    the list while `list_fails`; `labels` are a Deployment's own when not the workers'."""
+    """Deployments by name (their JSON); `failing` names answer 500 to anything, and so does the
+    list while `list_fails`."""
 
     url: str = ""
-    deployments: dict[str, list[int]] = field(default_factory=dict)
-    labels: dict[str, dict[str, str]] = field(default_factory=dict)
+    deployments: dict[str, dict[str, Any]] = field(default_factory=dict)
     failing: set[str] = field(default_factory=set)
     list_fails: bool = False
     requests: list[dict[str, Any]] = field(default_factory=list)
 
-    def scale(self, name: str) -> dict[str, Any]:
-        desired, live = self.deployments[name]
-        spec = {"replicas": desired} if desired else {}  # as the API server, which omits a zero
-        return {"kind": "Scale", "apiVersion": "autoscaling/v1", "metadata": {"name": name, "namespace": NS},
-                "spec": spec, "status": {"replicas": live, "selector": f"app={name}"}}
-
     def listing(self, selector: str) -> dict[str, Any]:
         wanted = dict(part.split("=", 1) for part in selector.split(",") if part)
-        items = []
-        for name, (desired, live) in self.deployments.items():
-            labels = self.labels.get(name, WORKER_LABELS)
-            if wanted.items() <= labels.items():
-                items.append({"metadata": {"name": name, "namespace": NS, "labels": labels},
-                              "spec": {"replicas": desired, "selector": {"matchLabels": labels},
-                                       "template": {"metadata": {"labels": labels},
-                                                    "spec": {"containers": [{"name": "worker"}]}}},
-                              "status": {"replicas": live}})
+        items = [d for d in self.deployments.values() if wanted.items() <= d["metadata"].get("labels", {}).items()]
         return {"kind": "DeploymentList", "apiVersion": "apps/v1", "metadata": {}, "items": items}
+
+    def calls(self, method: str) -> list[str]:
+        return [r["name"] for r in self.requests if r["method"] == method and r["name"]]
+
+
+def _status(code: int, reason: str) -> dict[str, Any]:
+    return {"kind": "Status", "apiVersion": "v1", "code": code, "reason": reason, "message": reason}
 
 
 def _handler(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
@@ -90,39 +79,39 @@ def _handler(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
         def _serve(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length)) if length else None
-            server.requests.append({"method": self.command, "path": self.path, "body": body,
-                                    "content_type": self.headers.get("Content-Type")})
             path, _, query = self.path.partition("?")
-            listed = LIST_ROUTE.fullmatch(path)
-            if listed is not None and listed["ns"] == NS and self.command == "GET":
-                if server.list_fails:
-                    self._answer(500, {"kind": "Status", "code": 500, "reason": "InternalError", "message": "etcd"})
+            one, every = ONE.fullmatch(path), ALL.fullmatch(path)
+            name = one["name"] if one else (body or {}).get("metadata", {}).get("name", "")
+            server.requests.append({"method": self.command, "name": name, "body": body})
+            if name in server.failing or (every and self.command == "GET" and server.list_fails):
+                self._answer(500, _status(500, "InternalError"))
+            elif every and self.command == "GET":
+                selector = dict(p.split("=", 1) for p in query.split("&") if "=" in p).get("labelSelector", "")
+                self._answer(200, server.listing(selector.replace("%3D", "=").replace("%2C", ",").replace("%2F", "/")))
+            elif every and self.command == "POST":
+                if name in server.deployments:
+                    self._answer(409, _status(409, "AlreadyExists"))
                 else:
-                    selector = parse_qs(query).get("labelSelector", [""])[0]
-                    self._answer(200, server.listing(selector))
-                return
-            route = SCALE_ROUTE.fullmatch(path)
-            name = route["name"] if route else ""
-            if route is None or route["ns"] != NS:
-                self._answer(400, {"kind": "Status", "code": 400, "reason": "BadRequest"})
-            elif name in server.failing:
-                self._answer(500, {"kind": "Status", "code": 500, "reason": "InternalError", "message": "etcd"})
-            elif name not in server.deployments:
-                self._answer(404, {"kind": "Status", "code": 404, "reason": "NotFound",
-                                   "message": f'deployments.apps "{name}" not found'})
+                    server.deployments[name] = body
+                    self._answer(201, body)
+            elif one and name not in server.deployments:
+                self._answer(404, _status(404, "NotFound"))
+            elif one and self.command == "DELETE":
+                del server.deployments[name]
+                self._answer(200, _status(200, "Success"))
+            elif one:
+                self._answer(200, server.deployments[name])
             else:
-                if self.command == "PATCH":
-                    server.deployments[name][0] = body["spec"]["replicas"]
-                self._answer(200, server.scale(name))
+                self._answer(400, _status(400, "BadRequest"))
 
-        do_GET = do_PATCH = _serve
+        do_GET = do_POST = do_DELETE = _serve
 
     return Handler
 
 
 @pytest.fixture
 def api_server() -> Iterator[FakeApiServer]:
-    fake = FakeApiServer()
+    fake = FakeApiServer(deployments={DEFAULT_TEMPLATE: TEMPLATE})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
     fake.url = f"http://127.0.0.1:{httpd.server_address[1]}"
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -141,12 +130,81 @@ def _apps(host: str) -> Any:
 
 @pytest.fixture
 def actuator(api_server: FakeApiServer) -> KubernetesActuator:
-    # max_age_s=0: every call goes to the server, so each test sees every request.
-    return KubernetesActuator(apps=_apps(api_server.url), namespace=NS, max_age_s=0)
+    return KubernetesActuator(apps=_apps(api_server.url), namespace=NS)
 
 
-def _name(model: str, version: str = "v1") -> str:
-    return deployment_name(DEFAULT_TEMPLATE, model, version)
+def plan(*groups: str, threads: int = 1) -> PlacementPlan:
+    return PlacementPlan(at=0.0, groups={g: Group(tier="latency", threads=threads, versions=(
+        PlacedVersion(model="minilm", version="v1", config=""),)) for g in groups})
+
+
+def _errors(operation: str) -> float:
+    return REGISTRY.get_sample_value("sluice_actuator_errors_total", {"operation": operation}) or 0.0
+
+
+def test_each_group_gets_a_copy_of_the_template_with_one_replica(
+        api_server: FakeApiServer, actuator: KubernetesActuator) -> None:
+    actuator.apply(plan("g1", "g2", threads=2))
+    assert sorted(api_server.calls("POST")) == ["sluice-worker-g1", "sluice-worker-g2"]
+    made = api_server.deployments["sluice-worker-g2"]
+    assert made["spec"]["replicas"] == 1
+    assert made["metadata"]["labels"][GROUP_LABEL] == "g2"
+    assert made["spec"]["selector"]["matchLabels"][GROUP_LABEL] == "g2"
+    env = {e["name"]: e["value"] for e in made["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["SLUICE_WORKER_GROUP"] == "g2" and env["SLUICE_WORKER_THREADS"] == "2"
+    assert api_server.deployments[DEFAULT_TEMPLATE] == TEMPLATE, "the template is never changed"
+    api_server.requests.clear()
+    actuator.apply(plan("g1", "g2", threads=2))
+    assert not api_server.calls("POST") and not api_server.calls("DELETE"), "the same plan changes nothing"
+
+
+def test_a_group_that_leaves_the_plan_has_its_deployment_deleted(
+        api_server: FakeApiServer, actuator: KubernetesActuator) -> None:
+    actuator.apply(plan("g1", "g2"))
+    actuator.apply(plan("g2", "g3"))
+    assert api_server.calls("DELETE") == ["sluice-worker-g1"]
+    assert sorted(api_server.deployments) == [DEFAULT_TEMPLATE, "sluice-worker-g2", "sluice-worker-g3"]
+
+
+def test_on_start_the_deployments_of_groups_no_longer_planned_are_deleted(
+        api_server: FakeApiServer, actuator: KubernetesActuator) -> None:
+    earlier = KubernetesActuator(apps=_apps(api_server.url), namespace=NS)
+    earlier.apply(plan("g4", "g5"))
+    actuator.apply(plan("g5"))  # a restarted scheduler whose plan no longer has g4
+    assert sorted(api_server.deployments) == [DEFAULT_TEMPLATE, "sluice-worker-g5"]
+    assert api_server.calls("POST").count("sluice-worker-g5") == 1, "found by the listing: not made again"
+
+
+def test_a_failing_group_is_counted_and_the_others_are_still_made_then_it_is_tried_again(
+        api_server: FakeApiServer, actuator: KubernetesActuator) -> None:
+    api_server.failing.add("sluice-worker-g1")
+    before = _errors("create")
+    actuator.apply(plan("g1", "g2"))
+    assert "sluice-worker-g2" in api_server.deployments and _errors("create") == before + 1
+    api_server.failing.clear()
+    actuator.apply(plan("g1", "g2"))
+    assert "sluice-worker-g1" in api_server.deployments
+
+
+def test_a_failed_listing_deletes_nothing_until_a_listing_succeeds(
+        api_server: FakeApiServer, actuator: KubernetesActuator) -> None:
+    KubernetesActuator(apps=_apps(api_server.url), namespace=NS).apply(plan("g8"))
+    api_server.list_fails = True
+    before = _errors("list")
+    actuator.apply(plan("g9"))
+    assert _errors("list") == before + 1 and "sluice-worker-g8" in api_server.deployments
+    api_server.list_fails = False
+    actuator.apply(plan("g9"))
+    assert "sluice-worker-g8" not in api_server.deployments
+    assert any(r["method"] == "GET" and not r["name"] for r in api_server.requests)
+    assert MANAGED_SELECTOR.startswith("app.kubernetes.io/component=worker")
+
+
+def test_no_connection_is_counted_and_apply_never_raises() -> None:
+    actuator = KubernetesActuator(apps=_apps("http://127.0.0.1:9"), namespace=NS)
+    before = _errors("list") + _errors("read")
+    actuator.apply(plan("g1"))
+    assert _errors("list") + _errors("read") >= before + 2
 
 
 def register_versions(registry: Registry, count: int) -> list[str]:
@@ -160,186 +218,20 @@ def register_versions(registry: Registry, count: int) -> list[str]:
     return models
 
 
-def _scale_requests(api_server: FakeApiServer) -> list[dict[str, Any]]:
-    """The requests to a scale subresource: the list of the first call is the adoption tests' own."""
-    return [r for r in api_server.requests if SCALE_ROUTE.fullmatch(r["path"])]
-
-
-def test_set_desired_patches_the_scale_subresource_with_a_merge_patch(
-        api_server: FakeApiServer, actuator: KubernetesActuator) -> None:
-    api_server.deployments[_name("minilm")] = [1, 1]
-    actuator.set_desired({("minilm", "v1"): 3})
-    path = SCALE_PATH.format(ns=NS, name=_name("minilm"))
-    requests = _scale_requests(api_server)
-    assert [(r["method"], r["path"]) for r in requests] == [("GET", path), ("PATCH", path)]
-    patch = requests[1]
-    assert patch["content_type"] == "application/merge-patch+json"
-    assert patch["body"] == {"spec": {"replicas": 3}}
-    assert api_server.deployments[_name("minilm")] == [3, 1]
-
-
-def test_live_replicas_are_read_from_the_status_not_the_spec(
-        api_server: FakeApiServer, actuator: KubernetesActuator) -> None:
-    api_server.deployments[_name("intent")] = [4, 2]
-    assert actuator.live(("intent", "v1")) == 2
-    assert api_server.requests == [{"method": "GET", "path": SCALE_PATH.format(ns=NS, name=_name("intent")),
-                                    "body": None, "content_type": None}]
-
-
-def test_an_unchanged_count_sends_no_patch_and_a_zero_spec_reads_as_zero(
-        api_server: FakeApiServer, actuator: KubernetesActuator) -> None:
-    api_server.deployments[_name("minilm")] = [2, 2]
-    api_server.deployments[_name("intent")] = [0, 0]
-    actuator.set_desired({("minilm", "v1"): 2, ("intent", "v1"): 0})
-    assert {r["method"] for r in api_server.requests} == {"GET"}
-
-
-def test_a_version_that_leaves_the_decisions_is_scaled_to_zero_once(
-        api_server: FakeApiServer, actuator: KubernetesActuator) -> None:
-    api_server.deployments[_name("minilm")] = [1, 1]
-    api_server.deployments[_name("minilm", "v2")] = [1, 1]
-    actuator.set_desired({("minilm", "v1"): 1, ("minilm", "v2"): 1})
-    actuator.set_desired({("minilm", "v1"): 1})
-    assert api_server.deployments[_name("minilm", "v2")][0] == 0
-    api_server.requests.clear()
-    actuator.set_desired({("minilm", "v1"): 1})
-    assert {r["path"] for r in api_server.requests} == {SCALE_PATH.format(ns=NS, name=_name("minilm"))}
-
-
-def test_versions_whose_names_read_alike_scale_their_own_deployments(
-        api_server: FakeApiServer, actuator: KubernetesActuator) -> None:
-    api_server.deployments[_name("minilm", "v2-int8")] = [1, 1]
-    api_server.deployments[_name("minilm-v2", "int8")] = [1, 1]
-    actuator.set_desired({("minilm", "v2-int8"): 3, ("minilm-v2", "int8"): 2})
-    assert api_server.deployments[_name("minilm", "v2-int8")][0] == 3
-    assert api_server.deployments[_name("minilm-v2", "int8")][0] == 2
-
-
-def test_a_missing_deployment_is_skipped_and_logged_once(
-        api_server: FakeApiServer, actuator: KubernetesActuator, caplog: pytest.LogCaptureFixture) -> None:
-    api_server.deployments[_name("minilm")] = [1, 1]
-    with caplog.at_level(logging.WARNING, logger="scheduler.kubernetes"):
-        for _ in range(3):
-            actuator.set_desired({("intent", "v9"): 2, ("minilm", "v1"): 2})
-    assert actuator.live(("intent", "v9")) == 0
-    missing = [r for r in caplog.records if _name("intent", "v9") in r.getMessage()]
-    assert len(missing) == 1, caplog.text
-    assert not [r for r in api_server.requests if r["method"] == "PATCH" and "intent" in r["path"]]
-    assert api_server.deployments[_name("minilm")][0] == 2  # the others still scale
-
-
-def test_a_server_error_on_a_read_becomes_an_actuator_error(
-        api_server: FakeApiServer, actuator: KubernetesActuator) -> None:
-    api_server.deployments[_name("minilm")] = [1, 1]
-    api_server.failing.add(_name("minilm"))
-    with pytest.raises(ActuatorError, match="500") as raised:
-        actuator.live(("minilm", "v1"))
-    assert isinstance(raised.value, SluiceError)
-
-
-def _errors(operation: str) -> float:
-    return REGISTRY.get_sample_value("sluice_actuator_errors_total", {"operation": operation}) or 0.0
-
-
-def test_a_failing_deployment_is_counted_and_the_versions_after_it_still_scale(
-        api_server: FakeApiServer, actuator: KubernetesActuator, caplog: pytest.LogCaptureFixture) -> None:
-    for model in ("alpha", "beta", "gamma"):
-        api_server.deployments[_name(model)] = [1, 1]
-    api_server.failing.add(_name("beta"))
-    before = _errors("read")
-    with caplog.at_level(logging.WARNING, logger="scheduler.kubernetes"):
-        actuator.set_desired({("alpha", "v1"): 2, ("beta", "v1"): 2, ("gamma", "v1"): 2})
-    assert api_server.deployments[_name("alpha")][0] == 2
-    assert api_server.deployments[_name("gamma")][0] == 2
-    assert _errors("read") == before + 1
-    assert _name("beta") in caplog.text
-
-
-def test_a_version_that_failed_to_reach_zero_is_tried_again(
-        api_server: FakeApiServer, actuator: KubernetesActuator) -> None:
-    api_server.deployments[_name("minilm")] = [1, 1]
-    api_server.deployments[_name("minilm", "v2")] = [1, 1]
-    actuator.set_desired({("minilm", "v1"): 1, ("minilm", "v2"): 1})
-    api_server.failing.add(_name("minilm", "v2"))
-    actuator.set_desired({("minilm", "v1"): 1})
-    api_server.failing.clear()
-    actuator.set_desired({("minilm", "v1"): 1})
-    assert api_server.deployments[_name("minilm", "v2")][0] == 0
-
-
-def test_on_start_deployments_of_versions_no_longer_decided_are_scaled_to_zero(
-        api_server: FakeApiServer, actuator: KubernetesActuator) -> None:
-    # minilm v1 was retired while no scheduler ran: the new one never decided it, and still owns it.
-    api_server.deployments[_name("minilm")] = [3, 3]
-    api_server.deployments[_name("minilm", "v2")] = [1, 1]
-    api_server.deployments[_name("idle")] = [0, 0]
-    api_server.deployments["sluice-api"] = [2, 2]
-    api_server.labels["sluice-api"] = {"app.kubernetes.io/component": "api"}
-    actuator.set_desired({("minilm", "v2"): 2})
-    assert api_server.deployments[_name("minilm")][0] == 0
-    assert api_server.deployments[_name("minilm", "v2")][0] == 2
-    assert api_server.deployments["sluice-api"][0] == 2, "only worker Deployments are the scheduler's"
-    assert not [r for r in api_server.requests if _name("idle") in r["path"]], "one at zero needs nothing"
-    listed = [r for r in api_server.requests if LIST_ROUTE.fullmatch(r["path"].partition("?")[0])]
-    assert len(listed) == 1
-    assert parse_qs(listed[0]["path"].partition("?")[2]) == {"labelSelector": ["app.kubernetes.io/component=worker"]}
-    api_server.requests.clear()
-    actuator.set_desired({("minilm", "v2"): 2})
-    assert {r["path"] for r in api_server.requests} == {SCALE_PATH.format(ns=NS, name=_name("minilm", "v2"))}
-
-
-def test_a_failed_listing_is_counted_and_tried_again_on_the_next_call(
-        api_server: FakeApiServer, actuator: KubernetesActuator) -> None:
-    api_server.deployments[_name("minilm")] = [3, 3]
-    api_server.deployments[_name("minilm", "v2")] = [1, 1]
-    api_server.list_fails = True
-    before = _errors("list")
-    actuator.set_desired({("minilm", "v2"): 2})
-    assert api_server.deployments[_name("minilm", "v2")][0] == 2, "the decided versions scale without it"
-    assert _errors("list") == before + 1
-    api_server.list_fails = False
-    actuator.set_desired({("minilm", "v2"): 2})
-    assert api_server.deployments[_name("minilm")][0] == 0
-
-
-def test_no_connection_becomes_an_actuator_error() -> None:
-    with socket.socket() as sock:  # a port nothing listens on once closed
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    actuator = KubernetesActuator(apps=_apps(f"http://127.0.0.1:{port}"), namespace=NS)
-    with pytest.raises(ActuatorError, match="unreachable"):
-        actuator.live(("minilm", "v1"))
-
-
-def test_a_read_is_reused_within_its_age(api_server: FakeApiServer) -> None:
-    now = [100.0]
-    actuator = KubernetesActuator(apps=_apps(api_server.url), namespace=NS, max_age_s=1.0, clock=lambda: now[0])
-    api_server.deployments[_name("minilm")] = [1, 1]
-    actuator.live(("minilm", "v1"))
-    actuator.set_desired({("minilm", "v1"): 1})
-    actuator.live(("minilm", "v1"))
-    assert len(_scale_requests(api_server)) == 1
-    now[0] += 1.0
-    actuator.live(("minilm", "v1"))
-    assert len(_scale_requests(api_server)) == 2
-
-
-def test_the_scheduler_publishes_its_decisions_when_a_deployment_fails(
+def test_the_scheduler_publishes_its_plan_when_the_api_server_fails(
         api_server: FakeApiServer, actuator: KubernetesActuator, registry: Registry, rds: redis.Redis,
         redis_url: str) -> None:
     from scheduler.main import Scheduler, autoscaler
     from sluice.settings import Settings
 
-    broken, fine = register_versions(registry, 2)
-    api_server.deployments[_name(broken)] = [1, 1]
-    api_server.deployments[_name(fine)] = [0, 0]
-    api_server.failing.add(_name(broken))
+    (model,) = register_versions(registry, 1)
+    api_server.failing.add(DEFAULT_TEMPLATE)
     scheduler = Scheduler(registry=registry, redis_url=redis_url, supervisor=actuator,
-                          autoscaler=autoscaler(Settings(worker_slots=10_000)))
+                          autoscaler=autoscaler(Settings(worker_slots=2)))
     scheduler.tick()
-    assert api_server.deployments[_name(fine)][0] == 1, "the version after the failing one is scaled"
-    for model in (broken, fine):
-        assert rds.hget(keys.replicas(model, "v1"), "desired") == "1", model
+    published = placements.read(rds)
+    assert published is not None and published.groups_of((model, "v1"))
+    assert rds.hget(keys.replicas(model, "v1"), "desired") == "1"
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """deploy/kubernetes/ checked without a cluster: every object parses into the official client's
 models with nothing dropped (a misspelled field would be), the kustomizations point at what
 exists, and the parts the platform relies on (probes, drain, requests, scrape annotations, the
-scheduler's rights, the KEDA trigger's key names) are there."""
+scheduler's rights, the worker template and its group copies) are there."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes import client
-
-from sluice.wire import keys
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 BASE = DEPLOY / "base"
@@ -148,26 +146,29 @@ def test_the_scheduler_scales_with_its_own_rights() -> None:
     role = objects[("Role", binding["roleRef"]["name"])]
     granted = {(resource, verb) for rule in role["rules"] if "apps" in rule["apiGroups"]
                for resource in rule["resources"] for verb in rule["verbs"]}
-    assert {("deployments/scale", "get"), ("deployments/scale", "patch"), ("deployments", "get"),
-            ("deployments", "list")} <= granted
-    assert not {verb for resource, verb in granted if resource == "deployments"} - {"get", "list", "watch"}
+    # It copies the template and deletes its copies; it never edits a Deployment's pods.
+    assert {("deployments", verb) for verb in ("get", "list", "create", "delete")} <= granted
+    assert not {verb for _, verb in granted} & {"patch", "update", "*"}
 
 
-def test_each_worker_deployment_is_named_as_the_actuator_finds_it() -> None:
-    from scheduler.kubernetes import DEFAULT_TEMPLATE, deployment_name
+def test_the_worker_template_runs_no_pod_and_its_copies_serve_their_group() -> None:
+    from scheduler.kubernetes import DEFAULT_TEMPLATE, group_deployment
 
-    workers = _by_component()["worker"]
-    versions = set()
-    for deployment in workers:
-        labels = deployment["metadata"]["labels"]
-        model, version = labels["sluice.dev/model"], labels["sluice.dev/version"]
-        versions.add((model, version))
-        assert deployment["metadata"]["name"] == deployment_name(DEFAULT_TEMPLATE, model, version)
-        assert "replicas" not in deployment["spec"]  # the scheduler's, not reset by a re-apply
-        args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert args[:2] == ["sluice", "worker"]
-        assert args[args.index("--model") + 1] == model and args[args.index("--version") + 1] == version
-    assert versions == {("minilm", "v1"), ("intent", "v1")}
+    (template,) = _by_component()["worker"]
+    assert template["metadata"]["name"] == DEFAULT_TEMPLATE and template["spec"]["replicas"] == 0
+    copy = group_deployment(template, name=f"{DEFAULT_TEMPLATE}-g7", group="g7", threads=2)
+    assert copy["spec"]["replicas"] == 1 and copy["metadata"]["name"] == "sluice-worker-g7"
+    assert copy["spec"]["selector"]["matchLabels"]["sluice.dev/group"] == "g7"
+    assert copy["spec"]["template"]["metadata"]["labels"]["sluice.dev/group"] == "g7"
+    # The template's selector matches none of a group's pods: two Deployments never fight over one.
+    assert template["spec"]["selector"]["matchLabels"]["sluice.dev/group"] == "template"
+    container = copy["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"] == ["sluice", "worker", "--group", "$(SLUICE_WORKER_GROUP)", "--threads",
+                                 "$(SLUICE_WORKER_THREADS)"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["SLUICE_WORKER_GROUP"] == "g7" and env["SLUICE_WORKER_THREADS"] == env["OMP_NUM_THREADS"] == "2"
+    # The client's model holds it whole: nothing the API server would drop.
+    assert client.ApiClient().sanitize_for_serialization(client.V1Deployment.from_dict(copy)) == copy
 
 
 def test_the_jobs_migrate_and_seed() -> None:
@@ -185,17 +186,3 @@ def test_flower_asks_for_basic_auth_from_the_secret() -> None:
     assert {"SLUICE_REDIS_URL", "SLUICE_DATABASE_URL", "SLUICE_BOOTSTRAP_ADMIN_KEY",
             "FLOWER_BASIC_AUTH"} <= secret["stringData"].keys()
     assert all("CHANGE-ME" in value for value in secret["stringData"].values())
-
-
-def test_the_keda_example_scales_a_worker_deployment_on_its_online_lag() -> None:
-    (scaled,) = _docs(DEPLOY / "keda" / "scaledobject-minilm-v1.yaml")
-    assert scaled["apiVersion"] == "keda.sh/v1alpha1" and scaled["kind"] == "ScaledObject"
-    target = scaled["spec"]["scaleTargetRef"]["name"]
-    (deployment,) = [d for d in _by_component()["worker"] if d["metadata"]["name"] == target]
-    labels = deployment["metadata"]["labels"]
-    (trigger,) = scaled["spec"]["triggers"]
-    assert trigger["type"] == "redis-streams"
-    metadata = trigger["metadata"]
-    assert metadata["stream"] == keys.stream(labels["sluice.dev/model"], labels["sluice.dev/version"], "online")
-    assert metadata["consumerGroup"] == keys.GROUP
-    assert int(metadata["lagCount"]) > 0 and "pendingEntriesCount" not in metadata
