@@ -167,7 +167,7 @@ def test_a_patch_of_isolate_tenants_reaches_the_running_pool_by_a_rolling_replac
 
     with private_registry((model, "latency"), cost="fixed_s=0.03&per_item_s=0.001&per_token_s=0", max_replicas=1,
                           isolate_tenants=False) as database_url, \
-            scheduler(database_url, redis_url, tmp_path, slots=3) as log_path:
+            scheduler(database_url, redis_url, tmp_path, slots=3):
         wait_for(lambda: live_workers(client, model) == 1, 60, "the scheduler never started the worker")
         sender = threading.Thread(target=traffic, daemon=True)
         sender.start()
