@@ -47,7 +47,7 @@ from bench.output import PERCENTILE_METHOD, command_line, write_json
 from bench.peer_client import COLUMNS
 from bench.peer_report import SYSTEMS, phase_report, print_summary, progress_line, summarise
 from bench.platform_harness import BenchPlatform
-from bench.processes import REPO, private_redis, sigterm_as_interrupt, stop_processes
+from bench.processes import REPO, descendants, private_redis, sigterm_as_interrupt, stop_processes
 from scheduler.planning.text_mix import SKEWED
 
 MODEL, VERSION = "minilm", "v1"  # the seeded demo version: max_batch_size 32, max_wait_ms 10
@@ -77,16 +77,6 @@ JOB_TIMEOUT_S = 120.0
 # --- the two systems, up side by side -------------------------------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    """Every descendant of `pid` (/proc/<pid>/task/*/children), depth first."""
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            for child in (task / "children").read_text().split():
-                out += [int(child), *_children(int(child))]
-    return out
-
-
 @dataclass
 class Stack:
     platform: BenchPlatform
@@ -98,9 +88,9 @@ class Stack:
         workers = [p.pid for procs in self.platform.workers.values() for p in procs]
         api = self.platform.api.pid if self.platform.api else 0
         return {
-            "sluice api": [api, *_children(api)],
-            "sluice workers": [pid for w in workers for pid in (w, *_children(w))],
-            "celery workers": [self.celery.pid, *_children(self.celery.pid)],
+            "sluice api": [api, *descendants(api)],
+            "sluice workers": [pid for w in workers for pid in (w, *descendants(w))],
+            "celery workers": [self.celery.pid, *descendants(self.celery.pid)],
             "redis-server": [self.redis_pid],
         }
 

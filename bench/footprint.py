@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from bench.output import command_line, table, write_json
-from bench.processes import REPO, free_port
+from bench.processes import REPO, descendants, free_port
 
 ADMIN_KEY = "admin-key-for-the-footprint-bench-0123"
 READY_LINE = "Ctrl-C stops everything."
@@ -52,28 +52,9 @@ class Resident:
     pss_bytes: int
 
 
-def children_of(pid: int) -> list[int]:
-    found: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for task in tasks:
-        try:
-            found += [int(p) for p in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
-        except OSError:
-            continue
-    return found
-
-
 def process_tree(pid: int) -> list[int]:
-    """`pid` and every descendant, parents before their children."""
-    found, todo = [pid], [pid]
-    while todo:
-        for child in children_of(todo.pop()):
-            found.append(child)
-            todo.append(child)
-    return found
+    """`pid` and every descendant."""
+    return [pid, *descendants(pid)]
 
 
 def process_name(pid: int) -> str:

@@ -108,3 +108,13 @@ def private_redis() -> Iterator[tuple[str, int]]:
         finally:
             proc.terminate()
             proc.wait(timeout=20)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every descendant of `pid` (/proc/<pid>/task/*/children), depth first."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            for child in (task / "children").read_text().split():
+                out += [int(child), *descendants(int(child))]
+    return out

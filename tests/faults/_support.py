@@ -12,10 +12,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +27,7 @@ import redis
 from launch.seed import Seeded, seed
 from sluice.registry.store import Registry
 from sluice.wire import keys
-from tests.support import FINAL, stop_process, wait_until
+from tests.support import FINAL, REPO, stop_process, wait_until
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 # Fsync on every write: a stop loses nothing, whatever the test does to the server.
@@ -320,3 +322,27 @@ def seed_tenants(database_url: str, *, home: Path) -> Seeded:
         return seed(registry, home=home, versions=())
     finally:
         registry.dispose()
+
+
+@contextmanager
+def local_scheduler(*, database_url: str, redis_url: str, home: Path, settings: dict[str, str]) -> Iterator[Path]:
+    """`sluice scheduler --actuator local` on these stores with these `SLUICE_*` settings; answers
+    its log's path (complete once the block has left: the scheduler has stopped, with its workers,
+    and exited 0)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    env.update({"SLUICE_REDIS_URL": redis_url, "SLUICE_DATABASE_URL": database_url, "SLUICE_HOME": str(home),
+                "SLUICE_SCALE_INTERVAL_S": "0.5", "SLUICE_SHUTDOWN_GRACE_S": "10", **settings})
+    log_path = home / "scheduler.log"
+    with log_path.open("wb") as sink:
+        process = subprocess.Popen([sys.executable, "-m", "launch.cli", "scheduler", "--actuator", "local"],
+                                   cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        yield log_path
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, log_path.read_text()[-3000:]

@@ -8,10 +8,6 @@ is in the scheduler's log with its reason."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +24,8 @@ from sluice.wire.heartbeats import live_since
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
 from sluice.wire.streams import queue_jobs
-from tests.support import REPO, SYNTHETIC_SHA, fresh_database
+from tests.faults._support import local_scheduler
+from tests.support import SYNTHETIC_SHA, fresh_database
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
@@ -60,24 +57,11 @@ def private_registry(*models: tuple[str, str], cost: str = COST, max_replicas: i
 
 @contextmanager
 def scheduler(database_url: str, redis_url: str, home: Path, *, slots: int) -> Iterator[Path]:
-    """`sluice scheduler --actuator local` with a short scale-down window; answers its log's path
-    (complete once the block has left: the scheduler has stopped, with its workers, and exited 0)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-    env.update({
-        "SLUICE_REDIS_URL": redis_url, "SLUICE_DATABASE_URL": database_url, "SLUICE_HOME": str(home),
-        "SLUICE_WORKER_SLOTS": str(slots), "SLUICE_CPU_CORES": str(slots), "SLUICE_SCALE_INTERVAL_S": "0.5",
-        "SLUICE_SCALE_DOWN_STABILIZATION_S": "4", "SLUICE_SHUTDOWN_GRACE_S": "10",
-    })
-    log_path = home / "scheduler.log"
-    with log_path.open("wb") as sink:
-        process = subprocess.Popen([sys.executable, "-m", "launch.cli", "scheduler", "--actuator", "local"],
-                                   cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
-    try:
+    """The local scheduler with `slots` processes and a short scale-down window."""
+    with local_scheduler(database_url=database_url, redis_url=redis_url, home=home, settings={
+            "SLUICE_WORKER_SLOTS": str(slots), "SLUICE_CPU_CORES": str(slots),
+            "SLUICE_SCALE_DOWN_STABILIZATION_S": "4"}) as log_path:
         yield log_path
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
-    assert process.returncode == 0, log_path.read_text()[-3000:]
 
 
 def queue(client: redis.Redis, model: str, count: int, tenants: tuple[str, ...] = ("demo",)) -> list[str]:

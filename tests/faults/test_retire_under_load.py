@@ -13,9 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,9 +28,9 @@ from sluice.wire.heartbeats import live_since
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
 from sluice.wire.streams import queue_jobs
-from tests.support import REPO, SYNTHETIC_SHA, fresh_database
+from tests.support import SYNTHETIC_SHA, fresh_database
 
-from ._support import read_jobs
+from ._support import local_scheduler, read_jobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
@@ -69,27 +66,10 @@ def registry_with(*versions: tuple[str, str, int]) -> Iterator[str]:
 
 @contextmanager
 def scheduler(database_url: str, redis_url: str, home: Path) -> Iterator[Path]:
-    """`sluice scheduler --actuator local` on two cores with a 5 s retirement drain; answers its log."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-    env.update({
-        "SLUICE_REDIS_URL": redis_url, "SLUICE_DATABASE_URL": database_url, "SLUICE_HOME": str(home),
-        "SLUICE_CPU_CORES": "2", "SLUICE_SCALE_INTERVAL_S": "0.5", "SLUICE_RETIRE_DRAIN_S": str(DRAIN_S),
-        "SLUICE_SHUTDOWN_GRACE_S": "10",
-    })
-    log_path = home / "scheduler.log"
-    with log_path.open("wb") as sink:
-        process = subprocess.Popen([sys.executable, "-m", "launch.cli", "scheduler", "--actuator", "local"],
-                                   cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
-    try:
+    """The local scheduler on two cores with a 5 s retirement drain; answers its log."""
+    with local_scheduler(database_url=database_url, redis_url=redis_url, home=home, settings={
+            "SLUICE_CPU_CORES": "2", "SLUICE_RETIRE_DRAIN_S": str(DRAIN_S)}) as log_path:
         yield log_path
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    assert process.returncode == 0, log_path.read_text()[-3000:]
 
 
 def queue(client: redis.Redis, model: str, count: int, *, timeout_s: float | None = None) -> list[str]:
