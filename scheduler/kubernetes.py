@@ -17,8 +17,9 @@ pod drains).
 Every error of the API (a refusal, a timeout, no connection) becomes an `ActuatorError` here, at
 the boundary, counted in `sluice_actuator_errors_total{operation}`; `apply` takes each group on its
 own, so one that fails is logged and tried again on the next tick while the others go on. The
-first `apply` lists the Deployments this actuator made (by label): those of groups the plan no
-longer has, closed while no scheduler ran, are deleted as well.
+first `apply`, and one a minute after, lists the Deployments this actuator made (by label): those
+of groups the plan no longer has, closed while no scheduler ran, are deleted as well, and one
+deleted by hand is made again.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ MANAGED_SELECTOR = f"app.kubernetes.io/component=worker,{MANAGED_BY[0]}={MANAGED
 REQUEST_TIMEOUT_S = (3.0, 10.0)
 # The template is read again after this long: an operator's edit reaches the next group made.
 TEMPLATE_MAX_AGE_S = 60.0
+# The managed Deployments are listed again after this long: one deleted by hand is made again.
+RELIST_S = 60.0
 
 
 class KubernetesActuator:
@@ -60,15 +63,16 @@ class KubernetesActuator:
         self.namespace = namespace
         self.template = template
         self.clock = clock
-        self._existing: set[str] = set()  # the group Deployments made (or found at start)
+        self._existing: set[str] = set()  # the group Deployments made, or found by the last listing
         self._listed = False
+        self._listed_at = 0.0
         self._template: tuple[float, dict[str, Any]] | None = None
 
     def deployment(self, group: str) -> str:
         return f"{self.template}-{group}"
 
     def apply(self, plan: PlacementPlan) -> None:
-        if not self._listed:
+        if not self._listed or self.clock() - self._listed_at > RELIST_S:
             self._list_managed()
         wanted = {self.deployment(name): (name, group) for name, group in plan.groups.items()}
         for name, (group_name, group) in sorted(wanted.items()):
@@ -101,8 +105,8 @@ class KubernetesActuator:
         except ActuatorError as exc:
             log.warning("%s; the groups' deployments are looked for again on the next tick", exc)
             return
-        self._existing |= {item.metadata.name for item in listed.items}
-        self._listed = True
+        self._existing = {item.metadata.name for item in listed.items}
+        self._listed, self._listed_at = True, self.clock()
 
     def _create(self, name: str, group_name: str, group: Group) -> None:
         body = group_deployment(self._read_template(), name=name, group=group_name, threads=group.threads)

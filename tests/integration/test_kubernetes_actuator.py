@@ -200,6 +200,18 @@ def test_a_failed_listing_deletes_nothing_until_a_listing_succeeds(
     assert MANAGED_SELECTOR.startswith("app.kubernetes.io/component=worker")
 
 
+def test_a_deployment_deleted_by_hand_is_made_again_at_the_next_listing(api_server: FakeApiServer) -> None:
+    now = [0.0]
+    actuator = KubernetesActuator(apps=_apps(api_server.url), namespace=NS, clock=lambda: now[0])
+    actuator.apply(plan("g1"))
+    del api_server.deployments["sluice-worker-g1"]
+    actuator.apply(plan("g1"))
+    assert "sluice-worker-g1" not in api_server.deployments, "not listed again within the minute"
+    now[0] += 61
+    actuator.apply(plan("g1"))
+    assert "sluice-worker-g1" in api_server.deployments
+
+
 def test_no_connection_is_counted_and_apply_never_raises() -> None:
     actuator = KubernetesActuator(apps=_apps("http://127.0.0.1:9"), namespace=NS)
     before = _errors("list") + _errors("read")
