@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import statistics
 import subprocess
@@ -24,6 +23,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from bench.output import command_line, table, write_json
 from sluice.wire import keys
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
@@ -143,7 +143,13 @@ def main() -> None:
                                "flooded_p99_ms_max": max(flooded.p99_ms for _, flooded in pairs),
                                "bound_ms": pairs[0][1].bound_ms,
                                "runs": [{"alone": asdict(a), "flooded": asdict(f)} for a, f in pairs]}
-    print(json.dumps({"host": host(), "flood": args.flood, "repeats": args.repeats, "summary": summary}, indent=2))
+    rows = [[lane, ", ".join(f"{a.p99_ms:.1f}" for a, _ in runs[lane]), ", ".join(f"{f.p99_ms:.1f}" for _, f in runs[lane]),
+             f"{s['p99_ratio_median']:.1f}x ({s['p99_ratio_min']:.1f}-{s['p99_ratio_max']:.1f})", f"{s['bound_ms']:.0f}"]
+            for lane, s in summary.items()]
+    print(table(["flood lane", "B alone p99 ms", "B beside the flood p99 ms", "p99 ratio", "bound ms"], rows))
+    path = write_json("noisy_neighbour.json", {"command": command_line("bench.noisy_neighbour"), "host": host(),
+                                               "flood": args.flood, "repeats": args.repeats, "summary": summary})
+    print(f"written to {path}")
 
 
 if __name__ == "__main__":
