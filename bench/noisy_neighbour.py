@@ -143,9 +143,10 @@ def main() -> None:
                                "flooded_p99_ms_max": max(flooded.p99_ms for _, flooded in pairs),
                                "bound_ms": pairs[0][1].bound_ms,
                                "runs": [{"alone": asdict(a), "flooded": asdict(f)} for a, f in pairs]}
-    rows = [[lane, ", ".join(f"{a.p99_ms:.1f}" for a, _ in runs[lane]), ", ".join(f"{f.p99_ms:.1f}" for _, f in runs[lane]),
-             f"{s['p99_ratio_median']:.1f}x ({s['p99_ratio_min']:.1f}-{s['p99_ratio_max']:.1f})", f"{s['bound_ms']:.0f}"]
-            for lane, s in summary.items()]
+    rows = [[lane, ", ".join(f"{a.p99_ms:.1f}" for a, _ in runs[lane]),
+             ", ".join(f"{f.p99_ms:.1f}" for _, f in runs[lane]),
+             f"{s['p99_ratio_median']:.1f}x ({s['p99_ratio_min']:.1f}-{s['p99_ratio_max']:.1f})",
+             f"{s['bound_ms']:.0f}"] for lane, s in summary.items()]
     print(table(["flood lane", "B alone p99 ms", "B beside the flood p99 ms", "p99 ratio", "bound ms"], rows))
     path = write_json("noisy_neighbour.json", {"command": command_line("bench.noisy_neighbour"), "host": host(),
                                                "flood": args.flood, "repeats": args.repeats, "summary": summary})
