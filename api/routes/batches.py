@@ -27,7 +27,7 @@ from api.response_models import BatchList, BatchResource, ErrorResource
 from api.uploads import receive_upload
 from sluice import batch_files, batch_rows, tenant_files
 from sluice.batch_files import FORMATS, BatchFileError, Format
-from sluice.errors import InvalidInput, InvalidJson, NotFound, PayloadTooLarge
+from sluice.errors import InvalidInput, InvalidJson, NotFound, NotServed, PayloadTooLarge
 from sluice.registry import batches as queries
 from sluice.registry.tenants import KeyInfo
 from sluice.routing import route
@@ -40,7 +40,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     409: {"model": ErrorResource, "description": "Retired version; a batch already final"},
     413: {"model": ErrorResource, "description": "Too many inline inputs or too large an upload"},
     422: {"model": ErrorResource, "description": "Invalid fields, format, column or input_uri"},
-    503: {"model": ErrorResource, "description": "No servable version"},
+    503: {"model": ErrorResource, "description": "No servable version, or `not_served`: the version routed to "
+                                                 "cannot be served now, with why"},
 }
 
 
@@ -178,6 +179,10 @@ def _routed(state: AppState, key: KeyInfo, options: _BatchOptions, path: Path, f
     callback_url = checked_callback(state, options.callback_url)
     decision = route(state.routing.current(), model=options.model, tenant=key.tenant, routing_key=None,
                      version=options.version, blocked=state.breakers.blocked(options.model), admin=key.is_admin)
+    unserved = state.placement.not_served(options.model, decision.version.version)
+    if unserved is not None:
+        raise NotServed(f"{options.model}/{decision.version.version} cannot be served now: {unserved}",
+                        headers={"Retry-After": "30"})
     return queries.NewBatch(
         tenant=key.tenant, model=options.model, version=decision.version.version, input_path=str(path),
         input_format=fmt, text_field=options.text_field, output_format=options.output_format,

@@ -50,6 +50,8 @@ def test_a_version_no_worker_can_serve_answers_503_not_served_and_queues_nothing
     bulk = demo.post(f"/v1/models/{model}/jobs:bulk", json={"inputs": [{"text": "a"}, {"text": "b"}]})
     assert bulk.status_code == 503 and bulk.json()["error"]["code"] == "not_served"
     assert [rds.xlen(keys.stream(model, "v1", lane)) for lane in ("online", "bulk")] == queued, "a refusal queued"
+    batch = demo.post("/v1/batches", json={"model": model, "inputs": [{"text": "a"}]})
+    assert batch.status_code == 503 and batch.json()["error"]["code"] == "not_served", batch.text
     # Another version of the model, named by an admin, is served as usual.
     assert submit(admin, model, version="v2").status_code == 202
     plan({})
