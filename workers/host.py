@@ -79,7 +79,6 @@ class _Served:
 @dataclass(frozen=True, slots=True)
 class _Loaded:
     row: ModelVersion
-    kind: str
     tier: str
     model: Loaded
     cold_start_s: float
@@ -247,7 +246,7 @@ class WorkerHost:
                 with contextlib.suppress(SluiceError):
                     await placements.clear_refusal(self.redis, key)
                 self._loaded_metrics(key, model, cold_start_s)
-                return _Loaded(row=row, kind=kind, tier=tier, model=model, cold_start_s=cold_start_s)
+                return _Loaded(row=row, tier=tier, model=model, cold_start_s=cold_start_s)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay):
                     await served.stop.wait()

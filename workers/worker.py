@@ -4,7 +4,10 @@ Reading runs in one task and the model in another (in a thread, since torch rele
 so while batch k runs the next entries are already read and held by the batcher: the model never
 waits on a Redis round trip. The runner takes the best batch at the moment the model is free
 (`MicroBatcher.take`), so under a backlog it gets full, length-matched batches instead of the
-crumbs an eager close at read time would leave. An entry is acknowledged only after its outcome
+crumbs an eager close at read time would leave. In a process serving several versions the batch
+then waits for its turn on the model (`workers/slots.py`: tier, lane, then fair by model time),
+so one version's flood holds another's batch back by at most the batch already running. An
+entry is acknowledged only after its outcome
 is stored; an entry left unacknowledged by a dead worker is taken over with XAUTOCLAIM.
 
 Exactly once while workers live: an entry can wait in the prefetch, or on a model slower than
