@@ -7,8 +7,8 @@ waits on a Redis round trip. The runner takes the best batch at the moment the m
 crumbs an eager close at read time would leave. In a process serving several versions the batch
 then waits for its turn on the model (`workers/slots.py`: tier, lane, then fair by model time),
 so one version's flood holds another's batch back by at most the batch already running. An
-entry is acknowledged only after its outcome
-is stored; an entry left unacknowledged by a dead worker is taken over with XAUTOCLAIM.
+entry is acknowledged only after its outcome is stored; an entry left unacknowledged by a dead
+worker is taken over with XAUTOCLAIM.
 
 Exactly once while workers live: an entry can wait in the prefetch, or on a model slower than
 `claim_after_s`, for longer than XAUTOCLAIM's idle threshold, so the worker refreshes everything
