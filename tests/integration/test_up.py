@@ -112,7 +112,8 @@ def test_every_process_of_up_is_scraped_by_a_real_prometheus_and_the_dashboard_q
 
         def every_process_scraped() -> bool:
             seen = healthy()
-            return {"api", "flower", "scheduler", "celery"} <= set(seen) and seen.get("worker", 0) >= 2
+            # The demo's two versions share one worker process on the 2-core default: one target.
+            return {"api", "flower", "scheduler", "celery"} <= set(seen) and seen.get("worker", 0) >= 1
 
         wait_until(every_process_scraped, timeout_s=60, what="Prometheus scraping every process",
                    interval_s=0.5)
@@ -121,8 +122,7 @@ def test_every_process_of_up_is_scraped_by_a_real_prometheus_and_the_dashboard_q
             assert body["status"] == "success", (query, body)
             return list(body["data"]["result"])
 
-        # rate() needs two scrapes after the batches, and each worker is its own target, scraped at
-        # its own offset: wait for both models' workers.
+        # rate() needs two scrapes after the batches: wait for both models' series.
         def models_with_two_scrapes() -> set[str]:
             return {str(r["metric"]["model"])
                     for r in answers("sum by (model) (rate(sluice_batch_size_count[30s]))")}
