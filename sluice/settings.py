@@ -96,8 +96,9 @@ class Settings(BaseSettings):
     artifact_ca_bundle: Path | None = None
     cpu_cores: int | None = None
 
-    # Autoscaling (scheduler/autoscale.py). Worker slots shared by every version, one torch
-    # thread each on CPU; unset: the cores the local actuator may use (`cpu_cores` or all).
+    # Autoscaling (scheduler/autoscale.py) and placement (scheduler/placement.py): the worker
+    # processes scale-up may open, each with `cores // worker_slots` torch threads (floors are
+    # placed whatever it says); unset: the cores the local actuator may use (`cpu_cores` or all).
     worker_slots: int | None = Field(default=None, ge=1)
     scale_headroom: float = Field(default=0.2, ge=0)
     scale_drain_target_s: float = Field(default=30.0, gt=0)

@@ -20,8 +20,9 @@ class VersionState(StrEnum):
 
 
 class Tier(StrEnum):
-    """A model's availability tier: the scheduler's slot budget serves every `latency` model's
-    need before a `batch` model gets more than nothing (scheduler/autoscale.py)."""
+    """A model's availability tier: its versions share worker processes only with versions of
+    the same tier (unless packing across tiers), and the latency tier takes spare processes first
+    (scheduler/placement.py)."""
 
     latency = "latency"
     batch = "batch"

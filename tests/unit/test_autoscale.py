@@ -1,5 +1,5 @@
 """The autoscaling policy (scheduler/autoscale.py): replicas from leading signals, scale-down
-stabilization, the arrival-rate tracker and the slot budget."""
+stabilization and the arrival-rate tracker."""
 
 from __future__ import annotations
 
