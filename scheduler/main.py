@@ -162,12 +162,12 @@ class Scheduler:
         past its drain limit has the rest failed; answer the retired versions still draining,
         which stay placed (docs/ARCHITECTURE.md, "No job waits for a worker that will never come")."""
         assert self._snapshot is not None
-        for model in self._snapshot.models.values():
-            for version in model.versions:
-                if (model.name, version) in retired or model.versions[version].state != VersionState.retired:
-                    expired = settling.expire_due(self._redis, model.name, version, now=now)
-                    if expired:
-                        log.info("%s/%s: %d queued jobs expired past their deadline", model.name, version, expired)
+        swept = [(model.name, name) for model in self._snapshot.models.values()
+                 for name, version in model.versions.items()
+                 if version.state != VersionState.retired or (model.name, name) in retired]
+        for key, expired in settling.expire_due(self._redis, swept, now=now).items():
+            if expired:
+                log.info("%s/%s: %d queued jobs expired past their deadline", *key, expired)
         backlog = {key: readings[key].online.queued + readings[key].bulk.queued for key in retired}
         decided = retiring(retired, backlog, now=now, drain_s=self.retire_drain_s)
         for key in sorted(decided.fail_now):

@@ -22,7 +22,7 @@ import redis
 from scheduler.autoscale import LaneLoad, PoolSignals, RateTracker, ScalingPolicy, Stabilizer, Tier, need
 from scheduler.placement import Budget, GroupPlan, Placed, Placer, Want
 from sluice.metrics import DESIRED_REPLICAS, LIVE_REPLICAS, STREAM_LAG
-from sluice.routing import RoutingSnapshot, VersionInfo
+from sluice.routing import ModelInfo, RoutingSnapshot, VersionInfo
 from sluice.versions import VersionState
 from sluice.vocabulary import LANES
 from sluice.wire import keys, placements
@@ -106,11 +106,14 @@ class ScaledVersion:
     kind: str = ""
 
 
+def _scaled(model: ModelInfo, info: VersionInfo) -> ScaledVersion:
+    return ScaledVersion(info=info, tier="batch" if model.tier == "batch" else "latency", kind=model.kind)
+
+
 def scaled_versions(snapshot: RoutingSnapshot) -> dict[VersionKey, ScaledVersion]:
     """Every version that can be asked for (all but retired) and may have workers, with its model's tier."""
     return {
-        (model.name, version.version): ScaledVersion(info=version, tier="batch" if model.tier == "batch" else "latency",
-                                                     kind=model.kind)
+        (model.name, version.version): _scaled(model, version)
         for model in snapshot.models.values()
         for version in model.versions.values()
         if version.state != VersionState.retired and version.max_replicas > 0
@@ -131,13 +134,13 @@ def draining_versions(snapshot: RoutingSnapshot, keep: Iterable[VersionKey]) -> 
         model = snapshot.models.get(key[0])
         info = model.versions.get(key[1]) if model else None
         if model is not None and info is not None:
-            found[key] = ScaledVersion(info=replace(info, min_replicas=1, max_replicas=1),
-                                       tier="batch" if model.tier == "batch" else "latency", kind=model.kind)
+            found[key] = _scaled(model, replace(info, min_replicas=1, max_replicas=1))
     return found
 
 
 def worker_config(info: VersionInfo) -> str:
-    """What a worker reads from the registry once, at start: a change means replacing it."""
+    """What a version's Worker reads from the registry once, at start: a change means a new Worker
+    for it beside the old one, which then drains (workers/host.py)."""
     return (f"{info.artifact}@{info.sha256} batch={info.max_batch_size} wait_ms={info.max_wait_ms:g} "
             f"isolate_tenants={info.isolate_tenants}")
 

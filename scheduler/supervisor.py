@@ -22,7 +22,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from sluice.processes import die_with_parent
@@ -38,7 +38,6 @@ class _Process:
     process: subprocess.Popen[bytes]
     started_at: float
     log_path: Path
-    threads: int
 
 
 @dataclass
@@ -49,7 +48,6 @@ class _Slot:
     current: _Process | None = None
     failures: int = 0
     next_start_at: float = 0.0
-    draining: list[tuple[_Process, float]] = field(default_factory=list)  # (process, kill after)
 
 
 class Supervisor:
@@ -133,7 +131,7 @@ class Supervisor:
             process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env,
                                        start_new_session=True, preexec_fn=die_with_parent(signal.SIGTERM))
         log.info("started the worker process of group %s: pid %d (%d threads)", name, process.pid, threads)
-        return _Process(process=process, started_at=self.clock(), log_path=log_path, threads=threads)
+        return _Process(process=process, started_at=self.clock(), log_path=log_path)
 
     def stop_all(self) -> None:
         """Drain every process at once (SIGTERM to all, then wait), killing stragglers at the grace."""
