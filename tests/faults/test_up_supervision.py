@@ -149,11 +149,28 @@ def test_postgres_killed_restarts_on_its_data_and_the_registry_answers_again(
             time.sleep(0.1)
         recovered_s = time.monotonic() - killed_at
         # The data survived: the tenant made before the kill exists (a second create conflicts).
-        again = admin.post("/v1/tenants", json={"id": "before-kill"})
+        # A registry still settling may answer 503 (with Retry-After) once more, as the contract
+        # allows; it must settle within the same recovery bound, and the count shows any flap.
+        unavailable_after_recovery = 0
+        while (again := admin.post("/v1/tenants", json={"id": "before-kill"})).status_code == 503:
+            unavailable_after_recovery += 1
+            assert time.monotonic() - killed_at < RECOVERY_S, _registry_log(up)
+            time.sleep(0.1)
         assert again.status_code == 409, again.text
     assert not Path(f"/proc/{old}").exists(), f"Postgres {old} was left a zombie"
     assert _restarted(up, "postgres", old)()
     figure("registry_back_after_s", round(recovered_s, 2))
+    figure("unavailable_after_recovery", unavailable_after_recovery)
+    if unavailable_after_recovery:
+        figure("registry_log", _registry_log(up))
+
+
+def _registry_log(up: Up) -> str:
+    """What the API logged of the registry, and the end of Postgres' own log."""
+    api = [line for path in sorted((up.home / "logs").glob("api*.log"))
+           for line in path.read_text(errors="replace").splitlines() if "registry" in line]
+    postgres = (up.home / "logs" / "postgres.log").read_text(errors="replace").splitlines()
+    return "\n".join([*api[-10:], *postgres[-15:]])
 
 
 def test_sigkill_of_up_leaves_no_process_and_no_port(tmp_path: Path, figure: Callable[[str, object], None]) -> None:
