@@ -90,7 +90,8 @@ def traced(encoder: Any) -> Any:
     # Two rows of different lengths, so no size is traced as the constant 1.
     ids, mask, types = encoder._padded([[101, 2023, 2003, 102], [101, 2023, 102]], [[0] * 4, [0] * 3])
     with torch.no_grad():
-        module = torch.jit.trace(encoder.model, (ids, mask, types), check_trace=False)
+        module = torch.jit.trace(  # type: ignore[no-untyped-call]
+            encoder.model, (ids, mask, types), check_trace=False)
         return torch.jit.freeze(module.eval())
 
 
@@ -232,7 +233,7 @@ def print_results(result: dict[str, Any]) -> None:
     for config, c in result["compile"].items():
         warm = c.get("warm_cache")
         rows.append([config, c["compile_s"], c["cpu_s"], c["graphs"] if config.startswith("inductor") else "n/a",
-                     warm["compile_s"] if warm else "n/a", c["cosine_to_eager_fp32"]["min"]])
+                     warm["compile_s"] if warm else "n/a", f"{c['cosine_to_eager_fp32']['min']:.4f}"])
     print(table(["config", "compile s (wall)", "first run CPU s (this process)", "graphs compiled",
                  "compile s, warm cache", "cos min vs eager fp32"], rows))
     shapes = result["shapes"]
