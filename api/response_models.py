@@ -226,6 +226,16 @@ class Replicas(BaseModel):
                                    "(submissions get 503 `not_served`), or null")
 
 
+class RunningPrecision(BaseModel):
+    """A precision the version's live workers run, as their start-up calibration chose it or the
+    artifact's `?precision=` asked for it."""
+
+    precision: str = Field(description="fp32, bf16, fp16 or int8")
+    speedup: float | None = Field(description="Its speed over fp32's, measured at the worker's start-up; "
+                                  "null where nothing was measured")
+    workers: int = Field(description="Live workers running it")
+
+
 class VersionResource(BaseModel):
     version: str
     state: str = Field(json_schema_extra={"enum": [state.value for state in VersionState]})
@@ -242,6 +252,9 @@ class VersionResource(BaseModel):
     allow_pickle: bool = Field(default=False, description="Kind `torch-export`: whether an admin let the version's "
                                "archive load even though a pickle in it could run code in the worker")
     replicas: Replicas | None = None
+    running_precision: list[RunningPrecision] = Field(
+        default_factory=list, description="What the live workers run (only on the version's own resource); "
+        "empty for kinds with no precision to choose")
 
 
 class ModelResource(BaseModel):

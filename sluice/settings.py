@@ -11,7 +11,7 @@ import ipaddress
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from sluice.wire.connections import as_cluster_url, cluster_url
@@ -79,10 +79,17 @@ class Settings(BaseSettings):
 
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     worker_prefetch_batches: int = Field(default=4, ge=1)
-    # `?quantize=auto` MiniLM versions (workers/models/precision.py): int8 only where the worker's
-    # start-up calibration (this many measured rounds of each) finds it at least this much faster.
-    int8_min_speedup: float = Field(default=1.15, ge=1.0)
-    int8_calibration_rounds: int = Field(default=5, ge=1, le=50)
+    # `?precision=auto` versions (workers/models/precision.py): the fastest precision that stays
+    # within the quality bound against fp32 and reaches `precision_min_speedup` times its speed at
+    # the worker's start-up calibration, measured over `precision_calibration_rounds` rounds.
+    # The old `SLUICE_INT8_*` names are still read.
+    precision_min_speedup: float = Field(default=1.15, ge=1.0, validation_alias=AliasChoices(
+        "precision_min_speedup", "SLUICE_PRECISION_MIN_SPEEDUP", "SLUICE_INT8_MIN_SPEEDUP"))
+    precision_calibration_rounds: int = Field(default=5, ge=1, le=50, validation_alias=AliasChoices(
+        "precision_calibration_rounds", "SLUICE_PRECISION_CALIBRATION_ROUNDS", "SLUICE_INT8_CALIBRATION_ROUNDS"))
+    precision_min_cosine: float = Field(default=0.999, gt=0.0, le=1.0)  # embeddings, worst text
+    precision_min_label_agreement: float = Field(default=0.995, gt=0.0, le=1.0)  # classifiers
+    precision_max_probability_error: float = Field(default=0.01, ge=0.0, le=1.0)  # classifiers, mean over texts
     # A batch still running after this many seconds fails its jobs (`handler_timeout`) and the
     # worker, whose model thread cannot be taken back, exits for a fresh one.
     batch_timeout_s: float = Field(default=120.0, gt=0)

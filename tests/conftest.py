@@ -15,7 +15,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -25,7 +25,8 @@ import pytest
 import redis
 from sqlalchemy import text
 
-from launch.seed import Seeded, seed
+from launch.seed import DEMO_VERSIONS, Seeded, seed
+from sluice.artifacts import parse_artifact
 from sluice.registry.store import Registry
 from sluice.settings import Settings
 from sluice.vocabulary import LANES
@@ -198,8 +199,10 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def seeded(registry: Registry, home: Path) -> Seeded:
-    """Tenant `demo` (plain key), tenant `admin` (admin key), `minilm` v1 and `intent` v1 at 100."""
-    return seed(registry, home=home)
+    """Tenant `demo` (plain key), tenant `admin` (admin key), `minilm` v1 and `intent` v1 at 100, in
+    fp32: the tests compare outputs with the fp32 reference, and `sluice up`'s tests run `auto`."""
+    fp32 = tuple(replace(demo, artifact=parse_artifact(demo.artifact).location) for demo in DEMO_VERSIONS)
+    return seed(registry, home=home, versions=fp32)
 
 
 @pytest.fixture(scope="session")

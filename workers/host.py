@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 
 from sluice.backoff import Backoff
 from sluice.errors import ArtifactError, SluiceError, WorkerFailed
-from sluice.metrics import COLD_START, INT8_SPEEDUP, WORKER_INT8, WORKER_STATE
+from sluice.metrics import COLD_START, PRECISION_SPEEDUP, WORKER_PRECISION, WORKER_STATE, clear_precision
 from sluice.registry import catalog
 from sluice.registry.store import Registry
 from sluice.registry.tables import ModelVersion
@@ -199,7 +199,7 @@ class WorkerHost:
                 claim_after_s=self.settings.claim_after_s, max_deliveries=self.settings.max_deliveries,
                 prefetch_batches=self.settings.worker_prefetch_batches,
                 shutdown_grace_s=self.settings.shutdown_grace_s, cold_start_s=loaded.cold_start_s,
-                precision=choice.precision if choice else "", int8_speedup=choice.speedup if choice else None,
+                precision=choice.precision if choice else "", precision_speedup=choice.speedup if choice else None,
                 batch_timeout_s=self.settings.batch_timeout_s, slots=self.slots, tier=loaded.tier,
                 group=self.group, resident_bytes=loaded.model.resident_bytes,
             )
@@ -215,9 +215,10 @@ class WorkerHost:
         finally:
             self.models.release(loaded.model)
             if not any(s is not served and not s.stop.is_set() for s in self.served.get(served.key, [])):
-                for gauge in (WORKER_STATE, COLD_START, WORKER_INT8, INT8_SPEEDUP):
+                for gauge in (WORKER_STATE, COLD_START, PRECISION_SPEEDUP):
                     with contextlib.suppress(KeyError):
                         gauge.remove(model, version)
+                clear_precision(model, version)
 
     async def _load(self, served: _Served) -> _Loaded | None:
         """Verify, load (or share) and warm the version's model; None when it was stopped first.
@@ -263,8 +264,7 @@ class WorkerHost:
         settings = self.settings
         model = self.models.acquire(
             kind=kind, artifact=row.artifact, sha256=row.sha256, device=self.device, threads=self.threads,
-            precision=PrecisionPolicy(min_speedup=settings.int8_min_speedup,
-                                      rounds=settings.int8_calibration_rounds),
+            precision=PrecisionPolicy.from_settings(settings),
             sources=Sources(handler=row.handler, input_schema=row.input_schema, output_schema=row.output_schema,
                             cache_dir=settings.artifact_cache, ca_bundle=settings.artifact_ca_bundle,
                             allow_pickle=row.allow_pickle))
@@ -293,9 +293,10 @@ class WorkerHost:
         COLD_START.labels(*key).set(cold_start_s)
         choice = model.handler.precision
         if choice is not None:
-            WORKER_INT8.labels(*key).set(1 if choice.precision == "int8" else 0)
+            clear_precision(*key)
+            WORKER_PRECISION.labels(*key, choice.precision).set(1)
             if choice.speedup is not None:
-                INT8_SPEEDUP.labels(*key).set(choice.speedup)
+                PRECISION_SPEEDUP.labels(*key).set(choice.speedup)
             log.info("%s runs %s: %s", version_name(key), choice.precision, choice.reason)
         log.info("%s ready after %.2fs (%s, %.0f MB resident added)", version_name(key), cold_start_s,
                  "weights shared" if model.shared else "weights loaded", model.resident_bytes / 2**20)

@@ -116,7 +116,7 @@ class Worker:
         shutdown_grace_s: float = 30.0,
         cold_start_s: float = 0.0,
         precision: str = "",
-        int8_speedup: float | None = None,
+        precision_speedup: float | None = None,
         top_up: bool = False,
         batch_timeout_s: float = 120.0,
         group: str = "",
@@ -136,7 +136,7 @@ class Worker:
         self.batch_timeout_s = batch_timeout_s
         self.cold_start_s = cold_start_s
         self.precision = precision
-        self.int8_speedup = int8_speedup
+        self.precision_speedup = precision_speedup
         self.group = group
         self.resident_bytes = resident_bytes
         # The process's model slots, shared with the other versions it serves (workers/slots.py).
@@ -501,7 +501,7 @@ class Worker:
                 await self.streams.beat(Heartbeat(
                     state=self.state, items_per_s=self.items_per_s(), batch_size=self.last_batch_size,
                     cold_start_s=self.cold_start_s, processed=self.processed, pid=os.getpid(), at=self.clock(),
-                    precision=self.precision, int8_speedup=self.int8_speedup, group=self.group,
+                    precision=self.precision, precision_speedup=self.precision_speedup, group=self.group,
                     resident_bytes=self.resident_bytes,
                 ))
             await asyncio.sleep(BEAT_EVERY_S)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Annotated, Any
 
@@ -28,6 +29,7 @@ from sluice.errors import InvalidInput, NotFound
 from sluice.registry import audit, catalog, quality, routing_table
 from sluice.stats import MAX_SERIES_BUCKETS, check_series_window, series, summarise
 from sluice.versions import Tier, VersionState
+from sluice.wire import heartbeats
 from sluice.wire.response_cache import MAX_TTL_S
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
@@ -189,7 +191,24 @@ async def get_version(model: str, version: str, _: CurrentKey, state: StateDep) 
         with state.registry.session() as session:
             return catalog.version_resource(catalog.get_version(session, model, version))
 
-    return await to_thread.run_sync(read)
+    resource = await to_thread.run_sync(read)
+    beats = await heartbeats.live_heartbeats(state.broker.redis, model, version, now=time.time())
+    resource["running_precision"] = running_precision(beats)
+    return resource
+
+
+def running_precision(beats: list[heartbeats.Heartbeat]) -> list[dict[str, Any]]:
+    """The live workers grouped by the precision they run, with the median of their measured speed-ups."""
+    by_precision: dict[str, list[float | None]] = {}
+    for beat in beats:
+        if beat.precision:
+            by_precision.setdefault(beat.precision, []).append(beat.precision_speedup)
+    running = []
+    for precision, speedups in sorted(by_precision.items()):
+        measured = [s for s in speedups if s is not None]
+        running.append({"precision": precision, "workers": len(speedups),
+                        "speedup": round(statistics.median(measured), 3) if measured else None})
+    return running
 
 
 @router.patch("/{model}/versions/{version}", response_model=VersionChange)

@@ -40,10 +40,10 @@ class Heartbeat:
     processed: int
     pid: int
     at: float
-    # What the model runs in (fp32, int8, bf16; empty for kinds without a choice) and, where the
-    # worker measured it at start-up, int8's speed over fp32's (workers/models/precision.py).
+    # What the model runs in (fp32, bf16, fp16, int8; empty for kinds without a choice) and, where
+    # the worker measured it at start-up, its speed over fp32's (workers/models/precision.py).
     precision: str = ""
-    int8_speedup: float | None = None
+    precision_speedup: float | None = None
     # The placement group (worker process) serving it, and the resident memory its load added to
     # that process: 0 when it shares weights another version had loaded there.
     group: str = ""
@@ -54,7 +54,7 @@ class Heartbeat:
             "state": self.state.value, "items_per_s": f"{self.items_per_s:.3f}", "batch_size": str(self.batch_size),
             "cold_start_s": f"{self.cold_start_s:.3f}", "processed": str(self.processed), "pid": str(self.pid),
             "at": repr(self.at), "precision": self.precision,
-            "int8_speedup": "" if self.int8_speedup is None else f"{self.int8_speedup:.3f}",
+            "precision_speedup": "" if self.precision_speedup is None else f"{self.precision_speedup:.3f}",
             "group": self.group, "resident_bytes": str(self.resident_bytes),
         }
 
@@ -66,7 +66,7 @@ class Heartbeat:
                    batch_size=int(data["batch_size"]), cold_start_s=float(data["cold_start_s"]),
                    processed=int(data["processed"]), pid=int(data["pid"]), at=float(data["at"]),
                    precision=data.get("precision", ""),
-                   int8_speedup=float(data["int8_speedup"]) if data.get("int8_speedup") else None,
+                   precision_speedup=float(data["precision_speedup"]) if data.get("precision_speedup") else None,
                    group=data.get("group", ""), resident_bytes=int(data.get("resident_bytes") or 0))
 
 

@@ -1,5 +1,6 @@
-"""The precision choice of MiniLM versions: what ``?quantize=`` resolves to, given int8's
-measured speed-up and the margin, and the calibration that measures it (fake encoders and clocks)."""
+"""The precision rule: which candidates a host offers, what ``auto`` and an explicit request resolve
+to given the measured speed-ups and quality, and the calibration that measures them (fake runs and
+clocks; the real models are in tests/unit/test_precision_models.py)."""
 
 from __future__ import annotations
 
@@ -9,75 +10,114 @@ import pytest
 
 from workers.models.precision import (
     AUTO,
+    BF16,
     CALIBRATION_BATCHES,
+    FP16,
     FP32,
     INT8,
+    HostPrecisions,
+    PrecisionPolicy,
+    Quality,
+    QualityBound,
     calibrate,
+    candidates,
     choose,
-    needs_calibration,
 )
+
+AMX = HostPrecisions(device="cpu", bf16=True, int8=True)
+OLD_CPU = HostPrecisions(device="cpu", bf16=False, int8=False)
+VNNI_ONLY = HostPrecisions(device="cpu", bf16=False, int8=True)
+GPU = HostPrecisions(device="cuda", bf16=True, int8=False)
+OLD_GPU = HostPrecisions(device="cuda", bf16=False, int8=False)
+POLICY = PrecisionPolicy(min_speedup=1.15, rounds=3)
+CLOSE = Quality(worst_cosine=0.9999)
+FAR = Quality(worst_cosine=0.998)
 
 
 @pytest.mark.parametrize(
-    "requested, eight_bit, speedup, margin, expected",
+    "requested, host, expected",
     [
-        # auto: int8 only with 8-bit activations and a measured speed-up of at least the margin.
-        (AUTO, True, 1.77, 1.15, INT8),
-        (AUTO, True, 1.15, 1.15, INT8),
-        (AUTO, True, 1.149, 1.15, FP32),
-        (AUTO, True, 0.8, 1.15, FP32),
-        (AUTO, True, 1.77, 2.0, FP32),
-        (AUTO, True, 1.2, 1.0, INT8),
-        (AUTO, True, None, 1.15, FP32),
-        (AUTO, False, 3.0, 1.15, FP32),
-        # Explicit requests are honoured whatever was measured.
-        (INT8, True, 0.5, 1.15, INT8),
-        (INT8, False, None, 1.15, INT8),
-        (FP32, True, 3.0, 1.15, FP32),
-        (None, True, 3.0, 1.15, FP32),
+        (AUTO, AMX, (FP32, BF16, INT8)),
+        (AUTO, VNNI_ONLY, (FP32, INT8)),
+        (AUTO, OLD_CPU, (FP32,)),
+        (AUTO, GPU, (FP32, BF16, FP16)),
+        (AUTO, OLD_GPU, (FP32, FP16)),
+        # Explicit requests are built beside fp32, to be measured; fp32 alone is nothing to measure.
+        (INT8, OLD_CPU, (FP32, INT8)),
+        (BF16, OLD_CPU, (FP32, BF16)),
+        (FP16, GPU, (FP32, FP16)),
+        (FP32, AMX, (FP32,)),
+        # No option: fp32 on the CPU, bf16 on a GPU, as before the option existed.
+        (None, AMX, (FP32,)),
+        (None, GPU, (FP32, BF16)),
     ],
 )
-def test_choice_from_request_ratio_and_margin(
-    requested: str | None, eight_bit: bool, speedup: float | None, margin: float, expected: str
-) -> None:
-    choice = choose(requested, eight_bit=eight_bit, speedup=speedup, min_speedup=margin)
+def test_the_candidates_follow_the_host(requested: str | None, host: HostPrecisions, expected: tuple[str, ...]) -> None:
+    assert candidates(requested, host) == expected
+
+
+def test_a_precision_the_device_cannot_run_is_refused() -> None:
+    with pytest.raises(ValueError, match="CPU only"):
+        candidates(INT8, GPU)
+    with pytest.raises(ValueError, match="GPU only"):
+        candidates(FP16, AMX)
+    with pytest.raises(ValueError, match="unknown precision"):
+        candidates("int4", AMX)
+
+
+def test_auto_takes_the_fastest_within_the_bound_and_the_margin() -> None:
+    choice = choose(AUTO, device="cpu", speedups={FP32: 1.0, BF16: 1.9, INT8: 1.6},
+                    quality={BF16: CLOSE, INT8: CLOSE}, policy=POLICY)
+    assert (choice.precision, choice.speedup) == (BF16, 1.9)
+    assert "bf16 at 1.90x" in choice.reason
+    # The fastest misses the bound: the next one runs, and the reason says why bf16 did not.
+    choice = choose(AUTO, device="cpu", speedups={FP32: 1.0, BF16: 1.9, INT8: 1.6},
+                    quality={BF16: FAR, INT8: CLOSE}, policy=POLICY)
+    assert choice.precision == INT8
+    assert "bf16 outside the quality bound" in choice.reason
+
+
+@pytest.mark.parametrize(
+    "speedups, quality, expected",
+    [
+        ({FP32: 1.0, BF16: 1.149}, {BF16: CLOSE}, FP32),  # under the margin
+        ({FP32: 1.0, BF16: 1.15}, {BF16: CLOSE}, BF16),  # at the margin
+        ({FP32: 1.0, BF16: 3.0}, {BF16: FAR}, FP32),  # fast, but too far from fp32
+        ({FP32: 1.0}, {}, FP32),  # nothing offered
+        ({}, {}, FP32),  # nothing measured
+    ],
+)
+def test_auto_falls_back_to_fp32(speedups: dict[str, float], quality: dict[str, Quality], expected: str) -> None:
+    choice = choose(AUTO, device="cpu", speedups=speedups, quality=quality, policy=POLICY)
     assert choice.precision == expected
-    assert choice.requested == (requested or FP32)
-    assert choice.speedup == speedup
+    assert not choice.below_margin  # auto never flags: it simply does not run what does not pay
 
 
-def test_explicit_int8_below_the_margin_runs_and_is_flagged() -> None:
-    slow = choose(INT8, eight_bit=True, speedup=0.9, min_speedup=1.15)
+def test_explicit_requests_run_and_are_flagged_when_they_do_not_pay_or_drift() -> None:
+    slow = choose(INT8, device="cpu", speedups={FP32: 1.0, INT8: 0.9}, quality={INT8: CLOSE}, policy=POLICY)
     assert (slow.precision, slow.below_margin) == (INT8, True)
     assert "0.90x" in slow.reason and "1.15x" in slow.reason
-    assert not choose(INT8, eight_bit=True, speedup=1.5, min_speedup=1.15).below_margin
-    assert not choose(INT8, eight_bit=True, speedup=None).below_margin
-    # auto never flags: it simply does not run int8 there.
-    assert not choose(AUTO, eight_bit=True, speedup=0.9).below_margin
-
-
-def test_a_choice_refuses_unknown_requests_and_margins_under_one() -> None:
+    far = choose(BF16, device="cpu", speedups={FP32: 1.0, BF16: 2.0}, quality={BF16: FAR}, policy=POLICY)
+    assert (far.precision, far.below_margin) == (BF16, True)
+    assert "outside the bound" in far.reason
+    fine = choose(BF16, device="cpu", speedups={FP32: 1.0, BF16: 2.0}, quality={BF16: CLOSE}, policy=POLICY)
+    assert (fine.precision, fine.below_margin, fine.speedup) == (BF16, False, 2.0)
+    assert choose(FP32, device="cpu", speedups={}, quality={}, policy=POLICY).precision == FP32
+    # A GPU's default is bf16, measured like any explicit request.
+    assert choose(None, device="cuda", speedups={FP32: 1.0, BF16: 2.5}, quality={BF16: CLOSE},
+                  policy=POLICY).precision == BF16
     with pytest.raises(ValueError):
-        choose("int4", eight_bit=True, speedup=2.0)
-    with pytest.raises(ValueError):
-        choose(AUTO, eight_bit=True, speedup=2.0, min_speedup=0.9)
+        choose(AUTO, device="cpu", speedups={}, quality={}, policy=PrecisionPolicy(min_speedup=0.9))
 
 
-@pytest.mark.parametrize(
-    "requested, eight_bit, expected",
-    [
-        (AUTO, True, True),
-        (AUTO, False, False),
-        (INT8, True, True),
-        (INT8, False, True),
-        (FP32, True, False),
-        (FP32, False, False),
-    ],
-)
-def test_only_auto_on_eight_bit_hosts_and_explicit_int8_are_measured(
-    requested: str, eight_bit: bool, expected: bool
-) -> None:
-    assert needs_calibration(requested, eight_bit=eight_bit) is expected
+def test_the_quality_bound_has_a_figure_per_kind() -> None:
+    bound = QualityBound(min_cosine=0.999, min_label_agreement=0.995, max_probability_error=0.01)
+    assert Quality(worst_cosine=0.999).within(bound)
+    assert not Quality(worst_cosine=0.9989).within(bound)
+    # The probability error is bounded on its mean: one near-tie text's worst error is reported only.
+    assert Quality(label_agreement=1.0, mean_probability_error=0.01, worst_probability_error=0.03).within(bound)
+    assert not Quality(label_agreement=0.99, mean_probability_error=0.0).within(bound)
+    assert not Quality(label_agreement=1.0, mean_probability_error=0.011).within(bound)
 
 
 class FakeClock:
@@ -88,14 +128,14 @@ class FakeClock:
         return self.now
 
 
-class FakeEncoder:
+class FakeRun:
     """Advances the clock by ``costs[n]`` per text during its n-th pass over the batches."""
 
     def __init__(self, name: str, costs: Sequence[float], clock: FakeClock, calls: list[str]) -> None:
         self.name, self.costs, self.clock, self.calls = name, costs, clock, calls
         self.passes = -1
 
-    def encode(self, texts: Sequence[str]) -> object:
+    def __call__(self, texts: Sequence[str]) -> object:
         if texts is CALIBRATION_BATCHES[0]:
             self.passes += 1
             self.calls.append(self.name)
@@ -103,38 +143,33 @@ class FakeEncoder:
         return None
 
 
-TEXTS = sum(len(batch) for batch in CALIBRATION_BATCHES)
-
-
-def test_calibration_measures_rounds_after_an_unmeasured_pass_alternating_the_order() -> None:
+def test_calibration_measures_rounds_after_an_unmeasured_pass_rotating_the_order() -> None:
     clock, calls = FakeClock(), []
-    fp32 = FakeEncoder("fp32", [1.0] + [0.010] * 4, clock, calls)
-    int8 = FakeEncoder("int8", [1.0] + [0.005] * 4, clock, calls)
-    measured = calibrate(fp32, int8, rounds=4, cpu_clock=clock, wall_clock=clock)
-    assert calls == ["fp32", "int8", "fp32", "int8", "int8", "fp32", "fp32", "int8", "int8", "fp32"]
+    runs = {FP32: FakeRun(FP32, [1.0] + [0.010] * 3, clock, calls),
+            BF16: FakeRun(BF16, [1.0] + [0.005] * 3, clock, calls),
+            INT8: FakeRun(INT8, [1.0] + [0.008] * 3, clock, calls)}
+    measured = calibrate(runs, rounds=3, clock=clock)
+    assert calls == [FP32, BF16, INT8, FP32, BF16, INT8, BF16, INT8, FP32, INT8, FP32, BF16]
     # The first, slow pass of each is left out of every figure.
-    assert measured.speedups == pytest.approx((2.0,) * 4)
-    assert measured.speedup == pytest.approx(2.0)
-    assert measured.fp32_cpu_s == pytest.approx(4 * TEXTS * 0.010)
-    assert measured.int8_cpu_s == pytest.approx(4 * TEXTS * 0.005)
-    assert measured.wall_speedup == pytest.approx(2.0)
+    assert measured.rounds[BF16] == pytest.approx((2.0,) * 3)
+    assert measured.speedups() == pytest.approx({FP32: 1.0, BF16: 2.0, INT8: 1.25})
 
 
 def test_one_disturbed_round_does_not_move_the_median() -> None:
     clock = FakeClock()
-    fp32 = FakeEncoder("fp32", [0.010] * 6, clock, [])
-    # int8's third measured pass runs ten times slower (a neighbour's burst).
-    int8 = FakeEncoder("int8", [0.005, 0.005, 0.005, 0.050, 0.005, 0.005], clock, [])
-    measured = calibrate(fp32, int8, rounds=5, cpu_clock=clock, wall_clock=clock)
-    assert measured.speedups[2] == pytest.approx(0.2)
-    assert measured.speedup == pytest.approx(2.0)
+    runs = {FP32: FakeRun(FP32, [0.010] * 6, clock, []),
+            # bf16's third measured pass runs ten times slower (a neighbour's burst).
+            BF16: FakeRun(BF16, [0.005, 0.005, 0.005, 0.050, 0.005, 0.005], clock, [])}
+    measured = calibrate(runs, rounds=5, clock=clock)
+    assert measured.rounds[BF16][2] == pytest.approx(0.2)
+    assert measured.speedups()[BF16] == pytest.approx(2.0)
 
 
-def test_a_clock_that_does_not_move_counts_as_equal_speed() -> None:
-    clock = FakeClock()
-    frozen = FakeClock()
-    encoder = FakeEncoder("x", [0.01] * 4, clock, [])
-    measured = calibrate(encoder, encoder, rounds=1, cpu_clock=frozen, wall_clock=frozen)
-    assert (measured.speedup, measured.wall_speedup) == (1.0, 1.0)
+def test_a_clock_that_does_not_move_counts_as_equal_speed_and_fp32_is_required() -> None:
+    clock, frozen = FakeClock(), FakeClock()
+    runs = {FP32: FakeRun(FP32, [0.01] * 4, clock, []), BF16: FakeRun(BF16, [0.01] * 4, clock, [])}
+    assert calibrate(runs, rounds=1, clock=frozen).speedups() == {FP32: 1.0, BF16: 1.0}
     with pytest.raises(ValueError):
-        calibrate(encoder, encoder, rounds=0, cpu_clock=clock, wall_clock=clock)
+        calibrate(runs, rounds=0, clock=clock)
+    with pytest.raises(ValueError, match="fp32"):
+        calibrate({BF16: runs[BF16]}, rounds=1, clock=clock)

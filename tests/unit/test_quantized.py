@@ -22,10 +22,11 @@ from sluice.artifacts import (
 )
 from sluice.errors import ArtifactError, ArtifactMismatch, ModelError
 from workers.models.bert import BertConfig, BertEncoder
+from workers.models.calibration import host_precisions
 from workers.models.int8 import DEFAULT_FP32_LINEARS, DynamicInt8Linear, needs_reduce_range, quantize_int8
 from workers.models.loading import ClassifierHandler, EmbeddingHandler, load_handler
 from workers.models.minilm import MiniLMEncoder
-from workers.models.precision import PrecisionPolicy, choose
+from workers.models.precision import PrecisionPolicy, candidates
 from workers.models.train_intent import load_examples, split_examples
 
 INT8_URI = f"{MINILM_URI}?quantize=int8"
@@ -58,16 +59,19 @@ def encode_sorted(encoder: MiniLMEncoder, texts: list[str]) -> torch.Tensor:
 
 
 def test_parse_artifact_options() -> None:
-    assert parse_artifact(INT8_URI) == ArtifactRef(location=MINILM_URI, quantize="int8")
+    assert parse_artifact(INT8_URI) == ArtifactRef(location=MINILM_URI, precision="int8")
     assert parse_artifact(MINILM_URI) == ArtifactRef(location=MINILM_URI)
-    assert parse_artifact("file:///m/dir?quantize=int8") == ArtifactRef(location="file:///m/dir", quantize="int8")
-    for mode in ("auto", "fp32"):
-        assert parse_artifact(f"{MINILM_URI}?quantize={mode}") == ArtifactRef(location=MINILM_URI, quantize=mode)
+    assert parse_artifact("file:///m/dir?quantize=int8") == ArtifactRef(location="file:///m/dir", precision="int8")
+    # `quantize` is the older spelling of `precision`, with the same values.
+    for option in ("precision", "quantize"):
+        for mode in ("auto", "fp32", "bf16", "fp16", "int8"):
+            assert parse_artifact(f"{MINILM_URI}?{option}={mode}") == ArtifactRef(location=MINILM_URI, precision=mode)
     # A plain path may contain "?", and synthetic URIs carry their own parameters.
     assert parse_artifact("/data/what?quantize=int8").location == "/data/what?quantize=int8"
     assert parse_artifact("synthetic:?fixed_s=0.1").location == "synthetic:?fixed_s=0.1"
     for bad in (f"{MINILM_URI}?quantize=int4", f"{MINILM_URI}?dtype=int8",
-                f"{MINILM_URI}?quantize=int8&quantize=int8", f"{MINILM_URI}?quantize="):
+                f"{MINILM_URI}?quantize=int8&quantize=int8", f"{MINILM_URI}?quantize=",
+                f"{MINILM_URI}?precision=bf16&quantize=bf16", f"{MINILM_URI}?precision=half"):
         with pytest.raises(ArtifactError):
             parse_artifact(bad)
 
@@ -155,19 +159,19 @@ def test_auto_follows_the_measured_speedup_and_explicit_int8_runs_below_the_marg
     quick = PrecisionPolicy(rounds=1)
     chosen = load_handler(kind="embedding", artifact=auto, sha256=sha, precision=quick)
     assert isinstance(chosen, EmbeddingHandler) and chosen.precision is not None
-    eight_bit = not needs_reduce_range()
     # What the rule says about what was measured here, and the encoder that actually runs.
-    assert (chosen.precision.speedup is not None) is eight_bit
-    expected = choose("auto", eight_bit=eight_bit, speedup=chosen.precision.speedup).precision
-    assert chosen.precision.precision == expected
-    assert chosen.encoder.quantize == ("int8" if expected == "int8" else None)
+    offered = candidates("auto", host_precisions("cpu"))
+    assert set(chosen.precision.measured) == set(offered)
+    assert chosen.precision.precision in offered
+    expected = {"int8": ("int8", torch.float32), "bf16": (None, torch.bfloat16), "fp32": (None, torch.float32)}
+    assert (chosen.encoder.quantize, chosen.encoder.dtype) == expected[chosen.precision.precision]
 
     # A margin no host reaches: auto stays fp32, an explicit int8 runs int8 and says so.
     never = PrecisionPolicy(min_speedup=1000.0, rounds=1)
     fp32 = load_handler(kind="embedding", artifact=auto, sha256=sha, precision=never)
     assert isinstance(fp32, EmbeddingHandler) and fp32.precision is not None
-    assert (fp32.precision.precision, fp32.encoder.quantize) == ("fp32", None)
-    with caplog.at_level(logging.WARNING, logger="workers.models.loading"):
+    assert (fp32.precision.precision, fp32.encoder.quantize, fp32.encoder.dtype) == ("fp32", None, torch.float32)
+    with caplog.at_level(logging.WARNING, logger="workers.models.calibration"):
         forced = load_handler(kind="embedding", artifact=INT8_URI, sha256=sha, precision=never)
     assert isinstance(forced, EmbeddingHandler) and forced.precision is not None
     assert (forced.precision.precision, forced.encoder.quantize, forced.precision.below_margin) == (

@@ -52,10 +52,10 @@ def test_a_sample_round_trips(quality: dict[str, object]) -> None:
     assert sample.succeeded and not replace(sample, status="failed").succeeded
 
 
-@pytest.mark.parametrize("precision, int8_speedup", [("", None), ("int8", 1.771), ("fp32", 0.912), ("fp32", None)])
-def test_a_heartbeat_round_trips_from_bytes_or_str(precision: str, int8_speedup: float | None) -> None:
+@pytest.mark.parametrize("precision, precision_speedup", [("", None), ("int8", 1.771), ("fp32", 0.912), ("fp32", None)])
+def test_a_heartbeat_round_trips_from_bytes_or_str(precision: str, precision_speedup: float | None) -> None:
     beat = Heartbeat(state=WorkerState.ready, items_per_s=123.456, batch_size=32, cold_start_s=4.5, processed=99,
-                     pid=4242, at=1_700_000_000.75, precision=precision, int8_speedup=int8_speedup)
+                     pid=4242, at=1_700_000_000.75, precision=precision, precision_speedup=precision_speedup)
     assert Heartbeat.from_fields(_as_redis(beat.to_fields())) == beat
     assert Heartbeat.from_fields(beat.to_fields()) == beat
     assert live_since(100.0) == 100.0 - LIVE_WITHIN_S
@@ -66,7 +66,7 @@ def test_a_heartbeat_without_a_precision_reads_as_none_chosen() -> None:
     fields = {"state": "ready", "items_per_s": "1.000", "batch_size": "1", "cold_start_s": "0.100",
               "processed": "0", "pid": "1", "at": "1.5"}
     beat = Heartbeat.from_fields(_as_redis(fields))
-    assert (beat.precision, beat.int8_speedup) == ("", None)
+    assert (beat.precision, beat.precision_speedup) == ("", None)
 
 
 @pytest.mark.parametrize("event", [

@@ -12,8 +12,11 @@ Loading is offline and safe: weights come from ``model.safetensors`` only (the f
 the registry records; a pickle is never read), nothing is fetched, and a directory that asks for
 its own code (``auto_map``) is refused. The sequence limit is ``max_seq_length`` of
 ``sentence_bert_config.json`` when present, else the tokenizer's ``model_max_length``, either capped
-by the config's ``max_position_embeddings``; longer inputs are truncated. Models run in float32 on
-the CPU and in bf16 on a GPU (pooling and softmax in float32).
+by the config's ``max_position_embeddings``; longer inputs are truncated. Models run in the
+precision the version's artifact asks for (``workers/models/precision.py``; by default float32 on
+the CPU and bf16 on a GPU); pooling and softmax stay in float32. In int8 every projection of the
+encoder runs as dynamic int8 (:func:`workers.models.int8.quantize_linears`), unsmoothed: the
+calibration's quality bound decides whether that is close enough for ``auto``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from transformers.utils import logging as hf_logging
 
 from sluice.errors import ArtifactError, InferenceError
 from sluice.kinds import ModelKind
+from workers.models.int8 import quantize_linears
+from workers.models.precision import INT8, default_precision
 from workers.models.protocol import ModelHandler
 from workers.models.text_handlers import WARMUP_BATCHES, texts_of
 
@@ -78,9 +83,10 @@ def _check_dir(model_dir: Path) -> dict[str, Any]:
     return config
 
 
-def _dtype(device: str) -> torch.dtype:
-    # bf16 only where it is fast, as for the built-in kinds; outputs are computed in float32.
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+def _dtype(precision: str) -> torch.dtype:
+    from workers.models.calibration import torch_dtype
+
+    return torch_dtype(precision)
 
 
 def _max_length(model_dir: Path, config: Mapping[str, Any], tokenizer: Any) -> int:
@@ -95,14 +101,14 @@ def _max_length(model_dir: Path, config: Mapping[str, Any], tokenizer: Any) -> i
     return min(limits)
 
 
-def _load(model_dir: Path, config: Mapping[str, Any], auto: Any, device: str,
+def _load(model_dir: Path, config: Mapping[str, Any], auto: Any, device: str, precision: str,
           *, unused: tuple[str, ...] = ()) -> tuple[Any, Any, int]:
     """Tokenizer, model and sequence limit; ``unused`` prefixes weights the handler never reads."""
     # Its loading progress bar would land in the worker's JSON log as terminal escapes.
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, **_SAFE)
-        model, info = auto.from_pretrained(model_dir, use_safetensors=True, dtype=_dtype(device),
+        model, info = auto.from_pretrained(model_dir, use_safetensors=True, dtype=_dtype(precision),
                                            output_loading_info=True, **_SAFE)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
         raise ArtifactError(f"{model_dir}: transformers cannot load it: {exc}") from exc
@@ -114,7 +120,11 @@ def _load(model_dir: Path, config: Mapping[str, Any], auto: Any, device: str,
                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
     if tokenizer.pad_token is None:
         raise ArtifactError(f"{model_dir}: the tokenizer has no padding token, so batches cannot be padded")
-    return tokenizer, model.to(device).eval(), _max_length(model_dir, config, tokenizer)
+    model = model.to(device).eval()
+    if precision == INT8:
+        # The encoder's projections only: a classifier's last layer decides labels on small margins.
+        quantize_linears(model.base_model, skip=("pooler",))
+    return tokenizer, model, _max_length(model_dir, config, tokenizer)
 
 
 class _HfText(ModelHandler):
@@ -140,15 +150,21 @@ class _HfText(ModelHandler):
         if not texts:
             return []
         try:
-            with torch.inference_mode():
-                batch = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length,
-                                       return_tensors="pt").to(self.device)
-                return self._outputs(batch, self.model(**batch))
+            return self._outputs(self._tensors(texts))
         except (RuntimeError, ValueError) as exc:
             # Out-of-memory and shape errors surface as these; the worker bisects on InferenceError.
             raise InferenceError(f"{type(self).__name__} failed on a batch of {len(texts)}: {exc}") from exc
 
-    def _outputs(self, batch: Mapping[str, torch.Tensor], out: Any) -> list[dict[str, Any]]:
+    @torch.inference_mode()
+    def _forward(self, texts: Sequence[str]) -> tuple[Mapping[str, torch.Tensor], Any]:
+        batch = self.tokenizer(list(texts), padding=True, truncation=True, max_length=self.max_length,
+                               return_tensors="pt").to(self.device)
+        return batch, self.model(**batch)
+
+    def _tensors(self, texts: Sequence[str]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _outputs(self, rows: torch.Tensor) -> list[dict[str, Any]]:
         raise NotImplementedError
 
 
@@ -162,7 +178,10 @@ class HfEmbeddingHandler(_HfText):
         self.pooling = tuple(pooling)
         self.normalize = normalize
 
-    def _outputs(self, batch: Mapping[str, torch.Tensor], out: Any) -> list[dict[str, Any]]:
+    @torch.inference_mode()
+    def vectors(self, texts: Sequence[str]) -> torch.Tensor:
+        """The (N, dim) float32 CPU sentence vectors of ``texts``, pooled in float32."""
+        batch, out = self._forward(texts)
         hidden = out.last_hidden_state.float()
         mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
         pooled = []
@@ -176,8 +195,14 @@ class HfEmbeddingHandler(_HfText):
         vectors = torch.cat(pooled, dim=-1)
         if self.normalize:
             vectors = F.normalize(vectors, p=2.0, dim=-1)
-        dim = int(vectors.shape[-1])
-        return [{"embedding": row, "dim": dim} for row in vectors.cpu().tolist()]
+        return vectors.cpu()
+
+    def _tensors(self, texts: Sequence[str]) -> torch.Tensor:
+        return self.vectors(texts)
+
+    def _outputs(self, rows: torch.Tensor) -> list[dict[str, Any]]:
+        dim = int(rows.shape[-1])
+        return [{"embedding": row, "dim": dim} for row in rows.tolist()]
 
 
 class HfClassifierHandler(_HfText):
@@ -189,12 +214,20 @@ class HfClassifierHandler(_HfText):
         super().__init__(**kwargs)
         self.labels = list(labels)
 
-    def _outputs(self, batch: Mapping[str, torch.Tensor], out: Any) -> list[dict[str, Any]]:
-        probs = torch.softmax(out.logits.float(), dim=-1).cpu().tolist()
+    @torch.inference_mode()
+    def probabilities(self, texts: Sequence[str]) -> torch.Tensor:
+        """The (N, labels) float32 CPU softmax of ``texts``' logits, taken in float32."""
+        _, out = self._forward(texts)
+        return torch.softmax(out.logits.float(), dim=-1).cpu()
+
+    def _tensors(self, texts: Sequence[str]) -> torch.Tensor:
+        return self.probabilities(texts)
+
+    def _outputs(self, rows: torch.Tensor) -> list[dict[str, Any]]:
         return [
             {"label": self.labels[max(range(len(row)), key=row.__getitem__)],
              "scores": {label: round(p, 6) for label, p in zip(self.labels, row, strict=True)}}
-            for row in probs
+            for row in rows.tolist()
         ]
 
 
@@ -229,19 +262,23 @@ def _st_modules(model_dir: Path) -> tuple[tuple[str, ...], bool]:
     return modes, any(m.get("type") == _ST + "Normalize" for m in modules)
 
 
-def load_hf_embedding(model_dir: Path, *, device: str) -> HfEmbeddingHandler:
-    """An hf-embedding handler over ``model_dir`` on ``device`` (``"cpu"`` or ``"cuda"``)."""
+def load_hf_embedding(model_dir: Path, *, device: str, precision: str | None = None) -> HfEmbeddingHandler:
+    """An hf-embedding handler over ``model_dir`` on ``device`` (``"cpu"`` or ``"cuda"``) in
+    ``precision`` (by default that of the device)."""
     config = _check_dir(model_dir)
     pooling, normalize = _st_modules(model_dir)
     # The pooler head (the CLS vector's extra projection) is not part of a sentence embedding.
-    tokenizer, model, max_length = _load(model_dir, config, AutoModel, device, unused=("pooler.",))
+    tokenizer, model, max_length = _load(model_dir, config, AutoModel, device,
+                                         precision or default_precision(torch.device(device).type), unused=("pooler.",))
     return HfEmbeddingHandler(tokenizer=tokenizer, model=model, device=device, max_length=max_length,
                               pooling=pooling, normalize=normalize)
 
 
-def load_hf_classifier(model_dir: Path, *, device: str) -> HfClassifierHandler:
-    """An hf-classifier handler over ``model_dir`` on ``device`` (``"cpu"`` or ``"cuda"``)."""
-    tokenizer, model, max_length = _load(model_dir, _check_dir(model_dir), AutoModelForSequenceClassification, device)
+def load_hf_classifier(model_dir: Path, *, device: str, precision: str | None = None) -> HfClassifierHandler:
+    """An hf-classifier handler over ``model_dir`` on ``device`` (``"cpu"`` or ``"cuda"``) in
+    ``precision`` (by default that of the device)."""
+    tokenizer, model, max_length = _load(model_dir, _check_dir(model_dir), AutoModelForSequenceClassification, device,
+                                         precision or default_precision(torch.device(device).type))
     config = model.config
     if config.problem_type in ("regression", "multi_label_classification") or config.num_labels < 2:
         raise ArtifactError(f"{model_dir}: problem_type {config.problem_type!r} with {config.num_labels} label(s) "

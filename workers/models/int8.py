@@ -200,3 +200,20 @@ def quantize_int8(model: BertEncoder, *, fp32_linears: Collection[str] = DEFAULT
             smoothing = None if seen is None else smoothing_factors(seen, linear.weight, alpha)
             setattr(layer, name, DynamicInt8Linear(linear, reduce_range=reduce_range, smoothing=smoothing,
                                                    first_token_scale=first_token_scale))
+
+
+def quantize_linears(module: nn.Module, *, skip: Collection[str] = ()) -> int:
+    """Swap every ``nn.Linear`` below ``module`` for an unsmoothed :class:`DynamicInt8Linear` (a
+    model of any architecture, so no calibrated smoothing), except those under a child named in
+    ``skip``; answer how many were swapped."""
+    reduce_range = needs_reduce_range()
+    swapped = 0
+    for name, child in list(module.named_children()):
+        if name in skip:
+            continue
+        if isinstance(child, nn.Linear):
+            setattr(module, name, DynamicInt8Linear(child, reduce_range=reduce_range, first_token_scale=True))
+            swapped += 1
+        else:
+            swapped += quantize_linears(child)
+    return swapped

