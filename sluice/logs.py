@@ -33,8 +33,16 @@ _request_id: ContextVar[str | None] = ContextVar("sluice_request_id", default=No
 _JSON_FIELDS = ("levelname", "name", "message")
 
 
+_GENERATED_PREFIX = "req_"
+
+
 def new_request_id() -> str:
-    return f"req_{secrets.token_hex(12)}"
+    return f"{_GENERATED_PREFIX}{secrets.token_hex(12)}"
+
+
+def is_generated_request_id(value: str) -> bool:
+    """Whether the API made this id because the caller sent none (nobody follows it by name)."""
+    return value.startswith(_GENERATED_PREFIX) and len(value) == len(_GENERATED_PREFIX) + 24
 
 
 def accepted_request_id(value: str | None) -> str:

@@ -44,6 +44,7 @@ from sluice.wire.entries import Delivered
 from sluice.wire.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
 from sluice.wire.jobs import JobStatus
 from sluice.wire.streams import StreamConsumer
+from workers.batch_log import BatchLog
 from workers.execution import Outcome, run_isolating, timed_out
 from workers.metrics import BatchMetrics
 from workers.models.protocol import ModelHandler
@@ -137,6 +138,7 @@ class Worker:
         self.cold_start_s = cold_start_s
         self.precision = precision
         self.precision_speedup = precision_speedup
+        self._batch_log = BatchLog(model=model, version=version)
         self.group = group
         self.resident_bytes = resident_bytes
         # The process's model slots, shared with the other versions it serves (workers/slots.py).
@@ -439,21 +441,16 @@ class Worker:
         self._log_batch(batch, outcomes, won, model_ms)
 
     def _log_batch(self, batch: Batch[Delivery], outcomes: list[Outcome], won: list[bool], model_ms: float) -> None:
-        """One line per stored batch, naming its jobs and their request ids (never inputs or outputs),
-        and one per job that failed."""
+        """A line per failed job, and the batch to the batch log (workers/batch_log.py); never
+        inputs or outputs."""
         for item, outcome, first in zip(batch.items, outcomes, won, strict=True):
             if first and outcome.error is not None:
                 log.warning("job %s failed: %s", item.payload.job_id, outcome.error.get("message", ""), extra={
                     "job_id": item.payload.job_id, "request_id": item.payload.request_id,
                     "error_code": outcome.error.get("code")})
-        if log.isEnabledFor(logging.INFO):
-            log.info("batch of %d stored (%s lane, closed on %s) after %.1f ms on the model", len(batch.items),
-                     batch.items[0].payload.lane, batch.close_reason, model_ms, extra={
-                         "model": self.model, "version": self.version, "lane": batch.items[0].payload.lane,
-                         "batch_size": len(batch.items), "close_reason": batch.close_reason, "model_ms": model_ms,
-                         "job_ids": [item.payload.job_id for item in batch.items],
-                         "request_ids": sorted({item.payload.request_id for item in batch.items
-                                                if item.payload.request_id})})
+        self._batch_log.stored(lane=batch.items[0].payload.lane, close_reason=batch.close_reason, model_ms=model_ms,
+                               job_ids=[item.payload.job_id for item in batch.items],
+                               request_ids=[item.payload.request_id for item in batch.items])
 
     # --- keeping what this worker holds -----------------------------------------------------------
 
