@@ -37,6 +37,12 @@ log = logging.getLogger(__name__)
 # How long a joining waiter waits for the server's confirmation before it reads the job anyway; a
 # confirmation this late means the connection is failing, and its gap handling wakes the waiter.
 CONFIRM_TIMEOUT_S = 5.0
+# How long a channel stays subscribed after its last waiter left: its unsubscribe goes out with the
+# others of that time, in one command, and a waiter that comes back to the job meanwhile (a client
+# polling again after its wait ran out, the next turn of an event stream) finds it ready. A long-poll
+# mostly ends because its job is final, and a final job is announced no more, so lingering costs
+# next to no messages.
+LINGER_S = 1.0
 _FAILURES = (redis_errors.RedisError, redis_errors.RedisClusterException, OSError)
 
 
@@ -74,8 +80,10 @@ class JobSubscriptions:
         self.on_gap = on_gap
         # The job messages this process has read and parsed: what sharding keeps low.
         self.received = 0
-        self._jobs: dict[str, str] = {}  # a joined channel -> its job
+        self._jobs: dict[str, str] = {}  # a channel joined or parting -> its job
         self._joined: Counter[str] = Counter()  # a channel -> its waiters
+        self._parting: set[str] = set()  # subscribed, no waiter left, unsubscribed at the next flush
+        self._flush: asyncio.TimerHandle | None = None
         self._ready: dict[str, asyncio.Future[bool]] = {}  # a channel -> its newest SSUBSCRIBE's answer
         self._unanswered: dict[str, deque[asyncio.Future[bool]]] = {}
         self._leaving: Counter[str] = Counter()  # SUNSUBSCRIBEs not answered yet
@@ -99,20 +107,30 @@ class JobSubscriptions:
             await asyncio.wait(answers, timeout=CONFIRM_TIMEOUT_S)
 
     def leave(self, job_ids: Iterable[str]) -> None:
-        """One waiter fewer on each of these jobs; a channel whose last waiter left is unsubscribed."""
+        """One waiter fewer on each of these jobs; a channel whose last waiter left is unsubscribed
+        within `LINGER_S`."""
         for job_id in job_ids:
             channel = events.job_channel(self.redis, job_id)
             if self._joined[channel] > 1:
                 self._joined[channel] -= 1
                 continue
-            self._joined.pop(channel, None)
+            del self._joined[channel]
+            self._parting.add(channel)
+        if self._parting and self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(LINGER_S, self._part)
+
+    def _part(self) -> None:
+        self._flush = None
+        for channel in self._parting:
             self._jobs.pop(channel, None)
             self._ready.pop(channel, None)
             self._send(False, channel)
+        self._parting.clear()
 
     def _take(self, job_id: str) -> asyncio.Future[bool]:
         channel = events.job_channel(self.redis, job_id)
         self._joined[channel] += 1
+        self._parting.discard(channel)
         ready = self._ready.get(channel)
         if ready is None:
             self._jobs[channel] = job_id
@@ -205,7 +223,7 @@ class JobSubscriptions:
                 if not answer.done():
                     answer.set_result(True)
                 self._backoff.succeeded()
-            elif channel in self._jobs:
+            elif channel in self._joined:
                 # The client reconnected and resubscribed by itself: events may have been lost.
                 self.on_gap([self._jobs[channel]])
         elif kind == "sunsubscribe":
@@ -238,7 +256,10 @@ class JobSubscriptions:
                 if not answer.done():
                     answer.set_result(False)  # the joiner reads its job; the repair wakes it
             self._ready.pop(channel, None)
-            if channel in self._jobs:
+            if channel in self._parting:
+                self._parting.discard(channel)
+                self._jobs.pop(channel, None)
+            elif channel in self._jobs:
                 jobs.append(self._jobs[channel])
         if jobs:
             self._spawn(self._resubscribe(jobs))
@@ -258,7 +279,7 @@ class JobSubscriptions:
         answers = {}
         for job_id in job_ids:
             channel = events.job_channel(self.redis, job_id)
-            if channel in self._jobs:
+            if channel in self._joined:
                 answers[job_id] = self._ready.get(channel) or self._subscribe(channel)
         if answers:
             await asyncio.wait(answers.values(), timeout=CONFIRM_TIMEOUT_S)
@@ -268,6 +289,8 @@ class JobSubscriptions:
             self.on_gap(restored)
 
     async def aclose(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
         tasks = [task for task in (self._sender, *self._repairs) if task is not None]
         for task in tasks:
             task.cancel()

@@ -12,9 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
+import pytest
 import redis
 from sqlalchemy import text
 
+from api import job_subscriptions
 from api.event_hub import EventHub
 from launch.seed import Seeded
 from sluice.registry.store import Registry
@@ -170,8 +172,8 @@ def test_a_hub_reads_only_the_events_of_jobs_its_own_waiters_watch(redis_url: st
             assert at_a.take() == {mine}
             a.unwatch_final((mine,), at_a)
             b.unwatch_final(theirs, at_b)
-            # Unsubscribed once the last waiter left: later changes reach neither.
-            await asyncio.sleep(0.1)
+            # Unsubscribed once the last waiter left (after the linger): later changes reach neither.
+            await asyncio.sleep(job_subscriptions.LINGER_S + 0.3)
             for job_id in theirs[:5]:
                 await events.publish(a.redis, events.JobChanged(id=job_id, status="succeeded"))
             await asyncio.sleep(0.3)
@@ -180,10 +182,13 @@ def test_a_hub_reads_only_the_events_of_jobs_its_own_waiters_watch(redis_url: st
     asyncio.run(scenario())
 
 
-def test_a_change_published_as_soon_as_a_watch_returns_is_never_missed(redis_url: str) -> None:
+def test_a_change_published_as_soon_as_a_watch_returns_is_never_missed(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The watch returns only once the server confirmed the subscription, so a final state written
     right after it (before the waiter's read would even reach Redis) still wakes the waiter; also
     for a job whose channel was just left and joined again, before the leave was answered."""
+    monkeypatch.setattr(job_subscriptions, "LINGER_S", 0.0)  # every leave goes out at once
 
     async def scenario() -> None:
         async with listening_hub(redis_url) as hub:
@@ -194,6 +199,7 @@ def test_a_change_published_as_soon_as_a_watch_returns_is_never_missed(redis_url
                     if attempt % 2:
                         first = await hub.watch_final((job_id,))
                         hub.unwatch_final((job_id,), first)
+                        await asyncio.sleep(0)  # the SUNSUBSCRIBE is sent, not yet answered
                     watch = await hub.watch_final((job_id,))
                     await events.publish(publisher, events.JobChanged(id=job_id, status="succeeded"))
                     await asyncio.wait_for(watch.event.wait(), timeout=5)
