@@ -211,6 +211,32 @@ def test_a_change_published_as_soon_as_a_watch_returns_is_never_missed(
     asyncio.run(scenario())
 
 
+def test_a_waiter_whose_subscription_dropped_is_woken_once_it_is_back(redis_url: str, rds: redis.Redis) -> None:
+    """A change announced while the hub's job connection is down is lost: the waiter is woken
+    without one (an empty `take`, so it re-reads), and later changes arrive again."""
+    lost, later = unique("job_"), unique("job_")
+
+    async def scenario() -> None:
+        async with listening_hub(redis_url) as hub:
+            watch = await hub.watch_final((lost, later))
+            connection = hub.jobs._connections[""].pubsub.connection
+            assert connection is not None and connection._writer is not None
+            host, port = connection._writer.get_extra_info("sockname")[:2]
+            rds.execute_command("CLIENT", "KILL", "ADDR", f"{host}:{port}")
+            rds.spublish(events.job_channel(rds, lost), events.encode(events.JobChanged(id=lost, status="succeeded")))
+            await asyncio.wait_for(watch.event.wait(), timeout=15)
+            # Either the event made it after all, or the gap woke the waiter to re-read everything.
+            assert watch.take() in (set(), {lost})
+            async with asyncio.timeout(15):
+                while not watch.event.is_set():
+                    await events.publish(hub.redis, events.JobChanged(id=later, status="failed"))
+                    await asyncio.sleep(0.1)
+            assert later in watch.take()
+            hub.unwatch_final((lost, later), watch)
+
+    asyncio.run(scenario())
+
+
 def test_a_long_poll_on_a_job_already_final_answers_at_once(
     api: ApiServer, demo: httpx.Client, register_synthetic: Callable[..., str],
 ) -> None:
