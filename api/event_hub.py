@@ -56,7 +56,12 @@ class EventHub:
         subscribed: read the job after it, so a change between the read and the wait is not lost."""
         event = asyncio.Event()
         self._waiters[job_id].add(event)
-        await self.jobs.join((job_id,))
+        try:
+            await self.jobs.join((job_id,))
+        except BaseException:
+            # A caller cancelled here never gets the event to unwatch.
+            self.unwatch(job_id, event)
+            raise
         return event
 
     def unwatch(self, job_id: str, event: asyncio.Event) -> None:
@@ -74,7 +79,11 @@ class EventHub:
         job_ids = list(dict.fromkeys(job_ids))
         for job_id in job_ids:
             self._final_watches[job_id].add(watch)
-        await self.jobs.join(job_ids)
+        try:
+            await self.jobs.join(job_ids)
+        except BaseException:
+            self.unwatch_final(job_ids, watch)
+            raise
         return watch
 
     def unwatch_final(self, job_ids: Iterable[str], watch: FinalWatch) -> None:

@@ -211,6 +211,24 @@ def test_a_change_published_as_soon_as_a_watch_returns_is_never_missed(
     asyncio.run(scenario())
 
 
+def test_a_waiter_cancelled_while_its_subscription_is_on_its_way_leaves_no_watch_behind(redis_url: str) -> None:
+    """A client that hangs up while the watch waits for the server's confirmation."""
+
+    async def scenario() -> None:
+        async with listening_hub(redis_url) as hub:
+            for watching in (hub.watch_final((unique("job_"), unique("job_"))), hub.watch(unique("job_"))):
+                task: asyncio.Task[object] = asyncio.create_task(watching)
+                await asyncio.sleep(0)
+                assert hub.jobs.channels > 0
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                assert hub.jobs.channels == 0
+                assert not hub._waiters and not hub._final_watches
+
+    asyncio.run(scenario())
+
+
 def test_a_waiter_whose_subscription_dropped_is_woken_once_it_is_back(redis_url: str, rds: redis.Redis) -> None:
     """A change announced while the hub's job connection is down is lost: the waiter is woken
     without one (an empty `take`, so it re-reads), and later changes arrive again."""
