@@ -56,7 +56,7 @@ class _Connection:
         self.reader: asyncio.Task[None] | None = None
 
     async def aclose(self) -> None:
-        if self.reader is not None and self.reader is not asyncio.current_task():
+        if self.reader is not None:
             self.reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, *_FAILURES):
                 await self.reader
@@ -231,8 +231,8 @@ class JobSubscriptions:
                 self._leaving[channel] -= 1
                 if not self._leaving[channel]:
                     del self._leaving[channel]
-                if channel not in self._joined and self._where.get(channel) is connection:
-                    del self._where[channel]
+                if channel not in self._ready and self._where.get(channel) is connection:
+                    del self._where[channel]  # no subscription of it made since
             elif channel in self._jobs:
                 # The server dropped it: its slot moved to another node.
                 self._lost(None, [channel], None)
@@ -240,7 +240,7 @@ class JobSubscriptions:
     def _lost(self, connection: _Connection | None, channels: list[str], exc: BaseException | None) -> None:
         """Forget a failed connection with its channels, or channels the server dropped, and
         subscribe the ones still joined again; their jobs go to `on_gap` once that is confirmed."""
-        if exc is not None:
+        if exc is not None and not self._backoff.failures:
             log.warning("job event subscription lost: %s", exc)
         lost = set(channels)
         if connection is not None:
@@ -285,7 +285,8 @@ class JobSubscriptions:
             await asyncio.wait(answers.values(), timeout=CONFIRM_TIMEOUT_S)
         restored = [job_id for job_id, answer in answers.items() if answer.done() and answer.result()]
         if restored:
-            log.info("job event subscription restored")
+            if not self._backoff.failures:
+                log.info("job event subscription restored")
             self.on_gap(restored)
 
     async def aclose(self) -> None:
