@@ -269,10 +269,8 @@ async def get_job(
     wait: Annotated[float, Query(ge=0, description="Long-poll up to this many seconds for a final state")] = 0,
 ) -> JsonResponse:
     wait_s = min(wait, state.settings.max_wait_s)
-    job = await state.broker.view_for_tenant(job_id, key.tenant)
-    # A job already final is answered without subscribing to its events (a round trip).
-    if wait_s <= 0 or job.is_final or state.draining.is_set():
-        return JsonResponse(job.body())
+    if wait_s <= 0 or state.draining.is_set():
+        return JsonResponse((await state.broker.view_for_tenant(job_id, key.tenant)).body())
     return JsonResponse((await _wait_final(state, job_id, key.tenant, wait_s)).body())
 
 
