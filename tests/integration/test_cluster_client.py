@@ -166,6 +166,53 @@ async def test_job_events_reach_the_hub_that_waits_on_them_from_every_node(clust
         await idle.aclose()
 
 
+async def test_a_watched_jobs_channel_follows_its_slot_to_another_node(tmp_path: Path) -> None:
+    """When a slot moves, its node unsubscribes the slot's channels itself: the hub subscribes
+    again on the new owner and wakes the job's waiters to re-read it, and the job's later events
+    arrive from there."""
+    from api.event_hub import EventHub
+
+    with running_cluster(tmp_path / "cluster") as cluster:
+        client = connect(cluster.url)
+        hub = EventHub(redis=client, on_control=lambda _: None)
+        listening = asyncio.create_task(hub.run())
+        try:
+            job_id = keys.new_job_id("moving", "v1")  # no record: its slot holds no key to migrate
+            channel = events.job_channel(client, job_id)
+            source = cluster.node_of(keys.job(job_id))
+            target = (source + 1) % cluster.masters
+            watch = await hub.watch_final((job_id,))
+            _move_slot(cluster, key_slot(keys.job(job_id).encode()), source, target)
+            await asyncio.wait_for(watch.event.wait(), timeout=20)
+            assert watch.take() == set()  # woken by the gap, with no change named
+            assert hub.jobs._where[channel].name.endswith(f":{cluster.nodes[target].port}")
+            async with asyncio.timeout(20):
+                while not watch.event.is_set():
+                    await events.publish(client, events.JobChanged(id=job_id, status="succeeded"))
+                    await asyncio.sleep(0.1)
+            assert watch.take() == {job_id}
+            hub.unwatch_final((job_id,), watch)
+        finally:
+            listening.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listening
+            await client.aclose()
+
+
+def _move_slot(cluster: LocalCluster, slot: int, source: int, target: int) -> None:
+    """Hand an empty slot from one master to another, as `redis-cli --cluster reshard` would."""
+    nodes = [redis.Redis(host="127.0.0.1", port=node.port, decode_responses=True) for node in cluster.nodes]
+    try:
+        ids = [node.execute_command("CLUSTER", "MYID") for node in nodes]
+        nodes[target].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source])
+        nodes[source].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+        for n in (target, source, *(n for n in range(len(nodes)) if n not in (source, target))):
+            nodes[n].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+    finally:
+        for node in nodes:
+            node.close()
+
+
 def test_an_idempotency_key_lives_in_its_tenants_slot() -> None:
     claim = IdempotencyClaim(keys.idempotency("acme", "f" * 64), "hash")
     assert key_slot(claim.redis_key.encode()) == key_slot(keys.rate_bucket("acme").encode())
