@@ -1,4 +1,5 @@
-"""One pub/sub subscription per API process, fanned out to long-polls, SSE streams and caches."""
+"""An API process's events: the broadcast channel, fanned out to its caches, and the channels of
+the jobs its long-polls, SSE streams and many-job waits watch (`api/job_subscriptions.py`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Callable, Iterable
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
+from api.job_subscriptions import JobSubscriptions
 from sluice.backoff import Backoff
 from sluice.wire import events
 from sluice.wire.jobs import FINAL_STATES
@@ -46,37 +48,54 @@ class EventHub:
         self._waiters: dict[str, set[asyncio.Event]] = defaultdict(set)
         # Woken only by a final state: a long-poll has nothing to answer on `running`.
         self._final_watches: dict[str, set[FinalWatch]] = defaultdict(set)
+        self.jobs = JobSubscriptions(redis=redis, on_event=self._dispatch, on_gap=self._wake)
         self.connected = asyncio.Event()
 
-    def watch(self, job_id: str) -> asyncio.Event:
-        """Wake on every change of the job (an event stream). Register before reading the job, so
-        an event between the read and the wait is not lost."""
+    async def watch(self, job_id: str) -> asyncio.Event:
+        """Wake on every change of the job (an event stream). Returns once the job's channel is
+        subscribed: read the job after it, so a change between the read and the wait is not lost."""
         event = asyncio.Event()
         self._waiters[job_id].add(event)
+        try:
+            await self.jobs.join((job_id,))
+        except BaseException:
+            # A caller cancelled here never gets the event to unwatch.
+            self.unwatch(job_id, event)
+            raise
         return event
 
     def unwatch(self, job_id: str, event: asyncio.Event) -> None:
         waiters = self._waiters.get(job_id)
-        if waiters is not None:
+        if waiters is not None and event in waiters:
             waiters.discard(event)
             if not waiters:
                 del self._waiters[job_id]
+            self.jobs.leave((job_id,))
 
-    def watch_final(self, job_ids: Iterable[str]) -> FinalWatch:
+    async def watch_final(self, job_ids: Iterable[str]) -> FinalWatch:
         """One watch for one or many jobs, woken only when one of them is final (a long-poll);
-        like `watch`, register before reading them."""
+        like `watch`, read them after it returns."""
         watch = FinalWatch()
+        job_ids = list(dict.fromkeys(job_ids))
         for job_id in job_ids:
             self._final_watches[job_id].add(watch)
+        try:
+            await self.jobs.join(job_ids)
+        except BaseException:
+            self.unwatch_final(job_ids, watch)
+            raise
         return watch
 
     def unwatch_final(self, job_ids: Iterable[str], watch: FinalWatch) -> None:
-        for job_id in job_ids:
+        left = []
+        for job_id in dict.fromkeys(job_ids):
             watches = self._final_watches.get(job_id)
-            if watches is not None:
+            if watches is not None and watch in watches:
                 watches.discard(watch)
                 if not watches:
                     del self._final_watches[job_id]
+                left.append(job_id)
+        self.jobs.leave(left)
 
     def wake_all(self) -> None:
         """Wake every long-poll and SSE stream, e.g. so they end when the process drains."""
@@ -87,19 +106,31 @@ class EventHub:
             for watch in watches:
                 watch.event.set()
 
-    def _dispatch(self, event: events.Event) -> None:
-        if isinstance(event, events.JobChanged):
-            for waiter in self._waiters.get(event.id, ()):
+    def _wake(self, job_ids: list[str]) -> None:
+        """Wake these jobs' waiters without naming a change: their channels had a gap."""
+        for job_id in job_ids:
+            for waiter in self._waiters.get(job_id, ()):
                 waiter.set()
-            if event.status in FINAL_STATES:
-                for watch in self._final_watches.get(event.id, ()):
-                    watch.finished.add(event.id)
-                    watch.event.set()
-        else:
-            self.on_control(event)
+            for watch in self._final_watches.get(job_id, ()):
+                watch.event.set()
+
+    def _dispatch(self, event: events.JobChanged) -> None:
+        for waiter in self._waiters.get(event.id, ()):
+            waiter.set()
+        if event.status in FINAL_STATES:
+            for watch in self._final_watches.get(event.id, ()):
+                watch.finished.add(event.id)
+                watch.event.set()
 
     async def run(self) -> None:
-        """Listen forever, reconnecting with capped, jittered backoff; never floods the log."""
+        """Listen to the broadcast channel forever, reconnecting with capped, jittered backoff (never
+        flooding the log); the job channels' connections close when it ends."""
+        try:
+            await self._listen()
+        finally:
+            await self.jobs.aclose()
+
+    async def _listen(self) -> None:
         backoff = Backoff(base_s=0.1, cap_s=5.0, jitter=0.5)
         while True:
             pubsub = None
@@ -116,16 +147,14 @@ class EventHub:
                     if message is None or message.get("type") != "message":
                         continue
                     event = events.parse(message["data"])
-                    if event is not None:
-                        self._dispatch(event)
+                    if event is not None and not isinstance(event, events.JobChanged):
+                        self.on_control(event)
             except asyncio.CancelledError:
                 raise
             except (redis_errors.RedisError, redis_errors.RedisClusterException, OSError) as exc:
                 self.connected.clear()
                 if not backoff.failures:
                     log.warning("event subscription lost: %s", exc)
-                # Wake every waiter: they re-read the job and notice nothing changed.
-                self.wake_all()
                 await asyncio.sleep(backoff.failed())
             finally:
                 try:

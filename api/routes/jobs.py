@@ -279,7 +279,7 @@ async def _wait_final(state: AppState, job_id: str, tenant: str, wait_s: float) 
     deadline = time.monotonic() + wait_s
     # Watched before the read, so a final state written after it still wakes the wait; `running`
     # does not: each wake-up costs a read, and only a final state ends the long-poll.
-    watch = state.hub.watch_final((job_id,))
+    watch = await state.hub.watch_final((job_id,))
     try:
         job = await state.broker.view_for_tenant(job_id, tenant)
         while not job.is_final and not state.draining.is_set():
@@ -305,26 +305,31 @@ async def job_events(job_id: str, key: CurrentKey, state: StateDep) -> Streaming
         record: JobRecord | None = first
         last_status: str | None = None
         sequence = 0
-        while record is not None:
-            if record.status != last_status:
-                sequence += 1
-                last_status = record.status
-                data = json.dumps(record.resource(), separators=(",", ":"))
-                yield f"id: {sequence}\nevent: {record.status}\ndata: {data}\n\n".encode()
-            if record.is_final or state.draining.is_set():
-                return
-            event = state.hub.watch(job_id)
-            try:
-                current = await state.broker.get(job_id)
-                if current is None or current.status == last_status:
+        event: asyncio.Event | None = None
+        try:
+            while record is not None:
+                if record.status != last_status:
+                    sequence += 1
+                    last_status = record.status
+                    data = json.dumps(record.resource(), separators=(",", ":"))
+                    yield f"id: {sequence}\nevent: {record.status}\ndata: {data}\n\n".encode()
+                if record.is_final or state.draining.is_set():
+                    return
+                # One watch for the whole stream (each costs the job's channel a subscribe), armed
+                # before each read so that a change after the read still wakes the wait.
+                if event is None:
+                    event = await state.hub.watch(job_id)
+                event.clear()
+                record = await state.broker.get(job_id)
+                if record is not None and record.status == last_status:
                     try:
                         await asyncio.wait_for(event.wait(), timeout=15.0)
                     except TimeoutError:
                         yield b": keep-alive\n\n"
-                    current = await state.broker.get(job_id)
-            finally:
+                    record = await state.broker.get(job_id)
+        finally:
+            if event is not None:
                 state.hub.unwatch(job_id, event)
-            record = current
 
     return StreamingResponse(stream(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

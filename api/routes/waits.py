@@ -70,7 +70,7 @@ async def wait_jobs(
     final: dict[str, JobRecord] = {}
     missing = set(listed).difference(readable)
     limit = min(wait, state.settings.max_wait_s)
-    watch = state.hub.watch_final(readable) if limit > 0 and readable else None
+    watch = await state.hub.watch_final(readable) if limit > 0 and readable else None
     try:
         await _settle(state, key.tenant, readable, watch, time.monotonic() + limit, final, missing)
     finally:

@@ -1,9 +1,12 @@
-"""The events channel: what crosses `sluice:events`, and its one codec.
+"""The events channels: what crosses them, and their one codec.
 
-Job events wake long-polls and server-sent event streams; control events make every API replica
-and the scheduler reload routing at once, or forget a revoked key. Delivery is best effort (pub/sub
-keeps nothing): every listener also refreshes on a timer, and a listener that reconnects treats
-the gap as a `Resync`.
+Control events (`RoutingChanged`, `KeyRevoked`) go to `sluice:events`, which every API replica and
+the scheduler subscribe to: each of them must reload routing or forget a revoked key. A job's
+changes go to the job's own sharded channel (SPUBLISH, `keys.job_events_channel`), which an API
+replica subscribes to only while one of its long-polls or event streams waits on that job
+(`api/job_subscriptions.py`), so a replica never reads the events of jobs nobody there awaits.
+Delivery is best effort (pub/sub keeps nothing): every listener also refreshes on a timer, and a
+listener that reconnects treats the gap as a `Resync`.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class Resync:
     anything."""
 
 
-# What crosses the channel; a listener may also see a Resync it made itself.
+# What crosses the channels; a listener may also see a Resync it made itself.
 Sent = JobChanged | RoutingChanged | KeyRevoked
 Event = Sent | Resync
 
@@ -70,15 +73,24 @@ def parse(data: bytes | str) -> Event | None:
         return None
 
 
-def channel(redis: aioredis.Redis | Any) -> str:
-    """The events channel of the database this client talks to (sync or asyncio client; a cluster
-    has database 0 only)."""
+def _db(redis: aioredis.Redis | Any) -> int:
     pool = getattr(redis, "connection_pool", None)
-    return keys.events_channel(0 if pool is None else int(pool.connection_kwargs.get("db", 0)))
+    return 0 if pool is None else int(pool.connection_kwargs.get("db", 0))
+
+
+def channel(redis: aioredis.Redis | Any) -> str:
+    """The broadcast events channel of the database this client talks to (sync or asyncio client;
+    a cluster has database 0 only)."""
+    return keys.events_channel(_db(redis))
+
+
+def job_channel(redis: aioredis.Redis | Any, job_id: str) -> str:
+    """The sharded channel that carries one job's changes."""
+    return keys.job_events_channel(_db(redis), job_id)
 
 
 async def subscribe(redis: aioredis.Redis) -> Any:
-    """A pub/sub connection subscribed to the events channel (the caller closes it).
+    """A pub/sub connection subscribed to the broadcast events channel (the caller closes it).
 
     On a cluster, PUBLISH reaches every node's subscribers, so one node suffices: the one that
     owns the channel name's slot, which the client can name only once it knows the slot map.
@@ -97,7 +109,10 @@ async def subscribe(redis: aioredis.Redis) -> Any:
 
 async def publish(redis: aioredis.Redis, event: Sent) -> None:
     with translate_redis_errors():
-        await redis.publish(channel(redis), encode(event))
+        if isinstance(event, JobChanged):
+            await redis.spublish(job_channel(redis, event.id), encode(event))
+        else:
+            await redis.publish(channel(redis), encode(event))
 
 
 async def announce_routing(redis: aioredis.Redis, model: str) -> None:

@@ -28,6 +28,12 @@ def events_channel(db: int) -> str:
     return "sluice:events" if db == 0 else f"sluice:events:{db}"
 
 
+def job_events_channel(db: int, job_id: str) -> str:
+    """A job's own sharded channel (SPUBLISH): its record's key after the events channel, so it
+    shares the record's slot, as a script that publishes it on a cluster must."""
+    return f"{events_channel(db)}:{job(job_id)}"
+
+
 def tag(model: str, version: str) -> str:
     return f"{{{model}:{version}}}"
 

@@ -6,6 +6,7 @@ version and tenant live on different nodes, and job events across nodes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -19,7 +20,7 @@ from redis.crc import key_slot
 
 from sluice.registry.store import Registry
 from sluice.settings import Settings
-from sluice.wire import events, keys
+from sluice.wire import events, keys, scripts
 from sluice.wire.broker import Broker
 from sluice.wire.connections import connect, connect_sync
 from sluice.wire.idempotency import IdempotencyClaim
@@ -29,7 +30,7 @@ from sluice.wire.samples import Sample
 from sluice.wire.script_calls import Finished
 from sluice.wire.streams import StreamConsumer
 from tests.redis_cluster import LocalCluster, running_cluster
-from tests.support import wait_until
+from tests.support import claim_one, finish_one_call, queue_in_redis, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -129,27 +130,87 @@ async def test_a_cancel_frees_the_place_in_the_tenants_slot(cluster: LocalCluste
     assert await client.zscore(keys.queued_jobs(tenant), record.id) is None
 
 
-async def test_job_events_reach_a_subscriber_on_another_node(cluster: LocalCluster, client: aioredis.Redis) -> None:
-    pubsub = await events.subscribe(client)
+async def test_job_events_reach_the_hub_that_waits_on_them_from_every_node(cluster: LocalCluster) -> None:
+    """Each job's channel is of its slot: the scripts SPUBLISH it on the job's node, and a hub
+    subscribes on that node only while it waits; a hub with no waiters hears nothing."""
+    from api.event_hub import EventHub
+
+    models: dict[int, str] = {}
+    for n in range(200):
+        models.setdefault(cluster.node_of(keys.stream(f"spread-{n}", "v1", "online")), f"spread-{n}")
+    assert len(models) == 3
+    waiting, idle = connect(cluster.url), connect(cluster.url)
+    hubs = [EventHub(redis=waiting, on_control=lambda _: None), EventHub(redis=idle, on_control=lambda _: None)]
+    listening = [asyncio.create_task(hub.run()) for hub in hubs]
     try:
-        other = connect(cluster.url)
-        model, _ = _apart(cluster)
-        job_id = keys.new_job_id(model, "v1")
-        # Published by a script on the node of the job's slot, whichever node the subscriber is on.
-        await other.eval("redis.call('PUBLISH', ARGV[1], ARGV[2]) return 1", 1, keys.job(job_id),
-                         events.channel(other), events.encode(events.JobChanged(id=job_id, status="succeeded")))
-        await other.aclose()
-        deadline = time.monotonic() + 5
-        while True:
-            message = await pubsub.get_message(timeout=1.0)
-            # Other tests' jobs on this cluster may still be announced: only this one is waited for.
-            if message is not None and message["type"] == "message" and job_id in str(message["data"]):
-                assert events.parse(message["data"]) == events.JobChanged(id=job_id, status="succeeded")
-                break
-            assert time.monotonic() < deadline, "no event"
-            await asyncio.sleep(0)
+        ids = {model: (await queue_in_redis(waiting, model, [{"text": model}]))[0] for model in models.values()}
+        watch = await hubs[0].watch_final(ids.values())
+        with connect_sync(cluster.url, decode_responses=True) as rds:
+            for model, job_id in ids.items():
+                assert claim_one(rds, model, job_id, "demo")[0] == "run"
+                assert rds.eval(scripts.FINISH, *finish_one_call(rds, model, job_id, '{"ok":true}')) == [1]
+        finished: set[str] = set()
+        async with asyncio.timeout(10):
+            while finished != set(ids.values()):
+                await watch.event.wait()
+                finished |= watch.take()
+        assert hubs[0].jobs.received == 2 * len(ids)  # `running`, then `succeeded`
+        assert hubs[1].jobs.received == 0
+        hubs[0].unwatch_final(ids.values(), watch)
     finally:
-        await pubsub.aclose()
+        for task in listening:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await waiting.aclose()
+        await idle.aclose()
+
+
+async def test_a_watched_jobs_channel_follows_its_slot_to_another_node(tmp_path: Path) -> None:
+    """When a slot moves, its node unsubscribes the slot's channels itself: the hub subscribes
+    again on the new owner and wakes the job's waiters to re-read it, and the job's later events
+    arrive from there."""
+    from api.event_hub import EventHub
+
+    with running_cluster(tmp_path / "cluster") as cluster:
+        client = connect(cluster.url)
+        hub = EventHub(redis=client, on_control=lambda _: None)
+        listening = asyncio.create_task(hub.run())
+        try:
+            job_id = keys.new_job_id("moving", "v1")  # no record: its slot holds no key to migrate
+            channel = events.job_channel(client, job_id)
+            source = cluster.node_of(keys.job(job_id))
+            target = (source + 1) % cluster.masters
+            watch = await hub.watch_final((job_id,))
+            _move_slot(cluster, key_slot(keys.job(job_id).encode()), source, target)
+            await asyncio.wait_for(watch.event.wait(), timeout=20)
+            assert watch.take() == set()  # woken by the gap, with no change named
+            assert hub.jobs._where[channel].name.endswith(f":{cluster.nodes[target].port}")
+            async with asyncio.timeout(20):
+                while not watch.event.is_set():
+                    await events.publish(client, events.JobChanged(id=job_id, status="succeeded"))
+                    await asyncio.sleep(0.1)
+            assert watch.take() == {job_id}
+            hub.unwatch_final((job_id,), watch)
+        finally:
+            listening.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listening
+            await client.aclose()
+
+
+def _move_slot(cluster: LocalCluster, slot: int, source: int, target: int) -> None:
+    """Hand an empty slot from one master to another, as `redis-cli --cluster reshard` would."""
+    nodes = [redis.Redis(host="127.0.0.1", port=node.port, decode_responses=True) for node in cluster.nodes]
+    try:
+        ids = [node.execute_command("CLUSTER", "MYID") for node in nodes]
+        nodes[target].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source])
+        nodes[source].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+        for n in (target, source, *(n for n in range(len(nodes)) if n not in (source, target))):
+            nodes[n].execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+    finally:
+        for node in nodes:
+            node.close()
 
 
 def test_an_idempotency_key_lives_in_its_tenants_slot() -> None:

@@ -87,7 +87,7 @@ async def test_a_second_store_of_a_finished_job_adds_no_sample_copy_or_event(are
     )
     writer = ResultWriter(streams=streams, result_ttl_s=3600)
     pubsub = aredis.pubsub()
-    await pubsub.subscribe(events.channel(aredis))
+    await pubsub.ssubscribe(events.job_channel(aredis, job_id))
     try:
         first = await writer.store(
             batch, [Outcome(output={"echo": "first"})], started=time.time(), finished=time.time(), model_ms=1.0

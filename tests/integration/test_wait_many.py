@@ -57,7 +57,7 @@ async def test_one_watch_for_many_jobs_wakes_only_on_a_final_state(redis_url: st
     a, b, c = new_job_id("minilm", "v1"), new_job_id("minilm", "v1"), new_job_id("minilm", "v1")
     try:
         await asyncio.wait_for(hub.connected.wait(), timeout=10)
-        watch = hub.watch_final([a, b, c])
+        watch = await hub.watch_final([a, b, c])
         await events.publish(redis, events.JobChanged(id=a, status="running"))
         await events.publish(redis, events.JobChanged(id=new_job_id("minilm", "v1"), status="succeeded"))
         with pytest.raises(TimeoutError):

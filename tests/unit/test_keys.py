@@ -31,6 +31,16 @@ def test_a_job_record_shares_its_versions_slot() -> None:
         assert keys.job_code(job_id) == keys.version_code(model, version)
 
 
+def test_a_jobs_event_channel_is_of_its_records_slot() -> None:
+    """The scripts SPUBLISH a job's change on a cluster, which refuses a channel of another slot."""
+    for job_id in (keys.new_job_id("minilm", "v1"), "job_from_before_codes"):
+        for db in (0, 7):
+            channel = keys.job_events_channel(db, job_id)
+            assert key_slot(channel.encode()) == key_slot(keys.job(job_id).encode())
+            assert channel.startswith(keys.events_channel(db) + ":")
+    assert keys.job_events_channel(0, "job_a") != keys.job_events_channel(7, "job_a")
+
+
 def test_ids_from_before_codes_keep_their_own_slot() -> None:
     legacy = "job_AbCdEfGhIjKlMnOpQrStUv"
     assert keys.job_code(legacy) is None

@@ -12,7 +12,7 @@
 -- ARGV[1]: now
 -- ARGV[2]: the worker (consumer) name
 -- ARGV[3]: max_deliveries
--- ARGV[4]: the events channel
+-- ARGV[4]: the events channel, the prefix of each job's own channel (lib/job_changed.lua)
 -- ARGV[5]: the consumer group
 -- ARGV[6]: the dead letters' cap (MAXLEN ~)
 -- ARGV[7..]: per entry, three values: its lane (1 online, 2 bulk), entry id, job id
@@ -57,16 +57,17 @@ local replies, settled = {}, {{}, {}}
 for e = 1, #KEYS - 4 do
   local a = 3 * e + 4
   local lane, entry, id = tonumber(ARGV[a]), ARGV[a + 1], ARGV[a + 2]
-  local reply = claim(KEYS[e + 4])
+  local job = KEYS[e + 4]
+  local reply = claim(job)
   if reply[1] == 'run' then
-    job_changed(channel, id, 'running')
+    job_changed(channel, job, id, 'running')
   else
     table.insert(settled[lane], entry)
     if reply[1] == 'expired' then
-      job_changed(channel, id, 'expired')
+      job_changed(channel, job, id, 'expired')
     elseif reply[1] == 'dead' then
       redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'id', id, 'error', reply[2], 't', now)
-      job_changed(channel, id, 'failed')
+      job_changed(channel, job, id, 'failed')
     end
   end
   replies[e] = reply

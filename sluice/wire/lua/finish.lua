@@ -12,7 +12,7 @@
 -- script runs on a Redis Cluster.
 --
 -- ARGV[1]: ttl_s of the job records
--- ARGV[2]: the events channel
+-- ARGV[2]: the events channel, the prefix of each job's own channel (lib/job_changed.lua)
 -- ARGV[3]: the consumer group
 -- ARGV[4]: the samples' cap (MAXLEN ~)
 -- ARGV[5]: started_at
@@ -57,7 +57,7 @@ for j = 1, tonumber(ARGV[10]) do
     end
     queue_webhook(job, KEYS[1])
     redis.call('EXPIRE', job, ttl)
-    if announce ~= '' then job_changed(channel, id, status) end
+    if announce ~= '' then job_changed(channel, job, id, status) end
     redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, sample, a - 1))
     won[j] = 1
   end

@@ -7,7 +7,7 @@
 -- Every key is of the version's slot (`sluice.wire.keys`), so the script runs on a Redis Cluster.
 --
 -- ARGV[1]: now
--- ARGV[2]: the events channel
+-- ARGV[2]: the events channel, the prefix of each job's own channel (lib/job_changed.lua)
 -- ARGV[3]: the final status to write
 -- ARGV[4]: the error to record (JSON)
 -- ARGV[5]: '1' to settle running jobs too, '0' for queued ones only
@@ -36,7 +36,7 @@ for k = 2, #KEYS do
     redis.call('HSET', job, 'status', status, 'finished_at', now, 'error', err)
     queue_webhook(job, KEYS[1])
     local id = redis.call('HGET', job, 'id')
-    job_changed(channel, id, status)
+    job_changed(channel, job, id, status)
     settled[#settled + 1] = {redis.call('HGET', job, 'tenant'), id}
   else
     settled[#settled + 1] = false
