@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import statistics
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -300,7 +301,7 @@ def plot(steps: Sequence[dict[str, Any]], budget_ms: float, path: Path) -> Path 
         if not points:
             continue
         medians = [
-            (rate, spread([p for r, p in points if r == rate])["median"]) for rate in sorted({r for r, _ in points})
+            (rate, statistics.median(p for r, p in points if r == rate)) for rate in sorted({r for r, _ in points})
         ]
         drawn = ax.plot([r for r, _ in medians], [p for _, p in medians], marker="o", label=LABELS[peer])
         ax.scatter([r for r, _ in points], [p for _, p in points], s=12, alpha=0.4, color=drawn[0].get_color())
