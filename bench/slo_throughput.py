@@ -68,7 +68,7 @@ PRECISIONS = ("fp32", "bf16", "int8", "auto")
 RATIOS = (("sluice", "plain_celery"), ("sluice", "celery_sluice_handler"))
 FULL = {
     "repeats": 3,
-    "rates": "16,24,32,40,48,56,64",
+    "rates": "10,15,20,25,30,40,50,60",
     "step_s": 12.0,
     "steps_past_miss": 1,
     "quiet_wait": 5.0,
@@ -76,7 +76,7 @@ FULL = {
 }
 QUICK = {
     "repeats": 1,
-    "rates": "20,40",
+    "rates": "12,24",
     "step_s": 5.0,
     "steps_past_miss": 0,
     "quiet_wait": 0.0,
@@ -154,7 +154,9 @@ def summarise(steps: Sequence[dict[str, Any]], budget_ms: float) -> dict[str, An
                 for r in both
             ]
             ratios[f"{top}/{bottom}"] = {**spread(values), "by_repeat": values}
-    return {"budget_ms": budget_ms, "peers": peers, "ratios": ratios}
+    # Other people's work on a shared machine takes cores from every peer: read the figures with it.
+    other = spread([s["foreign_cores"] for s in steps])
+    return {"budget_ms": budget_ms, "peers": peers, "ratios": ratios, "other_load_cores": other}
 
 
 # --- the three peers, up side by side ------------------------------------------------------------
@@ -248,7 +250,8 @@ def _range(s: dict[str, Any], digits: int = 1) -> str:
 def print_summary(summary: dict[str, Any], info: dict[str, Any], args: argparse.Namespace) -> None:
     print(
         f"\nHOST: {info['cpu']}, {info['cores']} cores, flags {' '.join(info['cpu_flags']) or 'none of note'}; "
-        f"torch {info['torch']}; precision {args.precision} ({args.artifact})"
+        f"torch {info['torch']}; precision {args.precision} ({args.artifact}); other load "
+        f"{_range(summary['other_load_cores'], 2)} cores over the steps"
     )
     rows = []
     for peer in PEERS:
@@ -286,7 +289,7 @@ def print_summary(summary: dict[str, Any], info: dict[str, Any], args: argparse.
     print(table(["jobs/s", *PEERS], rows))
 
 
-def plot(steps: Sequence[dict[str, Any]], budget_ms: float, path: Path) -> Path | None:
+def plot(steps: Sequence[dict[str, Any]], budget_ms: float, title: str, path: Path) -> Path | None:
     """p99 (log) against the offered rate, every repeat's point and the median line per peer."""
     try:
         import matplotlib
@@ -309,6 +312,7 @@ def plot(steps: Sequence[dict[str, Any]], budget_ms: float, path: Path) -> Path 
     ax.set_yscale("log")
     ax.set_xlabel("offered rate, jobs/s (Poisson)")
     ax.set_ylabel("p99 latency, ms")
+    ax.set_title(title, fontsize=9)
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
@@ -321,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.slo_throughput", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke check (~3 min): the defaults marked quick")
     parser.add_argument("--repeats", type=int, help="repeats of the ramp, interleaved (3; quick 1)")
-    parser.add_argument("--rates", help="offered rates of the ramp, jobs/s (16,24,32,40,48,56,64; quick 20,40)")
+    parser.add_argument("--rates", help="offered rates of the ramp, jobs/s (10,15,20,25,30,40,50,60; quick 12,24)")
     parser.add_argument(
         "--step-s", type=float, help="seconds of arrivals per step, at least 300 requests (12; quick 5)"
     )
@@ -366,7 +370,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         steps = measure(stacks, args)
     summary = summarise(steps, args.budget_ms)
     print_summary(summary, info, args)
-    figure = plot(steps, args.budget_ms, RESULTS_DIR / Path(args.output).with_suffix(".png").name)
+    title = f"{info['cpu']}, {info['cores']} cores; precision {args.precision}; {args.repeats} repeat(s)"
+    figure = plot(steps, args.budget_ms, title, RESULTS_DIR / Path(args.output).with_suffix(".png").name)
     path = write_json(
         args.output,
         {

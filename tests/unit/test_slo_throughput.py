@@ -23,6 +23,7 @@ def step(peer: str, repeat: int, rate: float, p99: float | None, *, failed: int 
         "p99_ms": p99,
         "failed": failed,
         "cpu_ms_per_job": {"api": None, "workers": workers, "redis": 0.5, "client": 2.0, "total": workers + 2.5},
+        "foreign_cores": 0.1,
     }
 
 
