@@ -24,6 +24,7 @@ def step(peer: str, repeat: int, rate: float, p99: float | None, *, failed: int 
         "failed": failed,
         "cpu_ms_per_job": {"api": None, "workers": workers, "redis": 0.5, "client": 2.0, "total": workers + 2.5},
         "foreign_cores": 0.1,
+        "contended": rate == 40,
     }
 
 
@@ -75,6 +76,7 @@ def test_the_summary_takes_the_spread_over_repeats_and_pairs_the_ratios_by_repea
     assert handler["by_repeat"] == [pytest.approx(4 / 3), pytest.approx(1.0)]
     assert handler["median"] == pytest.approx((4 / 3 + 1.0) / 2)
     assert sluice["p99_ms_by_rate"]["40"]["max"] == 400
+    assert summary["contended_steps"] == {"kept": 4, "of": len(steps)}
 
 
 def phase(per_job: dict[str, float]) -> dict[str, Any]:
