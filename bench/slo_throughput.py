@@ -150,6 +150,13 @@ def summarise(steps: Sequence[dict[str, Any]], budget_ms: float) -> dict[str, An
                 f"{rate:g}": spread([s["p99_ms"] for ramp in repeats.values() for s in ramp if s["rate"] == rate])
                 for rate in rates
             },
+            # What other load changes least: the CPU a job costs the peer's processes and its client.
+            "total_cpu_ms_per_job_by_rate": {
+                f"{rate:g}": spread(
+                    [s["cpu_ms_per_job"]["total"] for ramp in repeats.values() for s in ramp if s["rate"] == rate]
+                )
+                for rate in rates
+            },
         }
     ratios: dict[str, Any] = {}
     for top, bottom in RATIOS:
@@ -319,6 +326,18 @@ def print_summary(summary: dict[str, Any], info: dict[str, Any], args: argparse.
         for rate in rates
     ]
     print("\np99 ms BY OFFERED RATE (open loops, Poisson; from the scheduled send to the result seen by the client)")
+    print(table(["jobs/s", *PEERS], rows))
+    by_rate = {peer: s["total_cpu_ms_per_job_by_rate"] for peer, s in summary["peers"].items()}
+    rows = [
+        [
+            f"{rate:g}",
+            *(_range(by_rate[p][f"{rate:g}"], 2) if f"{rate:g}" in by_rate.get(p, {}) else "-" for p in PEERS),
+        ]
+        for rate in rates
+    ]
+    print(
+        "\nCPU ms PER JOB BY OFFERED RATE, the peer's processes, Redis and the client (what other load changes least)"
+    )
     print(table(["jobs/s", *PEERS], rows))
 
 

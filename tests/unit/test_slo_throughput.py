@@ -77,6 +77,7 @@ def test_the_summary_takes_the_spread_over_repeats_and_pairs_the_ratios_by_repea
     assert handler["median"] == pytest.approx((4 / 3 + 1.0) / 2)
     assert sluice["p99_ms_by_rate"]["40"]["max"] == 400
     assert summary["contended_steps"] == {"kept": 4, "of": len(steps)}
+    assert sluice["total_cpu_ms_per_job_by_rate"]["30"]["median"] == pytest.approx(3.0 + 2.5)
 
 
 def phase(per_job: dict[str, float]) -> dict[str, Any]:
