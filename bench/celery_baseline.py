@@ -10,9 +10,9 @@ compared with, from `SLUICE_BENCH_ARTIFACT` / `SLUICE_BENCH_SHA256`, the sha256 
 same precision policy, one torch thread, warmed up), and answers the output a Sluice job stores.
 The parent process never imports torch, so no child inherits a torch thread pool across the fork.
 
-Broker and result backend are the Redis at `SLUICE_BENCH_CELERY_URL`, read when Celery first
-needs its configuration, not at import. Everything else is Celery's default, what a team starts
-with: JSON, a prefetch of 4 tasks per child, acknowledgement on receipt.
+Broker and result backend are the Redis at `SLUICE_BENCH_CELERY_URL` (`bench.celery_app`).
+Everything else is Celery's default, what a team starts with: JSON, a prefetch of 4 tasks per
+child, acknowledgement on receipt.
 """
 
 from __future__ import annotations
@@ -20,25 +20,16 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from celery import Celery, signals
+from celery import signals
+
+from bench.celery_app import EMBED_TASK, TORCH_THREADS, make_app
 
 if TYPE_CHECKING:
     from workers.models.protocol import ModelHandler
 
-URL_ENV = "SLUICE_BENCH_CELERY_URL"
 ARTIFACT_ENV, SHA256_ENV = "SLUICE_BENCH_ARTIFACT", "SLUICE_BENCH_SHA256"
-EMBED_TASK = "bench.embed"
-PID_TASK = "bench.child_pid"
-TORCH_THREADS = 1
 
-
-def _config() -> dict[str, Any]:
-    url = os.environ[URL_ENV]
-    return {"broker_url": url, "result_backend": url, "broker_connection_retry_on_startup": True}
-
-
-app = Celery("sluice_bench_peer")
-app.add_defaults(_config)
+app = make_app("sluice_bench_peer")
 
 _handler: ModelHandler | None = None
 
@@ -76,10 +67,3 @@ def embed(text: str) -> dict[str, Any]:
     if _handler is None:  # a pool without worker_process_init (solo, threads)
         _handler = load_minilm()
     return _handler.run([{"text": text}])[0]
-
-
-@app.task(name=PID_TASK)
-def child_pid() -> int:
-    """Which child ran this: a child takes tasks only once its model is loaded, so the bench
-    waits until every child has answered."""
-    return os.getpid()

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.celery_baseline import ARTIFACT_ENV, SHA256_ENV, URL_ENV
+from bench.celery_app import URL_ENV, wait_children
+from bench.celery_baseline import ARTIFACT_ENV, SHA256_ENV
 from bench.machine import CpuWindow, cpu_seconds, machine_info, wait_quiet
 from bench.output import PERCENTILE_METHOD, command_line, write_json
 from bench.peer_client import COLUMNS
@@ -102,21 +103,25 @@ class Stack:
             )
 
 
-def _celery_worker(home: Path, url: str, artifact: str, sha256: str) -> subprocess.Popen[bytes]:
-    """2 prefork children x 1 torch thread, running `artifact`. Gossip, mingle and heartbeats are
-    off, as is usual for a Redis broker: they are cluster chatter, not work."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.update({URL_ENV: url, ARTIFACT_ENV: artifact, SHA256_ENV: sha256})
+def celery_worker(
+    home: Path, url: str, *, app: str = "bench.celery_baseline", env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """2 prefork children x 1 torch thread of the Celery app module `app`, on the broker `url`.
+    Gossip, mingle and heartbeats are off, as is usual for a Redis broker: they are cluster
+    chatter, not work."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    env[URL_ENV] = url
+    name = app.rsplit(".", 1)[-1]
     logs = home / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    with (logs / "celery.log").open("ab") as sink:
+    with (logs / f"{name}.log").open("ab") as sink:
         return subprocess.Popen(
             [
                 sys.executable,
                 "-m",
                 "celery",
                 "-A",
-                "bench.celery_baseline",
+                app,
                 "worker",
                 "--pool",
                 "prefork",
@@ -128,7 +133,7 @@ def _celery_worker(home: Path, url: str, artifact: str, sha256: str) -> subproce
                 "--without-mingle",
                 "--without-heartbeat",
                 "--hostname",
-                f"peer{os.getpid()}@localhost",
+                f"{name}{os.getpid()}@localhost",
             ],
             env=env,
             cwd=REPO,
@@ -138,27 +143,7 @@ def _celery_worker(home: Path, url: str, artifact: str, sha256: str) -> subproce
         )
 
 
-def _wait_celery(stack: Stack, timeout_s: float = 180.0) -> None:
-    """Until every child has answered a task (a child takes none before its model is loaded)."""
-    from celery.exceptions import TimeoutError as CeleryTimeout
-
-    # The orchestrator's own handle on the Celery app, which reads its broker from the environment.
-    os.environ[URL_ENV] = stack.celery_url
-    from bench.celery_baseline import child_pid
-
-    deadline = time.monotonic() + timeout_s
-    answered: set[int] = set()
-    while len(answered) < CELERY_CHILDREN:
-        stack.check_alive()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{len(answered)} of {CELERY_CHILDREN} Celery children ready after {timeout_s:.0f}s")
-        for result in [child_pid.delay() for _ in range(2 * CELERY_CHILDREN)]:
-            with contextlib.suppress(CeleryTimeout):
-                answered.add(int(result.get(timeout=5.0)))
-        time.sleep(0.2)
-
-
-def _version_artifact(database_url: str, version: str) -> tuple[str, str]:
+def version_artifact(database_url: str, version: str) -> tuple[str, str]:
     from sluice.registry import catalog
     from sluice.registry.store import Registry
 
@@ -172,24 +157,31 @@ def _version_artifact(database_url: str, version: str) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def both_systems(pg_url: str) -> Iterator[Stack]:
+def both_systems(pg_url: str, *, artifact: str | None = None) -> Iterator[Stack]:
+    """Sluice and the Celery peer with its handler, ready and warm; both run `artifact` (by default
+    the one the seed registers for the version)."""
     import redis
 
     from bench.platform import warm
 
     with (
         private_redis() as (redis_base, _),
-        BenchPlatform(pg_admin_url=pg_url, redis_base=redis_base, redis_db=SLUICE_DB) as platform,
+        BenchPlatform(
+            pg_admin_url=pg_url,
+            redis_base=redis_base,
+            redis_db=SLUICE_DB,
+            seeded_artifacts={f"{MODEL}/{VERSION}": artifact} if artifact else {},
+        ) as platform,
     ):
         client = redis.Redis.from_url(redis_base)
         redis_pid = int(client.info("server")["process_id"])
         client.close()
         celery_url = f"{redis_base}/{CELERY_DB}"
         # The same model as the Sluice version, whatever the seed registers for it.
-        artifact, sha256 = _version_artifact(platform.database_url, VERSION)
+        artifact, sha256 = version_artifact(platform.database_url, VERSION)
         stack = Stack(
             platform=platform,
-            celery=_celery_worker(platform.home, celery_url, artifact, sha256),
+            celery=celery_worker(platform.home, celery_url, env={ARTIFACT_ENV: artifact, SHA256_ENV: sha256}),
             celery_url=celery_url,
             redis_pid=redis_pid,
         )
@@ -197,7 +189,7 @@ def both_systems(pg_url: str) -> Iterator[Stack]:
             platform.start_workers(MODEL, VERSION, SLUICE_WORKERS, threads=1)
             platform.wait_ready(MODEL, VERSION, SLUICE_WORKERS)
             warm(platform, VERSION)
-            _wait_celery(stack)
+            wait_children(celery_url, CELERY_CHILDREN, stack.check_alive)
             yield stack
         finally:
             stop_processes([stack.celery])

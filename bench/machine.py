@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+# The CPU features the model's kernels choose between (fp32, int8 with VNNI, bf16, AMX tiles).
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -70,13 +72,16 @@ def wait_quiet(max_wait_s: float = 30.0, threshold_cores: float = 0.25, window_s
 def machine_info() -> dict[str, Any]:
     import torch
 
-    cpu_model = ""
+    cpu_model, flags = "", set()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and not cpu_model:
                 cpu_model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
                 break
     return {
-        "cores": os.cpu_count(), "cpu": cpu_model, "python": py_platform.python_version(),
+        "cores": os.cpu_count(), "cpu": cpu_model, "cpu_flags": [f for f in KERNEL_FLAGS if f in flags],
+        "python": py_platform.python_version(),
         "torch": torch.__version__, "loadavg_at_start": os.getloadavg(),
     }

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,9 @@ class BenchPlatform:
     redis_base: str = "redis://127.0.0.1:6379"
     redis_db: int = 13
     extra_versions: Sequence[ExtraVersion] = ()
+    # Seeded versions to run with other load options over the same bytes (``?quantize=int8``),
+    # keyed "model/version": the artifact is swapped before the API or any worker reads it.
+    seeded_artifacts: Mapping[str, str] = field(default_factory=dict)
     keep_home: bool = False
     home: Path = field(init=False)
     db_name: str = field(init=False, default="")
@@ -116,6 +119,12 @@ class BenchPlatform:
             self.demo_key = seed(registry, home=self.home).demo_key
             # Registered before the API starts, so its first routing snapshot already has them.
             with registry.session() as session:
+                for key, artifact in self.seeded_artifacts.items():
+                    model, version = key.split("/", 1)
+                    row = catalog.get_version(session, model, version)
+                    if artifact_sha256(resolve_artifact(artifact)) != row.sha256:
+                        raise ValueError(f"{artifact!r} is not the bytes of {key} ({row.artifact!r})")
+                    row.artifact = artifact
                 for extra in self.extra_versions:
                     if session.get(ModelVersion, (extra.model, extra.version)) is None:
                         catalog.register_version(
