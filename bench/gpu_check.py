@@ -80,7 +80,7 @@ class PlainEncoder:
         encs = encoder._tokenizer.encode_batch(texts)
         ids, mask, types = encoder._padded([e.ids for e in encs], [e.type_ids for e in encs])
         with torch.inference_mode():
-            return encoder._forward(ids, mask, types)
+            return encoder.forward_pooled(ids, mask, types).cpu()
 
 
 def _time(run: Any, texts: list[str], batches: list[list[int]], repeats: int) -> dict[str, Any]:

@@ -21,8 +21,10 @@ from workers.models.int8 import needs_reduce_range
 from workers.models.minilm import MiniLMEncoder
 from workers.models.precision import (
     BF16,
+    CALIBRATION_BATCHES,
     FP16,
     FP32,
+    GPU_CALIBRATION_BATCHES,
     HostPrecisions,
     PrecisionChoice,
     PrecisionPolicy,
@@ -145,8 +147,9 @@ def select_precision(requested: str | None, *, device: str, policy: PrecisionPol
     quality = {name: compare(reference, outputs(models[name], QUALITY_TEXTS)) for name in names if name != FP32}
     # A GPU works asynchronously: its passes are timed by the wall clock (each ends in a copy to the CPU).
     clock = time.process_time if host.device == "cpu" else time.perf_counter
+    batches = CALIBRATION_BATCHES if host.device == "cpu" else GPU_CALIBRATION_BATCHES
     runs = {name: functools.partial(outputs, model) for name, model in models.items()}
-    measured = calibrate(runs, rounds=policy.rounds, clock=clock).speedups()
+    measured = calibrate(runs, rounds=policy.rounds, batches=batches, clock=clock).speedups()
     choice = choose(requested, device=host.device, speedups=measured, quality=quality, policy=policy)
     log.info("precision calibration on %s: %s; %.2f s of CPU", host.device,
              ", ".join(f"{name} {measured[name]:.2f}x" + (f" ({quality[name].describe()})" if name in quality else "")

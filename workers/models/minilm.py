@@ -29,6 +29,12 @@ DEFAULT_MAX_SEQ_LENGTH = 256
 # the cache and every token costs more.
 DEFAULT_PASS_OVERHEAD_TOKENS = 24
 DEFAULT_MAX_BATCH_TOKENS = 2048
+# On a GPU a pass costs its kernel launches whatever its size (2.3 ms on an H200 for one short
+# text, as much as a thousand or two padded tokens of a large pass), and memory allows passes of
+# tens of thousands of tokens: short texts share one pass, and only a long text in a batch of
+# short ones earns a pass of its own (`python -m bench.gpu_check`, bench/README.md).
+GPU_PASS_OVERHEAD_TOKENS = 1024
+GPU_MAX_BATCH_TOKENS = 65536
 
 
 def resolve_device(device: str) -> torch.device:
@@ -93,9 +99,15 @@ class MiniLMEncoder:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         quantize: str | None = None,
-        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-        pass_overhead_tokens: int = DEFAULT_PASS_OVERHEAD_TOKENS,
+        max_batch_tokens: int | None = None,
+        pass_overhead_tokens: int | None = None,
     ) -> None:
+        self.device = resolve_device(device)
+        gpu = self.device.type == "cuda"
+        if max_batch_tokens is None:
+            max_batch_tokens = GPU_MAX_BATCH_TOKENS if gpu else DEFAULT_MAX_BATCH_TOKENS
+        if pass_overhead_tokens is None:
+            pass_overhead_tokens = GPU_PASS_OVERHEAD_TOKENS if gpu else DEFAULT_PASS_OVERHEAD_TOKENS
         if max_batch_tokens < 1 or pass_overhead_tokens < 0:
             raise ModelError(f"max_batch_tokens must be >= 1 and pass_overhead_tokens >= 0, "
                              f"got {max_batch_tokens} and {pass_overhead_tokens}")
@@ -105,7 +117,6 @@ class MiniLMEncoder:
         if not model_dir.is_dir():
             raise ArtifactError(f"model directory not found: {model_dir}")
         self.model_dir = model_dir
-        self.device = resolve_device(device)
         self.dtype = dtype
         if quantize not in (None, "int8"):
             raise ModelError(f"unknown quantize mode {quantize!r}; expected 'int8' or None")
@@ -188,20 +199,22 @@ class MiniLMEncoder:
 
         It is an inference-mode tensor: ``.clone()`` it before using it in autograd.
         """
-        out = torch.empty((len(texts), self.dim), dtype=torch.float32)
+        # Gathered on the device and copied once: a copy per pass would wait for the GPU per pass.
+        out = torch.empty((len(texts), self.dim), dtype=torch.float32, device=self.device)
         if len(texts) == 0:
-            return out
+            return out.cpu()
         encs = self._tokenizer.encode_batch(list(texts))
         for chunk in self.passes([len(e.ids) for e in encs]):
             ids, mask, types = self._padded([encs[i].ids for i in chunk], [encs[i].type_ids for i in chunk])
-            out[chunk] = self._forward(ids, mask, types)
-        return out
+            out[chunk] = self.forward_pooled(ids, mask, types)
+        return out.cpu()
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+    def forward_pooled(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        """One forward pass over padded inputs: unit-length float32 vectors, on the model's device."""
         ids, mask, types = (t.to(self.device) for t in (ids, mask, types))
         hidden = self.model(ids, mask, types)
         # Pool in float32: summing up to 256 bf16 vectors loses visible precision.
         m = mask.unsqueeze(-1).to(torch.float32)
         summed = (hidden.to(torch.float32) * m).sum(dim=1)
         pooled = summed / m.sum(dim=1).clamp(min=1e-9)
-        return F.normalize(pooled, p=2.0, dim=1).cpu()
+        return F.normalize(pooled, p=2.0, dim=1)
