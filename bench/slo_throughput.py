@@ -94,7 +94,7 @@ MIN_JOBS = 300  # the fewest samples `sluice.stats.percentiles` gives a p99 for
 def precision_artifact(precision: str) -> str:
     """The artifact URI Sluice and the handler peer run for `--precision`: the only place that
     knows how a precision is spelled in a URI."""
-    return f"{MINILM_URI}?quantize={precision}"
+    return f"{MINILM_URI}?precision={precision}"
 
 
 # --- pure: a step's verdict, a repeat's SLO rate, the summary over repeats --------------------------

