@@ -195,6 +195,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip what is left after this many seconds")
     parser.add_argument("--pack", type=Path, default=None, help="write an fp16-weights copy of the model here and stop")
+    parser.add_argument("--sizes", type=lambda v: tuple(int(x) for x in v.split(",")), default=BATCH_SIZES,
+                        help="batch sizes to sweep (default 1 to 256)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a smoke run of the script itself, on few texts and sizes")
     args = parser.parse_args()
@@ -217,7 +219,7 @@ def main() -> None:
     print(f"calibration: {result['calibration']}", flush=True)
     result["runs"], result["skipped"] = sweep(
         args.model_dir, device=args.device, texts_n=16 if smoke else args.texts, repeats=1 if smoke else args.repeats,
-        sizes=(1, 8) if smoke else BATCH_SIZES, deadline=deadline)
+        sizes=(1, 8) if smoke else args.sizes, deadline=deadline)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(result, indent=1))
     draw(result["runs"], args.out / "gpu_check.png")
