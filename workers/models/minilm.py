@@ -53,28 +53,38 @@ def plan_passes(lengths: Sequence[int], *, max_batch_tokens: int, overhead_token
     A pass costs ``overhead_tokens`` plus its padded tokens (texts x its longest text) and holds
     at most ``max_batch_tokens`` of them (a longer text runs alone). The best passes take
     contiguous runs of the texts sorted by length, so a dynamic programme over that order finds
-    them: O(n^2) for a batch of n, a few hundred steps for 32.
+    them: O(n^2) for a batch of n, a few hundred steps for 32. Where no pass can reach the cap (the
+    whole batch padded fits under it, as on a GPU), only the boundaries between distinct lengths
+    are tried: a cut between two equal lengths moved to the end of their run costs no more (the
+    pass before gains a text of that length, the pass after loses one at least as wide), so the
+    programme runs over distinct lengths, a few thousand steps for a batch of 256.
     """
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     ranked = [lengths[i] for i in order]
-    # best[j]: least cost of the j shortest texts; start[j]: where the last of its passes starts.
-    best = [0] * (len(order) + 1)
-    start = [0] * (len(order) + 1)
-    for end in range(1, len(order) + 1):
+    count = len(order)
+    if count and count * ranked[-1] <= max_batch_tokens:
+        cuts = [0, *(i for i in range(1, count) if ranked[i] != ranked[i - 1]), count]
+    else:
+        cuts = list(range(count + 1))
+    # best[j]: least cost of the texts before cuts[j]; start[j]: the cut its last pass starts at.
+    best = [0] * len(cuts)
+    start = [0] * len(cuts)
+    for j in range(1, len(cuts)):
+        end = cuts[j]
         width = ranked[end - 1]
-        best[end] = -1
-        for first in range(end - 1, -1, -1):
-            size = end - first
+        best[j] = -1
+        for k in range(j - 1, -1, -1):
+            size = end - cuts[k]
             if size > 1 and size * width > max_batch_tokens:
                 break
-            cost = best[first] + overhead_tokens + size * width
-            if best[end] < 0 or cost < best[end]:
-                best[end], start[end] = cost, first
+            cost = best[k] + overhead_tokens + size * width
+            if best[j] < 0 or cost < best[j]:
+                best[j], start[j] = cost, k
     passes: list[list[int]] = []
-    end = len(order)
-    while end:
-        passes.append(order[start[end]:end])
-        end = start[end]
+    j = len(cuts) - 1
+    while j:
+        passes.append(order[cuts[start[j]]:cuts[j]])
+        j = start[j]
     passes.reverse()
     return passes
 
