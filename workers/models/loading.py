@@ -7,9 +7,10 @@ handlers are loaded on first use.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -242,32 +243,22 @@ def _no_precision(kind: ModelKind, artifact: str, precision: str | None) -> None
         raise ArtifactError(f"{artifact!r}: kind {kind.value!r} runs its model as saved; it takes no precision option")
 
 
-def _load_hf_embedding(artifact: str, sha256: str | None, device: str, threads: int | None,
-                       policy: PrecisionPolicy, sources: Sources) -> ModelHandler:
-    """``artifact`` is a Hugging Face encoder directory (``save_pretrained``, safetensors)."""
-    path, dev, precision = _own_artifact(ModelKind.hf_embedding, artifact, sha256, device, threads, sources)
-    from workers.models.calibration import embedding_quality
-    from workers.models.hf import HfEmbeddingHandler, load_hf_embedding
+def _load_hf(kind: ModelKind, artifact: str, sha256: str | None, device: str, threads: int | None,
+             policy: PrecisionPolicy, sources: Sources) -> ModelHandler:
+    """``artifact`` is a Hugging Face directory (``save_pretrained``, safetensors): an encoder for
+    ``hf-embedding``, a sequence-classification model (labels in its config) for ``hf-classifier``."""
+    path, dev, precision = _own_artifact(kind, artifact, sha256, device, threads, sources)
+    from workers.models import calibration, hf
 
+    embedding = kind is ModelKind.hf_embedding
+    load: Callable[..., hf.HfEmbeddingHandler | hf.HfClassifierHandler] = (
+        hf.load_hf_embedding if embedding else hf.load_hf_classifier)
+    outputs: Callable[[Any, Sequence[str]], Any] = (
+        hf.HfEmbeddingHandler.vectors if embedding else hf.HfClassifierHandler.probabilities)
+    compare = calibration.embedding_quality if embedding else calibration.classifier_quality
     selected = _select(precision, artifact, device=dev, policy=policy,
-                       build=lambda name: load_hf_embedding(path, device=dev, precision=name),
-                       outputs=HfEmbeddingHandler.vectors, compare=embedding_quality)
-    handler: HfEmbeddingHandler = selected.model
-    handler.precision = selected.choice
-    return handler
-
-
-def _load_hf_classifier(artifact: str, sha256: str | None, device: str, threads: int | None,
-                        policy: PrecisionPolicy, sources: Sources) -> ModelHandler:
-    """``artifact`` is a Hugging Face sequence-classification directory (labels in its config)."""
-    path, dev, precision = _own_artifact(ModelKind.hf_classifier, artifact, sha256, device, threads, sources)
-    from workers.models.calibration import classifier_quality
-    from workers.models.hf import HfClassifierHandler, load_hf_classifier
-
-    selected = _select(precision, artifact, device=dev, policy=policy,
-                       build=lambda name: load_hf_classifier(path, device=dev, precision=name),
-                       outputs=HfClassifierHandler.probabilities, compare=classifier_quality)
-    handler: HfClassifierHandler = selected.model
+                       build=lambda name: load(path, device=dev, precision=name), outputs=outputs, compare=compare)
+    handler: hf.HfEmbeddingHandler | hf.HfClassifierHandler = selected.model
     handler.precision = selected.choice
     return handler
 
@@ -305,8 +296,8 @@ LOADERS: dict[ModelKind, Loader] = {
     ModelKind.embedding: _load_embedding,
     ModelKind.classifier: _load_classifier,
     ModelKind.synthetic: _load_synthetic,
-    ModelKind.hf_embedding: _load_hf_embedding,
-    ModelKind.hf_classifier: _load_hf_classifier,
+    ModelKind.hf_embedding: functools.partial(_load_hf, ModelKind.hf_embedding),
+    ModelKind.hf_classifier: functools.partial(_load_hf, ModelKind.hf_classifier),
     ModelKind.torch_export: _load_exported,
     ModelKind.handler: _load_handler_class,
 }
