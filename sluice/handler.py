@@ -65,6 +65,14 @@ class Handler(Generic[InputT, OutputT]):
 
     Input: ClassVar[type[BaseModel]]
     Output: ClassVar[type[BaseModel]]
+    # Precision per host (docs/ARCHITECTURE.md): the precisions besides fp32 this handler can run
+    # ("bf16", "fp16", "int8"); a version's `?precision=` is refused for a handler naming none. The
+    # worker sets `precision` before `load`; with `auto` it loads one handler per candidate and
+    # compares `calibration_vector` of their outputs on `calibration_inputs()` with fp32's, as
+    # embeddings (worst cosine) or, with `precision_outputs = "classifier"`, as probabilities.
+    precisions: ClassVar[tuple[str, ...]] = ()
+    precision_outputs: ClassVar[str] = "embedding"
+    precision: str = "fp32"
 
     def load(self, artifact: Path | None, device: str) -> None:
         """Load the model from the verified artifact (a file or a directory) onto ``device``
@@ -86,6 +94,16 @@ class Handler(Generic[InputT, OutputT]):
     def quality(self, output: OutputT) -> Quality | None:
         """An optional quality proxy of one output (see :class:`Quality`)."""
         return None
+
+    def calibration_inputs(self) -> list[InputT]:
+        """Inputs like the version's own, on which the precisions are timed and compared; needed
+        when ``precisions`` is set."""
+        raise NotImplementedError
+
+    def calibration_vector(self, output: OutputT) -> list[float]:
+        """The numbers of one output the calibration compares with fp32's: an embedding's vector,
+        or a classifier's probability per label, the labels always in the same order."""
+        raise NotImplementedError
 
 
 def check_spec(spec: str) -> str:

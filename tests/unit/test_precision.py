@@ -173,3 +173,12 @@ def test_a_clock_that_does_not_move_counts_as_equal_speed_and_fp32_is_required()
         calibrate(runs, rounds=0, clock=clock)
     with pytest.raises(ValueError, match="fp32"):
         calibrate({BF16: runs[BF16]}, rounds=1, clock=clock)
+
+
+def test_a_model_that_declares_its_precisions_is_offered_only_those() -> None:
+    assert candidates(AUTO, AMX, (BF16,)) == (FP32, BF16)
+    assert candidates(AUTO, GPU, (BF16,)) == (FP32, BF16)
+    assert candidates(AUTO, AMX, ()) == (FP32,)
+    assert candidates(BF16, AMX, (BF16,)) == (FP32, BF16)
+    with pytest.raises(ValueError, match="runs bf16, fp32, not int8"):
+        candidates(INT8, AMX, (BF16,))

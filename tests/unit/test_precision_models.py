@@ -21,6 +21,7 @@ from workers.models.loading import ClassifierHandler, EmbeddingHandler, Sources,
 from workers.models.precision import BF16, PrecisionPolicy, QualityBound, candidates
 from workers.models.shared import LoadedModels
 from workers.models.train_intent import load_examples, split_examples
+from workers.models.user_handler import UserHandler
 
 pytestmark = pytest.mark.model
 
@@ -145,8 +146,29 @@ def test_hf_classifier_takes_a_precision_and_the_other_kinds_refuse_one(tmp_path
     assert any(isinstance(m, DynamicInt8Linear) for m in int8.model.base_model.modules())
     # The classification layer itself stays in float: labels are decided on small margins.
     assert not any(isinstance(m, DynamicInt8Linear) for m in int8.model.classifier.modules())
-    with pytest.raises(ArtifactError, match="takes no precision option"):
+    with pytest.raises(ArtifactError, match="declares no precisions; it takes no precision option"):
         load_handler(kind="handler", artifact=f"file://{directory}?precision=bf16", sha256=sha, precision=QUICK,
-                     sources=Sources(handler="tests.own_models.echo:Echo"))
+                     sources=Sources(handler="tests.own_models.scorer:TinyScorer"))
     with pytest.raises(ArtifactError, match="GPU only"):
         load_handler(kind="hf-classifier", artifact=f"file://{directory}?precision=fp16", sha256=sha, precision=QUICK)
+
+
+def test_a_handler_class_opts_in_with_its_precisions_and_calibration_inputs(tmp_path: Path) -> None:
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "seed.txt").write_text("3")
+    artifact, sha = f"file://{tmp_path / 'weights'}", artifact_sha256(tmp_path / "weights")
+    sources = Sources(handler="tests.own_models.precise:LetterVectors")
+    auto = load_handler(kind="handler", artifact=f"{artifact}?precision=auto", sha256=sha, precision=QUICK,
+                        sources=sources)
+    assert isinstance(auto, UserHandler) and auto.precision is not None
+    # Only what the class declares is weighed, among what the host offers.
+    assert set(auto.precision.measured) == set(candidates("auto", host_precisions("cpu"), ("bf16",)))
+    assert auto.handler.loaded_in == auto.precision.precision  # type: ignore[attr-defined]
+    bf16 = load_handler(kind="handler", artifact=f"{artifact}?precision=bf16", sha256=sha, precision=QUICK,
+                        sources=sources)
+    assert isinstance(bf16, UserHandler) and bf16.precision is not None and bf16.precision.speedup is not None
+    assert bf16.handler.loaded_in == "bf16"  # type: ignore[attr-defined]
+    assert bf16.run([{"text": "hello"}])[0]["vector"]
+    with pytest.raises(ArtifactError, match="runs bf16, fp32, not int8"):
+        load_handler(kind="handler", artifact=f"{artifact}?precision=int8", sha256=sha, precision=QUICK,
+                     sources=sources)

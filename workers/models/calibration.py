@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,7 @@ from workers.models.precision import (
     FP16,
     FP32,
     GPU_CALIBRATION_BATCHES,
+    PRECISIONS,
     HostPrecisions,
     PrecisionChoice,
     PrecisionPolicy,
@@ -130,24 +131,31 @@ class Selected(Generic[Model]):
 
 
 def select_precision(requested: str | None, *, device: str, policy: PrecisionPolicy,
-                     build: Callable[[str], Model], outputs: Callable[[Model, Sequence[str]], torch.Tensor],
-                     compare: Callable[[torch.Tensor, torch.Tensor], Quality]) -> Selected[Model]:
+                     build: Callable[[str], Model], outputs: Callable[[Model, Sequence[Any]], torch.Tensor],
+                     compare: Callable[[torch.Tensor, torch.Tensor], Quality],
+                     supported: tuple[str, ...] = PRECISIONS,
+                     inputs: Callable[[Model], Sequence[Any]] | None = None) -> Selected[Model]:
     """Build ``requested`` on ``device`` (and, where there is a choice to measure, fp32 and every
-    candidate beside it), and keep the one the rule picks. Raises ValueError for a precision the
-    device cannot run."""
+    candidate beside it), and keep the one the rule picks. The text kinds are compared on
+    QUALITY_TEXTS and timed on the calibration batches; a handler class gives its own ``inputs``
+    (read off its fp32 copy), compared and timed as one batch. Raises ValueError for a precision
+    the device or the model cannot run."""
     host = host_precisions(device)
-    names = candidates(requested, host)
+    names = candidates(requested, host, supported)
     if len(names) == 1:
         only = names[0]
         return Selected(build(only), choose(requested, device=host.device, speedups={}, quality={}, policy=policy),
                         None)
     started = time.process_time()
     models = {name: build(name) for name in names}
-    reference = outputs(models[FP32], QUALITY_TEXTS)
-    quality = {name: compare(reference, outputs(models[name], QUALITY_TEXTS)) for name in names if name != FP32}
+    own = list(inputs(models[FP32])) if inputs is not None else None
+    compared: Sequence[Any] = own if own is not None else QUALITY_TEXTS
+    reference = outputs(models[FP32], compared)
+    quality = {name: compare(reference, outputs(models[name], compared)) for name in names if name != FP32}
     # A GPU works asynchronously: its passes are timed by the wall clock (each ends in a copy to the CPU).
     clock = time.process_time if host.device == "cpu" else time.perf_counter
-    batches = CALIBRATION_BATCHES if host.device == "cpu" else GPU_CALIBRATION_BATCHES
+    batches: Sequence[Sequence[Any]] = (
+        (own,) if own is not None else CALIBRATION_BATCHES if host.device == "cpu" else GPU_CALIBRATION_BATCHES)
     runs = {name: functools.partial(outputs, model) for name, model in models.items()}
     measured = calibrate(runs, rounds=policy.rounds, batches=batches, clock=clock).speedups()
     choice = choose(requested, device=host.device, speedups=measured, quality=quality, policy=policy)

@@ -283,11 +283,28 @@ def _load_handler_class(artifact: str, sha256: str | None, device: str, threads:
     if not sources.handler:
         raise ArtifactError("a version of kind 'handler' names no handler class")
     path, dev, precision = _own_artifact(ModelKind.handler, artifact, sha256, device, threads, sources)
-    _no_precision(ModelKind.handler, artifact, precision)
-    from workers.models.user_handler import load_user_handler
+    from workers.models.user_handler import UserHandler, handler_class, load_user_handler
 
-    return load_user_handler(sources.handler, path, device=dev, input_schema=sources.input_schema,
-                             output_schema=sources.output_schema)
+    spec = sources.handler
+    cls = handler_class(spec)
+    if precision is None:
+        return load_user_handler(spec, path, device=dev, input_schema=sources.input_schema,
+                                 output_schema=sources.output_schema)
+    if not cls.precisions:
+        raise ArtifactError(f"{artifact!r}: handler {spec} declares no precisions; it takes no precision option")
+    from workers.models import calibration
+
+    compare = calibration.classifier_quality if cls.precision_outputs == "classifier" else \
+        calibration.embedding_quality
+    selected = _select(precision, artifact, device=dev, policy=policy, supported=tuple(cls.precisions),
+                       build=lambda name: load_user_handler(spec, path, device=dev, precision=name,
+                                                            input_schema=sources.input_schema,
+                                                            output_schema=sources.output_schema),
+                       outputs=UserHandler.calibration_outputs, compare=compare,
+                       inputs=UserHandler.calibration_inputs)
+    handler: UserHandler = selected.model
+    handler.precision = selected.choice
+    return handler
 
 
 Loader = Callable[[str, str | None, str, int | None, PrecisionPolicy, Sources], ModelHandler]

@@ -24,6 +24,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sluice.artifacts import PRECISION_MODES
 from sluice.settings import Settings
@@ -136,12 +137,16 @@ def default_precision(device: str) -> str:
     return BF16 if device == "cuda" else FP32
 
 
-def candidates(requested: str | None, host: HostPrecisions) -> tuple[str, ...]:
+def candidates(requested: str | None, host: HostPrecisions,
+               supported: tuple[str, ...] = PRECISIONS) -> tuple[str, ...]:
     """The precisions to build and measure for ``requested`` on ``host``, fp32 first; a single one
-    means there is nothing to measure. Raises ValueError for what the device cannot run."""
+    means there is nothing to measure. ``supported`` is what the model can run at all (a handler
+    class declares its own). Raises ValueError for what the device or the model cannot run."""
     requested = requested or default_precision(host.device)
     if requested not in PRECISION_MODES:
         raise ValueError(f"unknown precision {requested!r}; expected one of {', '.join(PRECISION_MODES)}")
+    if requested not in (FP32, AUTO, *supported):
+        raise ValueError(f"the model runs {', '.join(sorted({FP32, *supported}))}, not {requested}")
     if requested == INT8 and host.device != "cpu":
         raise ValueError(f"int8 runs on the CPU only, not on {host.device}")
     if requested == FP16 and host.device == "cpu":
@@ -149,8 +154,10 @@ def candidates(requested: str | None, host: HostPrecisions) -> tuple[str, ...]:
     if requested != AUTO:
         return (FP32,) if requested == FP32 else (FP32, requested)
     if host.device == "cpu":
-        return (FP32, *((BF16,) if host.bf16 else ()), *((INT8,) if host.int8 else ()))
-    return (FP32, *((BF16,) if host.bf16 else ()), FP16)
+        offered = (FP32, *((BF16,) if host.bf16 else ()), *((INT8,) if host.int8 else ()))
+    else:
+        offered = (FP32, *((BF16,) if host.bf16 else ()), FP16)
+    return tuple(name for name in offered if name == FP32 or name in supported)
 
 
 def choose(requested: str | None, *, device: str, speedups: Mapping[str, float], quality: Mapping[str, Quality],
@@ -210,8 +217,8 @@ class Calibration:
         return {name: statistics.median(ratios) for name, ratios in self.rounds.items()}
 
 
-def calibrate(runs: Mapping[str, Callable[[Sequence[str]], object]], *, rounds: int = DEFAULT_ROUNDS,
-              batches: Sequence[Sequence[str]] = CALIBRATION_BATCHES,
+def calibrate(runs: Mapping[str, Callable[[Sequence[Any]], object]], *, rounds: int = DEFAULT_ROUNDS,
+              batches: Sequence[Sequence[Any]] = CALIBRATION_BATCHES,
               clock: Callable[[], float] = time.process_time) -> Calibration:
     """Time every run (fp32 among them) on ``batches``: one unmeasured pass each (first-call
     allocations), then ``rounds`` rounds, the order rotating so a drift of the host's speed falls
@@ -221,7 +228,7 @@ def calibrate(runs: Mapping[str, Callable[[Sequence[str]], object]], *, rounds: 
     if FP32 not in runs:
         raise ValueError("the calibration measures against fp32, which is missing")
 
-    def timed(run: Callable[[Sequence[str]], object]) -> float:
+    def timed(run: Callable[[Sequence[Any]], object]) -> float:
         started = clock()
         for batch in batches:
             run(batch)

@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -21,6 +21,9 @@ from sluice.errors import ArtifactError, InferenceError, ModelError
 from sluice.handler import Handler, Quality, import_handler, schemas_of
 from sluice.kinds import ModelKind
 from workers.models.protocol import ModelHandler
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,25 @@ class UserHandler(ModelHandler):
             ) from None
         return fitted.model_dump(mode="json")
 
+    def calibration_inputs(self) -> list[BaseModel]:
+        """The handler's own calibration inputs (precision per host); ArtifactError if it has none."""
+        try:
+            return list(self.handler.calibration_inputs())
+        except Exception as exc:
+            raise ArtifactError(f"handler {self.spec}: calibration_inputs() raised {type(exc).__name__}: {exc}"
+                                ) from exc
+
+    def calibration_outputs(self, inputs: Sequence[BaseModel]) -> torch.Tensor:
+        """Each input's output as the numbers the calibration compares (``calibration_vector``)."""
+        import torch
+
+        try:
+            outputs = self.handler.predict(list(inputs))
+            return torch.tensor([self.handler.calibration_vector(output) for output in outputs], dtype=torch.float32)
+        except Exception as exc:
+            raise ArtifactError(f"handler {self.spec}: its calibration outputs failed: {type(exc).__name__}: {exc}"
+                                ) from exc
+
     def proxies(self, output: Mapping[str, Any]) -> dict[str, Any]:
         """The handler's quality proxy of one stored output, as the worker's per-job proxies."""
         try:
@@ -118,18 +140,24 @@ class UserHandler(ModelHandler):
         return found
 
 
+def handler_class(spec: str) -> type[Handler[Any, Any]]:
+    """The handler class ``spec`` names; ArtifactError when it cannot be imported or is no handler."""
+    try:
+        return import_handler(spec)
+    except ModelError as exc:
+        raise ArtifactError(str(exc)) from None
+
+
 def load_user_handler(spec: str, artifact: Path | None, *, device: str,
                       input_schema: Mapping[str, Any] | None,
-                      output_schema: Mapping[str, Any] | None) -> UserHandler:
-    """Import, build and load the handler ``spec`` names on the verified ``artifact``.
+                      output_schema: Mapping[str, Any] | None, precision: str = "fp32") -> UserHandler:
+    """Import, build and load the handler ``spec`` names on the verified ``artifact``, in
+    ``precision`` (set on the handler before ``load``; fp32 unless it declares others).
 
     The version's recorded schemas, when it has them, must be the class's own: the API validated
     the queued inputs against them. Any failure here refuses the version (ArtifactError).
     """
-    try:
-        cls = import_handler(spec)
-    except ModelError as exc:
-        raise ArtifactError(str(exc)) from None
+    cls = handler_class(spec)
     declared = schemas_of(cls)
     for name, recorded in (("input", input_schema), ("output", output_schema)):
         if recorded is not None and _canonical(recorded) != _canonical(declared[name]):
@@ -137,6 +165,7 @@ def load_user_handler(spec: str, artifact: Path | None, *, device: str,
                                 f"{cls.__name__}.{name.capitalize()}'s; register a new version for the new schema")
     try:
         handler = cls()
+        handler.precision = precision
         handler.load(artifact, device)
     except Exception as exc:
         raise ArtifactError(f"handler {spec}: load() raised {type(exc).__name__}: {exc}") from exc
