@@ -42,6 +42,7 @@ where the API's time went.
 busy with the jobs (`bench.api_cost_up`).
 
     python -m bench.api_cost --under-up [--rounds 3] [--up-requests 1000] [--up-concurrency 32 4] [--profile DIR]
+                             [--checkout BEFORE --checkout AFTER --up-repeats 2]
     python -m bench.api_cost [--rounds 5] [--requests 3000] [--bulk-requests 40] [--paced-rate 30]
                              [--profile DIR [--profile-native]]
 """

@@ -19,6 +19,7 @@ import argparse
 import json
 import multiprocessing
 import random
+import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -37,7 +38,7 @@ from bench.api_cost import (
 )
 from bench.machine import CpuWindow, cpu_seconds, machine_info
 from bench.output import command_line, table, write_json
-from bench.processes import sigterm_as_interrupt
+from bench.processes import REPO, sigterm_as_interrupt
 from bench.up_platform import RunningUp, running_up
 from scheduler.planning.text_mix import skewed_texts
 
@@ -129,13 +130,15 @@ class UpPhases:
         return result
 
 
-def run_under_up(args: argparse.Namespace) -> None:
+def measure_one_up(args: argparse.Namespace, checkout: Path, label: str) -> tuple[list[dict[str, Any]], float,
+                                                                             dict[str, list[list[Any]]]]:
+    """One `sluice up` from `checkout`: the rounds of measured phases (then, with --profile, one
+    profiled submit and read phase); answers the runs, the API's idle CPU (ms a second) and the profiles."""
     phases_ = [(phase, c) for c in args.up_concurrency for phase in ("submit", "read")]
     runs: list[dict[str, Any]] = []
     profiles: dict[str, list[list[Any]]] = {}
     with (
-        sigterm_as_interrupt(),
-        running_up() as up,
+        running_up(checkout=checkout) as up,
         ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as executor,
     ):
         without_shedding(up, MODEL)
@@ -149,54 +152,81 @@ def run_under_up(args: argparse.Namespace) -> None:
             for index, (phase, concurrency) in enumerate(phases_):
                 result = phases.run(phase, n=args.up_requests, concurrency=concurrency,
                                     seed=args.seed + 100 * round_ + index)
-                result["round"] = round_ + 1
+                result.update(round=round_ + 1, checkout=label)
                 runs.append(result)
-                print(f"round {round_ + 1} {result['phase']:<10} API {result['api_ms_per_request']:.3f} ms/request "
-                      f"CPU ({result['api_system_share']:.0%} in the kernel), Redis "
+                print(f"{label} round {round_ + 1} {result['phase']:<10} API {result['api_ms_per_request']:.3f} "
+                      f"ms/request CPU ({result['api_system_share']:.0%} in the kernel), Redis "
                       f"{result['redis_ms_per_request']:.3f}, {result['requests_per_s_wall']:.0f}/s wall, "
                       f"worker {result['worker_cores']:.2f} cores", flush=True)
         if args.profile is not None:
             args.profile.mkdir(parents=True, exist_ok=True)
             for phase in ("submit", "read"):
-                path = args.profile / f"api_cost_up-{phase}.txt"
+                path = args.profile / f"api_cost_up-{label}-{phase}.txt"
                 with pyspy.recording(up.api_pid, path, extra=("--native",) if args.profile_native else ()):
                     phases.run(phase, n=args.up_requests, concurrency=args.up_concurrency[0], seed=args.seed + 7)
                 profile = pyspy.summarise(path)
-                print_profile(phase, profile)
-                profiles[phase] = [[key, inclusive, self_] for key, inclusive, self_ in profile.top(60)]
+                print_profile(f"{phase} ({label})", profile)
+                profiles[f"{label} {phase}"] = [[key, inclusive, self_] for key, inclusive, self_ in profile.top(60)]
+    return runs, idle_api_ms_per_s, profiles
 
-    summary: dict[str, dict[str, Any]] = {}
-    for name in dict.fromkeys(run["phase"] for run in runs):
-        mine = [run for run in runs if run["phase"] == name]
-        summary[name] = {
-            field: spread([run[field] for run in mine])
-            for field in ("api_ms_per_request", "api_system_share", "redis_ms_per_request", "requests_per_s_wall",
-                          "worker_cores", "other_load_cores")
-        }
-        summary[name]["rounds"] = len(mine)
+
+def run_under_up(args: argparse.Namespace) -> None:
+    checkouts = [path.resolve() for path in args.checkout] or [REPO]
+    labels = [path.name or str(path) for path in checkouts]
+    if len(set(labels)) < len(labels):
+        labels = [str(path) for path in checkouts]
+    runs: list[dict[str, Any]] = []
+    idle: dict[str, list[float]] = {}
+    profiles: dict[str, list[list[Any]]] = {}
+    with sigterm_as_interrupt():
+        for repeat in range(args.up_repeats):
+            # Alternating, so that a change in the machine's other load falls on every checkout.
+            order = list(zip(checkouts, labels, strict=True))
+            for checkout, label in order if repeat % 2 == 0 else order[::-1]:
+                measured, idle_ms, profiled = measure_one_up(args, checkout, label)
+                runs += measured
+                idle.setdefault(label, []).append(idle_ms)
+                profiles.update(profiled)
+
+    summary: dict[str, dict[str, dict[str, Any]]] = {}
+    for label in labels:
+        for name in dict.fromkeys(run["phase"] for run in runs):
+            mine = [run for run in runs if run["phase"] == name and run["checkout"] == label]
+            summary.setdefault(label, {})[name] = {
+                field: spread([run[field] for run in mine])
+                for field in ("api_ms_per_request", "api_system_share", "redis_ms_per_request", "requests_per_s_wall",
+                              "worker_cores", "other_load_cores")
+            }
+            summary[label][name]["rounds"] = len(mine)
     host = machine_info()
     print()
-    print(f"API process CPU per request under sluice up, median (min-max) over {args.rounds} rounds of "
-          f"{args.up_requests} requests; host: {host['cpu']}, {host['cores']} cores")
-    print(table(
-        ["phase@connections", "API CPU ms", "of it in the kernel", "Redis CPU ms", "requests/s (wall)",
-         "worker, cores", "target"],
-        [[name, _cell(s["api_ms_per_request"]), _cell(s["api_system_share"], 2), _cell(s["redis_ms_per_request"]),
-          _cell(s["requests_per_s_wall"], 0), _cell(s["worker_cores"], 2), TARGETS[name.split("@")[0]]]
-         for name, s in summary.items()],
-    ))
-    print(f"API process idle: {idle_api_ms_per_s:.1f} ms CPU per second (included above)")
+    print(f"API process CPU per request under sluice up, median (min-max) over {args.rounds} rounds x "
+          f"{args.up_repeats} starts of {args.up_requests} requests; host: {host['cpu']}, {host['cores']} cores")
+    rows = []
+    for label, phases in summary.items():
+        for name, s in phases.items():
+            first = summary[labels[0]][name]["api_ms_per_request"]["median"]
+            ratio = f"{s['api_ms_per_request']['median'] / first:.2f}" if label != labels[0] else ""
+            rows.append([label, name, _cell(s["api_ms_per_request"]), ratio, _cell(s["api_system_share"], 2),
+                         _cell(s["redis_ms_per_request"]), _cell(s["requests_per_s_wall"], 0),
+                         _cell(s["worker_cores"], 2), TARGETS[name.split("@")[0]]])
+    print(table(["checkout", "phase@connections", "API CPU ms", f"x {labels[0]}", "of it in the kernel",
+                 "Redis CPU ms", "requests/s (wall)", "worker, cores", "target"], rows))
+    for label in labels:
+        print(f"API process idle ({label}): {statistics.median(idle[label]):.1f} ms CPU per second (included above)")
     path = write_json("api_cost_up.json", {
         "command": command_line("bench.api_cost"),
         "machine": host,
+        "checkouts": {label: str(path) for label, path in zip(labels, checkouts, strict=True)},
         "rounds": args.rounds,
+        "starts_per_checkout": args.up_repeats,
         "requests_per_phase": args.up_requests,
         "concurrency": args.up_concurrency,
         "model": MODEL,
         "targets": TARGETS,
         "cpu": "user + system from /proc/<pid>/stat (10 ms ticks), API process",
         "summary": summary,
-        "idle_api_ms_per_s": idle_api_ms_per_s,
+        "idle_api_ms_per_s": idle,
         "runs": runs,
         "profiles": profiles,
     })
@@ -210,4 +240,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--up-concurrency", type=int, nargs="+", default=[32, 4],
                         help="with --under-up: connections, one submit and one read phase each")
     parser.add_argument("--up-pool", type=int, default=300, help="with --under-up: finished jobs the reads choose from")
+    parser.add_argument("--checkout", type=Path, action="append", default=[],
+                        help="with --under-up: run `sluice up` from this tree (repeat to compare trees, each "
+                             "against the first; default this one)")
+    parser.add_argument("--up-repeats", type=int, default=1,
+                        help="with --under-up: fresh `sluice up` starts per checkout, alternating between them")
 

@@ -75,8 +75,10 @@ def _bench_tenant(api_url: str, tenant: str) -> str:
 
 
 @contextlib.contextmanager
-def running_up(*, tenant: str = "bench", timeout_s: float = 300.0, grace_s: float = 10.0) -> Iterator[RunningUp]:
-    """`sluice up --no-demo` on a fresh home; see the module's docstring."""
+def running_up(*, checkout: Path = REPO, tenant: str = "bench", timeout_s: float = 300.0,
+               grace_s: float = 10.0) -> Iterator[RunningUp]:
+    """`sluice up --no-demo` from `checkout`'s code (its children inherit the `PYTHONPATH`) on a
+    fresh home; see the module's docstring."""
     with tempfile.TemporaryDirectory(prefix="sluice-bench-up-") as tmp:
         home, output = Path(tmp) / "home", Path(tmp) / "up.out"
         port = free_port()
@@ -87,7 +89,7 @@ def running_up(*, tenant: str = "bench", timeout_s: float = 300.0, grace_s: floa
             SLUICE_FLOWER_PORT=str(free_port()),
             SLUICE_BOOTSTRAP_ADMIN_KEY=ADMIN_KEY,
             SLUICE_SHUTDOWN_GRACE_S=str(grace_s),
-            PYTHONPATH=str(REPO),
+            PYTHONPATH=str(checkout),
             PYTHONUNBUFFERED="1",
         )
         with output.open("w") as sink:
