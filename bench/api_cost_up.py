@@ -1,16 +1,18 @@
 """`bench.api_cost --under-up`: what the API spends per request when it shares the machine with the
-rest of `sluice up`, its workers busy with the jobs it accepts.
+rest of `sluice up`, its worker busy with the jobs it accepts.
 
-`bench.api_cost` measures an API with nothing beside it; on `sluice up` the same requests cost the
-API process several times more CPU (the workers' threads take the cores the API would run on, so
-it meets each request colder and is preempted more). This mode starts the real platform
-(`bench.up_platform.running_up`: `sluice up --no-demo` on a fresh home), makes a tenant of its
-own, and drives, from another process (`bench.rawhttp`), single submits
-(`POST /v1/models/minilm/jobs`) and plain reads (`GET /v1/jobs/{id}` of jobs the worker finished)
-at 32 and at 4 concurrent connections, interleaved, `--rounds` times. Each figure is the API
-process's user + system CPU from /proc around one drive, divided by the requests, as median
-(min-max) over rounds; the worker's CPU in the same window is shown to say how busy it was.
-Every submit stays queued behind the ones before it, so the worker is busy through the run.
+This mode starts the real platform (`bench.up_platform.running_up`: `sluice up --no-demo` on a
+fresh home), makes a tenant of its own, and drives, from another process (`bench.rawhttp`),
+single submits (`POST /v1/models/minilm/jobs`) and plain reads (`GET /v1/jobs/{id}` of jobs the
+worker finished) at 32 and at 4 concurrent connections, interleaved, `--rounds` times. Each
+figure is the API process's user + system CPU from /proc around one drive, divided by the
+requests, as median (min-max) over rounds; the worker's CPU in the same window is shown to say
+how busy it was. Every submit stays queued behind the ones before it, so the worker is busy
+through the run. With several `--checkout`s, each tree gets fresh starts, alternating.
+
+The surprise: on the same host in the same hour an API beside `sluice up` costs what a lone one
+costs; what moves the figure is the rate each phase reaches (fewer connections, fewer requests a
+second, more CPU each) and the machine's other load, so trees are compared within one run.
 """
 
 from __future__ import annotations
