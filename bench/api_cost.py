@@ -38,6 +38,11 @@ machine's other load; wall-clock rates do, and are shown only as context. `--pro
 runs each phase once more under py-spy (a separate run: sampling slows the process) and prints
 where the API's time went.
 
+`--under-up` measures single submits and reads against a real `sluice up` instead, its workers
+busy with the jobs (`bench.api_cost_up`).
+
+    python -m bench.api_cost --under-up [--rounds 3] [--up-requests 1000] [--up-concurrency 32 4] [--profile DIR]
+                             [--checkout BEFORE --checkout AFTER --up-repeats 2]
     python -m bench.api_cost [--rounds 5] [--requests 3000] [--bulk-requests 40] [--paced-rate 30]
                              [--profile DIR [--profile-native]]
 """
@@ -65,8 +70,7 @@ from bench.durable_accept import database
 from bench.job_progress import Progress, finish_jobs
 from bench.machine import CpuWindow, cpu_seconds, machine_info
 from bench.output import command_line, fmt, table, write_json
-from bench.processes import sigterm_as_interrupt, sluice_api
-from bench.rollback import private_redis
+from bench.processes import private_redis, sigterm_as_interrupt, sluice_api
 from scheduler.planning.text_mix import skewed_texts
 
 MODEL, VERSION = "minilm", "v1"
@@ -437,6 +441,8 @@ def run(args: argparse.Namespace, stack: Stack, executor: ProcessPoolExecutor) -
 
 
 def main() -> None:
+    from bench import api_cost_up
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the phases")
     parser.add_argument("--requests", type=int, default=3000, help="requests per submit, read and long-poll phase")
@@ -460,7 +466,11 @@ def main() -> None:
         help="also measure single submits and reads sent one at a time at this rate (e.g. 30)",
     )
     parser.add_argument("--paced-requests", type=int, default=300, help="requests per paced phase")
+    api_cost_up.add_arguments(parser)
     args = parser.parse_args()
+    if args.under_up:
+        api_cost_up.run_under_up(args)
+        return
 
     with (
         sigterm_as_interrupt(),
