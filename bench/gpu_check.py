@@ -13,7 +13,11 @@ and ``gpu_check.png`` under ``--out``:
    * ``plain``: what a team writes: the tokenizer padding the whole batch to its longest text,
      one forward pass of the same weights, mean pooling, the copy to the CPU.
    Texts per second over the same texts (the skewed mix), the median of ``--repeats`` runs.
-3. The host: GPU name, capability, torch and CUDA versions, the CPU.
+3. With ``--compile``: ``torch.compile`` (inductor, ``dynamic=True``) of the encoder against eager,
+   per precision (fp32, bf16) at batches of 128 and 256 in both orders through the worker's
+   runtime, with the compile time (the first pass over every batch shape) and the cosine between
+   compiled and eager vectors.
+4. The host: GPU name, capability, torch and CUDA versions, the CPU.
 
 ``--model-dir`` takes a MiniLM directory (the installed package's by default). The GPU machine has
 no package registry and a small upload, so ``python -m bench.gpu_check --pack DIR`` writes a copy
@@ -153,6 +157,42 @@ def sweep(model_dir: Path, *, device: str, texts_n: int, repeats: int, sizes: tu
     return rows, skipped
 
 
+def compiled(model_dir: Path, *, device: str, texts_n: int, repeats: int, deadline: float) -> list[dict[str, Any]]:
+    import torch
+
+    from workers.models.calibration import embedding_quality, torch_dtype
+    from workers.models.minilm import MiniLMEncoder
+
+    texts = skewed_texts(texts_n, seed=6)
+    rows: list[dict[str, Any]] = []
+    for precision in ("fp32", "bf16"):
+        if time.monotonic() > deadline:
+            break
+        encoder = MiniLMEncoder(model_dir=model_dir, device=device, dtype=torch_dtype(precision))
+        lengths = encoder.token_lengths(texts)
+        plans = {(size, order): _batches(texts, lengths, size, order) for size in (128, 256) for order in ORDERS}
+        eager = {key: _time(encoder.encode, texts, plan, repeats)["texts_per_s"] for key, plan in plans.items()}
+        reference = encoder.encode(texts)
+        encoder.model = torch.compile(encoder.model, dynamic=True)
+        started = time.perf_counter()
+        for plan in plans.values():  # every pass shape the timed runs will meet
+            for batch in plan:
+                encoder.encode([texts[i] for i in batch])
+        compile_s = time.perf_counter() - started
+        cosine = embedding_quality(reference, encoder.encode(texts)).worst_cosine
+        for (size, order), plan in plans.items():
+            rate = _time(encoder.encode, texts, plan, repeats)["texts_per_s"]
+            rows.append({"precision": precision, "batch_size": size, "order": order,
+                         "eager_texts_per_s": eager[size, order], "compiled_texts_per_s": rate,
+                         "speedup": rate / eager[size, order], "compile_s": compile_s,
+                         "worst_cosine_to_eager": cosine})
+            print(f"compile {precision}/{order}/{size}: {rate / eager[size, order]:.2f}x eager "
+                  f"(compile {compile_s:.1f} s)", flush=True)
+        del encoder
+        torch._dynamo.reset()
+    return rows
+
+
 def draw(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -197,6 +237,7 @@ def main() -> None:
     parser.add_argument("--pack", type=Path, default=None, help="write an fp16-weights copy of the model here and stop")
     parser.add_argument("--sizes", type=lambda v: tuple(int(x) for x in v.split(",")), default=BATCH_SIZES,
                         help="batch sizes to sweep (default 1 to 256)")
+    parser.add_argument("--compile", action="store_true", help="also measure torch.compile against eager")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a smoke run of the script itself, on few texts and sizes")
     args = parser.parse_args()
@@ -220,6 +261,9 @@ def main() -> None:
     result["runs"], result["skipped"] = sweep(
         args.model_dir, device=args.device, texts_n=16 if smoke else args.texts, repeats=1 if smoke else args.repeats,
         sizes=(1, 8) if smoke else args.sizes, deadline=deadline)
+    if args.compile:
+        result["compile"] = compiled(args.model_dir, device=args.device, texts_n=16 if smoke else args.texts,
+                                     repeats=1 if smoke else args.repeats, deadline=deadline)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(result, indent=1))
     draw(result["runs"], args.out / "gpu_check.png")
