@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.celery_baseline import URL_ENV
+from bench.celery_app import URL_ENV, wait_children
 from bench.machine import machine_info
 from bench.output import command_line, fmt, table, write_json
 from bench.processes import REPO, private_redis, sigterm_as_interrupt, stop_processes
@@ -85,27 +85,19 @@ def client_main(args: argparse.Namespace) -> None:
 @contextlib.contextmanager
 def celery_worker() -> Iterator[str]:
     """A Celery worker running `bench.celery_baseline` on a private redis-server; answers its URL
-    once a child has answered a task (a child takes none before its model is loaded)."""
-    from bench.celery_peer import _celery_worker
+    once each child has answered a task (a child takes none before its model is loaded)."""
+    from bench import celery_peer
 
     with private_redis() as (base, _), tempfile.TemporaryDirectory(prefix="sluice-bench-celery-") as tmp:
         url = f"{base}/1"
-        from sluice.artifacts import MINILM_URI, artifact_sha256, resolve_artifact
+        proc = celery_peer.celery_worker(Path(tmp), url)
 
-        proc = _celery_worker(Path(tmp), url, MINILM_URI, artifact_sha256(resolve_artifact(MINILM_URI)))
+        def alive() -> None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the Celery worker exited with {proc.returncode}; see {tmp}/logs")
+
         try:
-            os.environ[URL_ENV] = url
-            from celery.exceptions import TimeoutError as CeleryTimeout
-
-            from bench.celery_baseline import child_pid
-
-            deadline = time.monotonic() + 180
-            while True:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the Celery worker did not start; see {tmp}/logs")
-                with contextlib.suppress(CeleryTimeout):
-                    child_pid.delay().get(timeout=5.0)
-                    break
+            wait_children(url, celery_peer.CELERY_CHILDREN, alive)
             yield url
         finally:
             stop_processes([proc])
