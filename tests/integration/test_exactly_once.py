@@ -86,8 +86,16 @@ async def test_a_second_store_of_a_finished_job_adds_no_sample_copy_or_event(are
         closed_at=time.time(),
     )
     writer = ResultWriter(streams=streams, result_ttl_s=3600)
-    pubsub = aredis.pubsub()
-    await pubsub.ssubscribe(events.job_channel(aredis, job_id))
+    channel = events.job_channel(aredis, job_id)
+    # A cluster client's pub/sub reads no sharded messages: listen on the node that holds the
+    # channel's slot, as the API's subscriptions do (api/job_subscriptions.py).
+    if isinstance(aredis, aioredis.RedisCluster):
+        node = aredis.get_node_from_key(channel)
+        listener: aioredis.Redis = aioredis.Redis(host=node.host, port=node.port)
+    else:
+        listener = aredis
+    pubsub = listener.pubsub()
+    await pubsub.ssubscribe(channel)
     try:
         first = await writer.store(
             batch, [Outcome(output={"echo": "first"})], started=time.time(), finished=time.time(), model_ms=1.0
@@ -105,6 +113,8 @@ async def test_a_second_store_of_a_finished_job_adds_no_sample_copy_or_event(are
                 announced.append(events.parse(message["data"]))
     finally:
         await pubsub.aclose()
+        if listener is not aredis:
+            await listener.aclose()
 
     assert (first, second) == ([True], [False])
     assert json.loads(await aredis.hget(keys.job(job_id), "output")) == {"echo": "first"}  # type: ignore[misc]
