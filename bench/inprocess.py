@@ -60,11 +60,16 @@ def load_encoder(threads: int, precision: str = "fp32") -> Any:
     """The encoder the worker builds for `precision` (fp32, bf16 or int8), on the CPU."""
     configure_torch(threads)
     from sluice.artifacts import MINILM_URI, resolve_artifact
-    from workers.models.calibration import torch_dtype
+    from workers.models.calibration import measure_pass_overhead, torch_dtype
     from workers.models.minilm import MiniLMEncoder
 
-    return MiniLMEncoder(model_dir=resolve_artifact(MINILM_URI), device="cpu", dtype=torch_dtype(precision),
-                         quantize="int8" if precision == "int8" else None)
+    encoder = MiniLMEncoder(model_dir=resolve_artifact(MINILM_URI), device="cpu", dtype=torch_dtype(precision),
+                            quantize="int8" if precision == "int8" else None)
+    # Planned as the worker plans them: with the pass cost measured on this host at this precision.
+    measured = measure_pass_overhead(encoder, rounds=5)
+    if measured is not None:
+        encoder.pass_overhead_tokens = measured
+    return encoder
 
 
 def warmup(encoder: Any) -> None:
