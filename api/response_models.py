@@ -81,6 +81,14 @@ class JobError(BaseModel):
     message: str
 
 
+_QUEUE_POSITION = ("Only while queued: how many jobs are ahead of this one in its version and lane (0: the "
+                   "next one a worker reads). An estimate: a job ahead that is cancelled or expires still "
+                   "counts until the workers' reading passes it")
+_ESTIMATED_START = ("Only while queued: seconds until a worker may start it, the jobs ahead (a bulk job's "
+                    "include the online lane's) over the version's measured service rate; null while no live "
+                    "worker has measured one. An estimate")
+
+
 class JobResource(BaseModel):
     """The job resource. `output`, `error` and `metadata` are absent (not null) when there is none."""
 
@@ -96,6 +104,17 @@ class JobResource(BaseModel):
     output: dict[str, Any] | _Absent = None
     error: JobError | _Absent = None
     metadata: dict[str, str | int | float | bool | None] | _Absent = None
+    queue_position: int | _Absent = Field(
+        default=None, description=_QUEUE_POSITION)
+    estimated_start_s: float | None | _Absent = Field(default=None, description=_ESTIMATED_START)
+
+
+class QueuedStanding(BaseModel):
+    """Where a listed job that is still queued stands (estimates; see the job resource)."""
+
+    id: str
+    queue_position: int = Field(description=_QUEUE_POSITION)
+    estimated_start_s: float | None = Field(description=_ESTIMATED_START)
 
 
 class JobSet(BaseModel):
@@ -106,6 +125,8 @@ class JobSet(BaseModel):
     pending: list[str] = Field(description="The ids of the listed jobs not final yet (queued or running)")
     not_found: list[str] = Field(description="Ids that name no job of the caller: unknown, expired or "
                                              "another tenant's")
+    queued: list[QueuedStanding] | _Absent = Field(
+        default=None, description="The pending jobs still queued, with where they stand; absent when none is")
 
 
 class BulkAccepted(BaseModel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import time
@@ -20,6 +21,7 @@ from api.event_hub import FinalWatch
 from api.json_response import JsonResponse
 from api.middleware import StrictJsonRoute
 from api.response_models import BulkAccepted, ErrorResource, JobResource
+from api.standings import standings
 from sluice.errors import (
     Conflict,
     InvalidInput,
@@ -32,6 +34,7 @@ from sluice.errors import (
 from sluice.kinds import SCHEMA_KINDS, ModelKind, validate_input
 from sluice.logs import current_request_id
 from sluice.metrics import CACHE_LOOKUPS, JOBS_FINISHED, JOBS_REJECTED, JOBS_SUBMITTED
+from sluice.queue_standing import Standing
 from sluice.registry.tenants import KeyInfo
 from sluice.routing import VersionInfo, hash_unit, route, shadow_target
 from sluice.vocabulary import Lane
@@ -40,6 +43,11 @@ from sluice.wire.idempotency import IdempotencyClaim
 from sluice.wire.jobs import JobRecord, JobStatus, JobView
 
 router = APIRouter(prefix="/v1", tags=["jobs"], route_class=StrictJsonRoute)
+
+# An event stream sends a comment when nothing else went out for this long (proxies drop idle
+# connections), and re-reads a queued job's place this often.
+KEEP_ALIVE_S = 15.0
+POSITION_EVERY_S = 1.0
 
 MetadataValue = str | int | float | bool | None
 
@@ -267,7 +275,7 @@ async def submit_job(
     # One request per job for a client that wants its result: the accept is already durable, so
     # a client that gives up on this answer polls the Location like any other.
     job = await _wait_final(state, record.id, key.tenant, wait_s, armed=submitted.watch)
-    return JsonResponse(job.body(), status_code=200 if job.is_final else 202, headers=headers)
+    return JsonResponse(await _body(state, job), status_code=200 if job.is_final else 202, headers=headers)
 
 
 @router.post("/models/{model}/jobs:bulk", status_code=202, response_model=BulkAccepted, responses=_SUBMIT_ERRORS)
@@ -292,8 +300,15 @@ async def get_job(
 ) -> JsonResponse:
     wait_s = min(wait, state.settings.max_wait_s)
     if wait_s <= 0 or state.draining.is_set():
-        return JsonResponse((await state.broker.view_for_tenant(job_id, key.tenant)).body())
-    return JsonResponse((await _wait_final(state, job_id, key.tenant, wait_s)).body())
+        return JsonResponse(await _body(state, await state.broker.view_for_tenant(job_id, key.tenant)))
+    return JsonResponse(await _body(state, await _wait_final(state, job_id, key.tenant, wait_s)))
+
+
+async def _body(state: AppState, job: JobView) -> bytes:
+    """The job resource, with `queue_position` and `estimated_start_s` while it is queued."""
+    if job.status is not JobStatus.queued:
+        return job.body()
+    return job.body((await standings(state, [job])).get(job.id))
 
 
 async def _wait_final(state: AppState, job_id: str, tenant: str, wait_s: float, *,
@@ -328,15 +343,24 @@ async def job_events(job_id: str, key: CurrentKey, state: StateDep) -> Streaming
     async def stream() -> AsyncIterator[bytes]:
         record: JobRecord | None = first
         last_status: str | None = None
+        last_standing: Standing | None = None
         sequence = 0
         event: asyncio.Event | None = None
+        quiet_s = 0.0
         try:
             while record is not None:
+                standing = (await standings(state, [record])).get(record.id)
                 if record.status != last_status:
                     sequence += 1
-                    last_status = record.status
-                    data = json.dumps(record.resource(), separators=(",", ":"))
+                    last_status, last_standing = record.status, standing
+                    data = json.dumps(record.resource(standing), separators=(",", ":"))
                     yield f"id: {sequence}\nevent: {record.status}\ndata: {data}\n\n".encode()
+                elif standing is not None and standing != last_standing:
+                    # While queued the job's place is re-read each second: the client sees it fall.
+                    sequence += 1
+                    last_standing, quiet_s = standing, 0.0
+                    data = json.dumps(dataclasses.asdict(standing), separators=(",", ":"))
+                    yield f"id: {sequence}\nevent: position\ndata: {data}\n\n".encode()
                 if record.is_final or state.draining.is_set():
                     return
                 # One watch for the whole stream (each costs the job's channel a subscribe), armed
@@ -346,10 +370,14 @@ async def job_events(job_id: str, key: CurrentKey, state: StateDep) -> Streaming
                 event.clear()
                 record = await state.broker.get(job_id)
                 if record is not None and record.status == last_status:
+                    timeout = POSITION_EVERY_S if record.status is JobStatus.queued else KEEP_ALIVE_S
                     try:
-                        await asyncio.wait_for(event.wait(), timeout=15.0)
+                        await asyncio.wait_for(event.wait(), timeout=timeout)
                     except TimeoutError:
-                        yield b": keep-alive\n\n"
+                        quiet_s += timeout
+                        if quiet_s >= KEEP_ALIVE_S:
+                            quiet_s = 0.0
+                            yield b": keep-alive\n\n"
                     record = await state.broker.get(job_id)
         finally:
             if event is not None:

@@ -13,6 +13,7 @@ and waiting on it could never end.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Annotated, Any
 
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse
 from api.deps import AppState, CurrentKey, StateDep
 from api.event_hub import FinalWatch
 from api.response_models import ErrorResource, JobSet
+from api.standings import standings
 from sluice.errors import InvalidInput
 from sluice.wire.jobs import MAX_WAIT_IDS, JobRecord
 
@@ -68,11 +70,12 @@ async def wait_jobs(
     listed = _listed(ids)
     readable = [job_id for job_id in listed if job_id.startswith("job_") and len(job_id) <= _MAX_ID_CHARS]
     final: dict[str, JobRecord] = {}
+    pending: dict[str, JobRecord] = {}
     missing = set(listed).difference(readable)
     limit = min(wait, state.settings.max_wait_s)
     watch = await state.hub.watch_final(readable) if limit > 0 and readable else None
     try:
-        await _settle(state, key.tenant, readable, watch, time.monotonic() + limit, final, missing)
+        await _settle(state, key.tenant, readable, watch, time.monotonic() + limit, final, missing, pending)
     finally:
         if watch is not None:
             state.hub.unwatch_final(readable, watch)
@@ -81,6 +84,11 @@ async def wait_jobs(
         "pending": [job_id for job_id in listed if job_id not in final and job_id not in missing],
         "not_found": [job_id for job_id in listed if job_id in missing],
     }
+    waiting = await standings(state, [pending[job_id] for job_id in listed
+                                      if job_id in pending and job_id not in final])
+    if waiting:
+        body["queued"] = [{"id": job_id, **dataclasses.asdict(waiting[job_id])} for job_id in listed
+                          if job_id in waiting]
     return JSONResponse(body)
 
 
@@ -92,6 +100,7 @@ async def _settle(
     deadline: float,
     final: dict[str, JobRecord],
     missing: set[str],
+    pending: dict[str, JobRecord],
 ) -> None:
     """Read the jobs until one is final or missing, the deadline passes or the replica drains."""
     to_read = readable
@@ -102,6 +111,8 @@ async def _settle(
                 missing.add(job_id)
             elif record.is_final:
                 final[job_id] = record
+            else:
+                pending[job_id] = record
         if final or missing or watch is None or state.draining.is_set():
             return
         remaining = deadline - time.monotonic()

@@ -12,13 +12,14 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 from redis.commands.core import AsyncScript
 
 from sluice.errors import BrokerError, Conflict, NotDurable, NotFound
+from sluice.vocabulary import Lane
 from sluice.wire import events, keys, quota, scripts
 from sluice.wire.connections import is_cluster, reply_text, translate_redis_errors
 from sluice.wire.durability import fsynced, wait_fsynced
@@ -31,6 +32,8 @@ from sluice.wire.script_calls import queue_call
 from sluice.wire.streams import free_places
 
 log = logging.getLogger(__name__)
+
+LaneKey = tuple[str, str, str]  # (model, version, lane)
 
 
 class Broker:
@@ -212,6 +215,29 @@ class Broker:
         if view is None or view.tenant != tenant:
             raise NotFound(f"job '{job_id}' does not exist")
         return view
+
+    async def lane_progress(self, lanes: Sequence[LaneKey], job_ids: Sequence[str] = ()
+                            ) -> tuple[dict[LaneKey, tuple[int, int]], set[str]]:
+        """Per (model, version, lane): how many jobs the queue script has numbered in it, and the
+        highest number a worker has read (`keys.queue_added`, `keys.queue_read`); and which of
+        `job_ids` are still queued when they were read. One round trip, the jobs' statuses read
+        after the lanes: a job still queued then was not claimed before the reading was, so its
+        number is past the highest one read, unless another worker's later read was noted first."""
+        wanted = list(dict.fromkeys(lanes))
+        with translate_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for model, version, lane in wanted:
+                stream = keys.stream(model, version, cast(Lane, lane))
+                pipe.zscore(keys.queue_added(model, version), stream)
+                pipe.zscore(keys.queue_read(model, version), stream)
+            for job_id in job_ids:
+                pipe.hget(keys.job(job_id), "status")
+            replies = await pipe.execute()
+        progress = {lane: (int(replies[2 * i] or 0), int(replies[2 * i + 1] or 0)) for i, lane in enumerate(wanted)}
+        statuses = replies[2 * len(wanted):]
+        queued = {job_id for job_id, status in zip(job_ids, statuses, strict=True)
+                  if reply_text(status) == JobStatus.queued.value}
+        return progress, queued
 
     async def scaling_decisions(self, versions: list[tuple[str, str]]) -> dict[tuple[str, str], dict[str, Any]]:
         """The scheduler's last decision per (model, version) (`scheduler/scaling.py` writes them),

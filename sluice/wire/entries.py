@@ -22,14 +22,18 @@ class StreamEntry:
     shadow: str | None = None  # copy the input to this version once the job succeeds
     shadow_of: str | None = None  # this job is a shadow copy of that primary job
     request_id: str | None = None
+    # The job's number in its lane (`sluice.wire.keys.queue_added`), given by the queue script.
+    seq: int | None = None
 
     @classmethod
     def of(cls, record: JobRecord) -> StreamEntry:
         return cls(job_id=record.id, tenant=record.tenant, cost=record.cost, enqueued_at=record.enqueued_at,
-                   shadow=record.shadow, shadow_of=record.shadow_of, request_id=record.request_id)
+                   shadow=record.shadow, shadow_of=record.shadow_of, request_id=record.request_id, seq=record.seq)
 
     def to_fields(self) -> dict[str, str]:
         fields = {"id": self.job_id, "tenant": self.tenant, "cost": str(self.cost), "t": repr(self.enqueued_at)}
+        if self.seq is not None:
+            fields["sq"] = str(self.seq)
         if self.shadow:
             fields["sh"] = self.shadow
         if self.shadow_of:
@@ -42,7 +46,8 @@ class StreamEntry:
     def from_fields(cls, fields: Mapping[bytes, bytes]) -> StreamEntry:
         return cls(job_id=fields[b"id"].decode(), tenant=fields[b"tenant"].decode(), cost=int(fields[b"cost"]),
                    enqueued_at=float(fields[b"t"]), shadow=reply_text(fields.get(b"sh")) or None,
-                   shadow_of=reply_text(fields.get(b"so")) or None, request_id=reply_text(fields.get(b"rq")) or None)
+                   shadow_of=reply_text(fields.get(b"so")) or None, request_id=reply_text(fields.get(b"rq")) or None,
+                   seq=int(fields[b"sq"]) if b"sq" in fields else None)
 
 
 @dataclass(frozen=True, slots=True)

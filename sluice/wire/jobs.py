@@ -15,6 +15,8 @@ from typing import Any
 
 import orjson
 
+from sluice.queue_standing import Standing
+
 
 class JobStatus(StrEnum):
     queued = "queued"
@@ -91,6 +93,9 @@ class JobRecord:
     cache_ttl_s: int = 0
     # The submitting request's id (sluice.logs): the worker's log lines about the job carry it.
     request_id: str | None = None
+    # The job's number in its lane, written by the queue script (`sluice.wire.keys.queue_added`):
+    # how far it stands from the front is this less the highest number a worker has read.
+    seq: int | None = None
 
     def to_redis(self) -> dict[str, str]:
         """Fields as written at submission; later fields are set by the transition scripts (a job
@@ -170,14 +175,21 @@ class JobRecord:
             cache_key=data.get("cache_key") or None,
             cache_ttl_s=int(data.get("cache_ttl_s") or 0),
             request_id=data.get("request_id") or None,
+            seq=int(data["seq"]) if data.get("seq") else None,
         )
 
     @property
     def is_final(self) -> bool:
         return self.status in FINAL_STATES
 
-    def resource(self) -> dict[str, Any]:
-        """The job resource of the REST contract (`api/response_models.py`, `JobResource`)."""
+    @property
+    def lane_key(self) -> tuple[str, str, str]:
+        """(model, version, lane): where the job queues."""
+        return self.model, self.version, self.lane
+
+    def resource(self, standing: Standing | None = None) -> dict[str, Any]:
+        """The job resource of the REST contract (`api/response_models.py`, `JobResource`), with a
+        queued job's `standing` when there is one."""
         body: dict[str, Any] = {
             "id": self.id,
             "status": self.status.value,
@@ -202,6 +214,8 @@ class JobRecord:
             body["error"] = self.error
         if self.metadata:
             body["metadata"] = self.metadata
+        if standing is not None:
+            body.update(queue_position=standing.queue_position, estimated_start_s=standing.estimated_start_s)
         return body
 
 
@@ -265,10 +279,19 @@ class JobView:
         data = _decoded(raw)
         return cls(id=data["id"], tenant=data["tenant"], status=JobStatus(data["status"]), stored=data)
 
-    def body(self) -> bytes:
+    @property
+    def seq(self) -> int | None:
+        """The job's number in its lane (`JobRecord.seq`)."""
+        return int(self.stored["seq"]) if self.stored.get("seq") else None
+
+    @property
+    def lane_key(self) -> tuple[str, str, str]:
+        return self.stored["model"], self.stored["version"], self.stored["lane"]
+
+    def body(self, standing: Standing | None = None) -> bytes:
         data = dict(self.stored)
         copied = {name: data.pop(name, "") for name in ("input", *_COPIED_FIELDS)}
-        resource = JobRecord.from_redis(data).resource()
+        resource = JobRecord.from_redis(data).resource(standing)
         for name in _COPIED_FIELDS:
             # As `resource()`: an output or error when there is one, metadata when it is not empty.
             if copied[name] and (name != "metadata" or copied[name] != "{}"):

@@ -88,6 +88,19 @@ def stream(model: str, version: str, lane: Lane) -> str:
     return f"sluice:{tag(model, version)}:{lane}"
 
 
+def queue_added(model: str, version: str) -> str:
+    """Sorted set: a lane's stream key -> how many jobs the queue script has written to it, each
+    job's number (`seq`) kept in its record and entry, so that a job's place in its lane is its
+    number less the highest number a worker has read (`queue_read`)."""
+    return f"sluice:{tag(model, version)}:queue-added"
+
+
+def queue_read(model: str, version: str) -> str:
+    """Sorted set: a lane's stream key -> the highest job number (`seq`) a worker has read from it
+    (`ZADD GT`: workers reading at once never move it back)."""
+    return f"sluice:{tag(model, version)}:queue-read"
+
+
 def deadlines(model: str, version: str) -> str:
     """Sorted set: job hash key -> its deadline, of the version's jobs queued with `timeout_s`, so
     the scheduler's sweeper expires them with no worker to read them (`sluice.wire.settling`)."""

@@ -70,7 +70,8 @@ def queue_call(records: Sequence[JobRecord], *, result_ttl_s: int) -> tuple[list
     queued = [record for record in records if not record.cache_hit]
     hits = [record for record in records if record.cache_hit]
     script_keys = [keys.stream(first.model, first.version, first.lane),  # type: ignore[arg-type]
-                   keys.outbox(first.model, first.version), keys.deadlines(first.model, first.version)]
+                   keys.outbox(first.model, first.version), keys.deadlines(first.model, first.version),
+                   keys.queue_added(first.model, first.version)]
     args = [str(result_ttl_s), str(len(queued))]
     if queued:
         shared_record, own_records = _shared([record.to_redis() for record in queued])

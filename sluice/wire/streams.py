@@ -58,22 +58,36 @@ async def ensure_group(redis: aioredis.Redis, stream_name: str, group: str) -> N
             raise
 
 
-async def free_places(redis: aioredis.Redis, jobs: Sequence[tuple[str, str]]) -> None:
+async def free_places(redis: aioredis.Redis, jobs: Sequence[tuple[str, str]], *,
+                      read: tuple[str, Mapping[str, int]] | None = None) -> None:
     """Free the quota places of (tenant, job id) pairs whose jobs left `queued` (started,
     settled or cancelled): a tenant's places live in its own slot, not the job's, so this follows
     the script that moved the job, in a second round trip. Freeing a place twice, or one never
     taken, does nothing; a place this never frees (its process died in between) frees itself at
-    its score (`sluice.wire.quota`)."""
+    its score (`sluice.wire.quota`). `read`: a version's `keys.queue_read` and, per lane stream,
+    the highest job number just read, noted in the same round trip."""
     by_tenant: dict[str, list[str]] = {}
     for tenant, job_id in jobs:
         if tenant != SHADOW_TENANT:
             by_tenant.setdefault(tenant, []).append(job_id)
-    if not by_tenant:
+    if not by_tenant and not (read and read[1]):
         return
     pipe = redis.pipeline(transaction=False)
     for tenant, job_ids in by_tenant.items():
         pipe.zrem(keys.queued_jobs(tenant), *job_ids)
+    if read and read[1]:
+        pipe.zadd(read[0], dict(read[1]), gt=True)
     await pipe.execute()
+
+
+def _highest_seq(streams: Mapping[Lane, str], delivered: Sequence[Delivered]) -> dict[str, int]:
+    """Per lane stream, the highest job number among entries just read (`keys.queue_read`)."""
+    highest: dict[str, int] = {}
+    for item in delivered:
+        if item.entry.seq is not None:
+            stream = streams[item.lane]
+            highest[stream] = max(highest.get(stream, 0), item.entry.seq)
+    return highest
 
 
 async def queue_copies(redis: aioredis.Redis, copies: Sequence[JobRecord], *, result_ttl_s: int) -> None:
@@ -107,6 +121,7 @@ class StreamConsumer:
         self.max_deliveries = max_deliveries
         self.result_ttl_s = result_ttl_s
         self.streams: dict[Lane, str] = {lane: keys.stream(model, version, lane) for lane in LANES}
+        self._read_key = keys.queue_read(model, version)
         self._lanes = {name: lane for lane, name in self.streams.items()}
         self._events = events.channel(redis)
         self._claim = redis.register_script(scripts.CLAIM)
@@ -156,7 +171,8 @@ class StreamConsumer:
         # the server whether it knows it (SCRIPT EXISTS), one more round trip every time.
         with translate_redis_errors():
             reply = await self._claim(keys=script_keys, args=args)
-            await free_places(self.redis, [(item.entry.tenant, item.entry.job_id) for item in delivered])
+            await free_places(self.redis, [(item.entry.tenant, item.entry.job_id) for item in delivered],
+                              read=(self._read_key, _highest_seq(self.streams, delivered)))
         return parse_claims(reply)
 
     async def finish(self, jobs: Sequence[Finished], *, faults: Sequence[tuple[str, str]], started: float,

@@ -207,10 +207,14 @@ def test_the_enqueue_script_writes_every_record_and_entry_as_their_codecs_say(rd
     asyncio.run(enqueue(records[:1]))
     asyncio.run(enqueue(records[1:]))
 
-    for record in records:
-        assert rds.hgetall(keys.job(record.id)) == record.to_redis()
+    # The script numbers the lane's jobs in the order it writes them (the job's place in its lane).
+    numbered = [replace(record, seq=number) for number, record in enumerate(records, start=1)]
+    for record in numbered:
+        assert rds.hgetall(keys.job(record.id)) == {**record.to_redis(), "seq": str(record.seq)}
+        assert JobRecord.from_redis(rds.hgetall(keys.job(record.id))).seq == record.seq
     entries = rds.xrange(keys.stream(model, "v1", "bulk"))
-    assert [fields for _, fields in entries] == [StreamEntry.of(record).to_fields() for record in records]
+    assert [fields for _, fields in entries] == [StreamEntry.of(record).to_fields() for record in numbered]
+    assert rds.zscore(keys.queue_added(model, "v1"), keys.stream(model, "v1", "bulk")) == len(records)
     assert set(rds.zrange(keys.queued_jobs(tenant), 0, -1)) >= {record.id for record in records}
 
 
@@ -256,7 +260,7 @@ def test_on_one_server_a_submission_is_admitted_and_written_in_one_round_trip(rd
     assert accepted == ["EVALSHA"]
     assert over_quota == ["EVALSHA"]
     assert refusal is not None and refusal.reason == "quota"
-    assert rds.hgetall(keys.job(queued.id)) == queued.to_redis()
+    assert rds.hgetall(keys.job(queued.id)) == {**queued.to_redis(), "seq": "2"}  # the lane's second job
     assert not rds.exists(keys.job(refused.id))
     stream = [fields["id"] for _, fields in rds.xrange(keys.stream(model, "v1", "online"))]
     assert queued.id in stream and refused.id not in stream

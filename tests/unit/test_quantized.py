@@ -132,6 +132,9 @@ def test_int8_version_loads_and_agrees_with_fp32(model_dir: Path, texts: list[st
     assert plain.precision is not None
     assert (plain.precision.precision, plain.precision.speedup) == ("fp32", None)
     assert not any(isinstance(m, DynamicInt8Linear) for m in plain.encoder.model.modules())
+    # The loader measures this host's pass cost, which may cut the texts into other passes (other
+    # padding, other last bits): planned as the reference was, the vectors are the same.
+    plain.encoder.pass_overhead_tokens = fp32.pass_overhead_tokens
     assert torch.equal(encode_sorted(plain.encoder, texts), before)
 
 

@@ -5,7 +5,9 @@
 -- KEYS[1]: the lane's stream
 -- KEYS[2]: the version's webhook outbox
 -- KEYS[3]: the version's deadline index (a job with a deadline is entered under it)
--- KEYS[4..]: one job hash per queued job, then one per job answered from the response cache
+-- KEYS[4]: the version's count of jobs written per lane (`sluice.wire.keys.queue_added`): each
+--   queued job takes the next number, `seq` in its record and `sq` in its entry
+-- KEYS[5..]: one job hash per queued job, then one per job answered from the response cache
 -- Every key is of the version's slot (`sluice.wire.keys`), so the script runs on a Redis Cluster.
 --
 -- ARGV[1]: result_ttl_s

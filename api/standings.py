@@ -1,0 +1,37 @@
+"""Where the queued jobs of an answer stand (`sluice/queue_standing.py`): their place in their
+version's lane, from the job numbers the queue script gives and the workers' reading, and when they
+may start, from the version's measured service rate (the admission's load, read at most every
+0.25 s and shared with it). One Redis round trip for all the jobs of an answer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from api.deps import AppState
+from sluice.queue_standing import Standing, standing
+from sluice.wire.broker import LaneKey
+from sluice.wire.jobs import JobRecord, JobStatus, JobView
+
+
+async def standings(state: AppState, jobs: Sequence[JobView | JobRecord]) -> dict[str, Standing]:
+    """Per queued job, its standing; jobs that are not queued (or no longer, when their place is
+    read), or were queued before jobs were numbered, have none."""
+    queued = [job for job in jobs if job.status is JobStatus.queued and job.seq is not None]
+    if not queued:
+        return {}
+    lanes: set[LaneKey] = {job.lane_key for job in queued}
+    # A bulk job waits behind its version's online lane too: bulk runs when online has nothing.
+    wanted = lanes | {(model, version, "online") for model, version, _ in lanes}
+    progress, still_queued = await state.broker.lane_progress(sorted(wanted), [job.id for job in queued])
+    rates = {(model, version): (await state.admission.load(model, version)).service_rate
+             for model, version, _ in lanes}
+    found = {}
+    for job in queued:
+        if job.id not in still_queued:
+            continue  # a worker took it meanwhile: it stands nowhere now
+        model, version, lane = job.lane_key
+        added_online, read_online = progress[(model, version, "online")]
+        found[job.id] = standing(seq=job.seq or 0, read=progress[job.lane_key][1],
+                                 ahead_elsewhere=max(0, added_online - read_online) if lane != "online" else 0,
+                                 service_rate=rates[(model, version)])
+    return found
