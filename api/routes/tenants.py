@@ -94,8 +94,9 @@ async def revoke_key(key_id: str, key: AdminKey, state: StateDep) -> dict[str, A
 @router.post("/tenants/{tenant}/webhook-secret:rotate", response_model=WebhookSecretRotation)
 async def rotate_webhook_secret(tenant: str, key: AdminKey, state: StateDep,
                                 body: RotateWebhookSecret | None = None) -> dict[str, Any]:
-    """Set or rotate a tenant's webhook secret. Deliveries are signed with both secrets until
-    `previous_until`; delivery workers read it within a minute (their cache)."""
+    """Set or rotate a tenant's webhook secret. Deliveries are signed with both the new and the
+    replaced secret until `previous_until`. Delivery workers take a rotation up within a minute:
+    switch receivers to the new secret after that."""
     given = body or RotateWebhookSecret()
 
     def write() -> dict[str, Any]:
