@@ -87,7 +87,8 @@ def verify(secret: str | Iterable[str], header: str | Mapping[str, str], body: b
     `header` is the `Sluice-Signature` value (`t=<unix>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>`),
     or the request's headers (any mapping; names in any case): then each form present, the Sluice
     header and the Standard Webhooks ones, must verify, and at least one must be there. `secret` may
-    be several (a receiver part-way through a rotation): any of them may match.
+    be several (a receiver part-way through a rotation): any of them may match. A `whsec_` secret
+    that is not base64 raises ValueError rather than failing every delivery quietly.
     """
     secrets = (secret,) if isinstance(secret, str) else tuple(secret)
     if isinstance(header, str):
