@@ -99,7 +99,7 @@ def test_during_a_rotation_either_secret_verifies_both_forms() -> None:
 def test_the_client_refuses_a_stale_standard_signature_as_the_server_does() -> None:
     headers = signed_headers([NEW], timestamp=1_000)
     del headers["Sluice-Signature"]
-    for now in (1_299.0, 1_301.0, 699.0, 1_000.0 - 301.0):
+    for now in (1_299.0, 1_301.0, 700.0, 699.0):
         server = webhooks.verify_standard(NEW, msg_id="dlv_x", timestamp="1000", header=headers["webhook-signature"],
                                           body=BODY, now=now)
         assert verify(NEW, headers, BODY, now=now) == server

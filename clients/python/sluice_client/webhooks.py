@@ -13,7 +13,6 @@ bytes). During a rotation each carries one signature per active secret.
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import hmac
 import time
@@ -58,7 +57,7 @@ def signing_key(secret: str) -> bytes:
     encoded = secret[len(SECRET_PREFIX):]
     try:
         return base64.b64decode(encoded + "=" * (-len(encoded) % 4), validate=True)
-    except binascii.Error:
+    except ValueError:  # binascii.Error, or a character outside ASCII
         raise ValueError("a whsec_ webhook secret must be whsec_ followed by base64") from None
 
 
