@@ -47,6 +47,7 @@ __all__ = [
     "Timings",
     "VersionChange",
     "VersionResource",
+    "WebhookSecretRotation",
 ]
 
 _ISO: JsonDict = {"format": "date-time"}
@@ -325,6 +326,16 @@ class AuditResource(BaseModel):
     before: Any
     after: Any
     reason: str | None
+
+
+class WebhookSecretRotation(BaseModel):
+    """A tenant's webhook secret after a rotation, shown to the admin as at the tenant's creation."""
+
+    tenant: str
+    webhook_secret: str = Field(description="The secret deliveries are signed with from now on")
+    previous_until: str | None = Field(json_schema_extra=_ISO, description=(
+        "Until when the replaced secret signs deliveries too; null when it no longer does"))
+    audit: AuditResource | None = Field(description="The audit row; null when the secret was already this one")
 
 
 class RoutingChange(BaseModel):

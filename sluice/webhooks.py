@@ -1,4 +1,5 @@
-"""Webhook rules with no I/O of their own: the signature, the callback URL policy, the retry schedule.
+"""Webhook rules with no I/O of their own: the signatures (Sluice's and Standard Webhooks'), a tenant's
+active secrets, the callback URL policy, the retry schedule.
 
 The URL policy runs twice. The API checks a callback URL when a job is submitted (its scheme, and
 its address when the host is one), and the delivery task checks every address the name resolves
@@ -8,6 +9,7 @@ somewhere public at submit time can point at 127.0.0.1 by then (DNS rebinding).
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import ipaddress
@@ -20,13 +22,23 @@ from email.utils import parsedate_to_datetime
 from functools import lru_cache
 from urllib.parse import urlsplit
 
-from sluice.errors import SluiceError
+from sluice.errors import InvalidInput, SluiceError
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 DELIVERY_HEADER = "Sluice-Delivery"
 SIGNATURE_HEADER = "Sluice-Signature"
+# The Standard Webhooks headers (www.standardwebhooks.com); the id is the delivery id, the same on
+# every attempt, so a receiver deduplicates on it.
+STANDARD_ID_HEADER = "webhook-id"
+STANDARD_TIMESTAMP_HEADER = "webhook-timestamp"
+STANDARD_SIGNATURE_HEADER = "webhook-signature"
+SECRET_PREFIX = "whsec_"
+MAX_SECRET_CHARS = 128  # the registry's column
+# How long a rotated-out secret keeps signing by default (a receiver's day to switch), and at most.
+DEFAULT_SECRET_OVERLAP_S = 86_400
+MAX_SECRET_OVERLAP_S = 30 * 86_400
 SCHEMES = frozenset({"http", "https"})
 # RFC 6761: these names always mean the loopback interface, whatever a resolver says.
 _LOOPBACK_NAMES = (ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1"))
@@ -37,15 +49,25 @@ class CallbackRefused(SluiceError):
 
 
 # --- signature -------------------------------------------------------------------------------------
+#
+# Two headers sign every delivery with the same secret. `Sluice-Signature` keys its HMAC with the
+# secret's UTF-8 bytes, whatever its form, as it always has. The Standard Webhooks headers key theirs
+# with the secret's key bytes (`signing_key`): the base64-decoded part of a `whsec_<base64>` secret,
+# else the UTF-8 bytes of the plain secret.
 
 
 def _mac(secret: str, timestamp: int, body: bytes) -> str:
     return hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
 
 
-def signature(secret: str, body: bytes, *, timestamp: int) -> str:
-    """The `Sluice-Signature` value: `t=<unix>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>`."""
-    return f"t={timestamp},v1={_mac(secret, timestamp, body)}"
+def _each(secrets: str | Sequence[str]) -> tuple[str, ...]:
+    return (secrets,) if isinstance(secrets, str) else tuple(secrets)
+
+
+def signature(secrets: str | Sequence[str], body: bytes, *, timestamp: int) -> str:
+    """The `Sluice-Signature` value: `t=<unix>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>`, one
+    `v1` per active secret (two during a rotation)."""
+    return ",".join([f"t={timestamp}", *(f"v1={_mac(secret, timestamp, body)}" for secret in _each(secrets))])
 
 
 def verify(secret: str, header: str, body: bytes, *, tolerance_s: float = 300.0, now: float | None = None) -> bool:
@@ -63,6 +85,74 @@ def verify(secret: str, header: str, body: bytes, *, tolerance_s: float = 300.0,
         return False
     expected = _mac(secret, timestamp, body)
     return any(hmac.compare_digest(expected, candidate) for candidate in fields.get("v1", []))
+
+
+class InvalidWebhookSecret(InvalidInput):
+    """A webhook secret Sluice will not sign with (too short, too long, or a bad `whsec_` key)."""
+
+
+def signing_key(secret: str) -> bytes:
+    """The Standard Webhooks key of a secret: `whsec_<base64>` gives the decoded bytes (padding
+    optional, as the reference libraries read it); any other secret its UTF-8 bytes."""
+    if not secret.startswith(SECRET_PREFIX):
+        return secret.encode()
+    encoded = secret[len(SECRET_PREFIX):]
+    try:
+        return base64.b64decode(encoded + "=" * (-len(encoded) % 4), validate=True)
+    except ValueError:  # binascii.Error, or a character outside ASCII
+        raise InvalidWebhookSecret("a whsec_ webhook secret must be whsec_ followed by base64") from None
+
+
+def check_secret(secret: str) -> str:
+    """A secret an admin gives: 24 to 128 printable characters without spaces, and a `whsec_` one
+    a key of 24 to 64 bytes (the Standard Webhooks bounds)."""
+    if not 24 <= len(secret) <= MAX_SECRET_CHARS:
+        raise InvalidWebhookSecret(f"a webhook secret has 24 to {MAX_SECRET_CHARS} characters")
+    if not secret.isascii() or not secret.isprintable() or any(c.isspace() for c in secret):
+        raise InvalidWebhookSecret("a webhook secret is printable ASCII without spaces")
+    if secret.startswith(SECRET_PREFIX) and not 24 <= len(signing_key(secret)) <= 64:
+        raise InvalidWebhookSecret("a whsec_ webhook secret holds a key of 24 to 64 bytes")
+    return secret
+
+
+def standard_signature(secrets: str | Sequence[str], msg_id: str, body: bytes, *, timestamp: int) -> str:
+    """The `webhook-signature` value: `v1,<base64 HMAC-SHA256(key, "<id>.<t>.<body>")>` per active
+    secret, separated by spaces."""
+    signed = f"{msg_id}.{timestamp}.".encode() + body
+    return " ".join(
+        "v1," + base64.b64encode(hmac.new(signing_key(secret), signed, hashlib.sha256).digest()).decode()
+        for secret in _each(secrets)
+    )
+
+
+def verify_standard(secret: str, *, msg_id: str, timestamp: str, header: str, body: bytes,
+                    tolerance_s: float = 300.0, now: float | None = None) -> bool:
+    """A receiver's check of the Standard Webhooks headers: one `v1` entry of `webhook-signature`
+    matches and `webhook-timestamp` is within the tolerance either way."""
+    try:
+        signed_at = int(timestamp)
+    except ValueError:
+        return False
+    if not msg_id or abs((time.time() if now is None else now) - signed_at) > tolerance_s:
+        return False
+    expected = standard_signature(secret, msg_id, body, timestamp=signed_at).encode()
+    return any(hmac.compare_digest(expected, entry.encode()) for entry in header.split() if entry.startswith("v1,"))
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookSecrets:
+    """A tenant's signing secrets: the current one, and during a rotation the one it replaced,
+    which signs too until `previous_until` (unix seconds)."""
+
+    current: str
+    previous: str | None = None
+    previous_until: float | None = None
+
+    def active(self, now: float) -> tuple[str, ...]:
+        """The secrets a delivery made at `now` is signed with, the current one first."""
+        if self.previous and self.previous_until is not None and now < self.previous_until:
+            return (self.current, self.previous)
+        return (self.current,)
 
 
 # --- URL policy ------------------------------------------------------------------------------------

@@ -40,9 +40,13 @@ from sluice.settings import Settings
 from sluice.webhooks import (
     DELIVERY_HEADER,
     SIGNATURE_HEADER,
+    STANDARD_ID_HEADER,
+    STANDARD_SIGNATURE_HEADER,
+    STANDARD_TIMESTAMP_HEADER,
     CallbackRefused,
     IPAddress,
     IPNetwork,
+    WebhookSecrets,
     allowed_networks,
     literal_address,
     parse_callback,
@@ -51,6 +55,7 @@ from sluice.webhooks import (
     retry_delay,
     should_retry,
     signature,
+    standard_signature,
 )
 from sluice.wire import keys, scripts
 from sluice.wire.connections import connect_sync, translate_redis_errors
@@ -153,7 +158,7 @@ class Deliverer:
         self.rng = rng or random.Random()
         self._begin = redis.register_script(scripts.DELIVERY_BEGIN)
         self._end = redis.register_script(scripts.DELIVERY_END)
-        self._secrets: dict[str, tuple[str, float]] = {}
+        self._secrets: dict[str, tuple[WebhookSecrets, float]] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -228,19 +233,25 @@ class Deliverer:
         return self._record(delivery_id, token, release, number, "failed", status=status)
 
     def _send(self, delivery_id: str, subject: _Subject) -> tuple[int, float | None]:
-        secret = self._secret(subject.tenant)
-        if secret is None:
+        tenant_secrets = self._secrets_of(subject.tenant)
+        if tenant_secrets is None:
             raise _Undeliverable("the tenant no longer exists")
         target = parse_callback(subject.callback_url)
         address = pin_address(target, self.resolver(target.host, target.port), self.allowed)
         url = httpx.URL(subject.callback_url)
         body = json.dumps(subject.resource, separators=(",", ":")).encode()
+        now = self.clock()
+        active, timestamp = tenant_secrets.active(now), int(now)
         headers = {
             "Host": url.netloc.decode("ascii"),
             "Content-Type": "application/json",
             "User-Agent": USER_AGENT,
             DELIVERY_HEADER: delivery_id,
-            SIGNATURE_HEADER: signature(secret, body, timestamp=int(self.clock())),
+            SIGNATURE_HEADER: signature(active, body, timestamp=timestamp),
+            # The delivery id is the message id: the same on every attempt, so receivers dedupe on it.
+            STANDARD_ID_HEADER: delivery_id,
+            STANDARD_TIMESTAMP_HEADER: str(timestamp),
+            STANDARD_SIGNATURE_HEADER: standard_signature(active, delivery_id, body, timestamp=timestamp),
         }
         # Connect to the address just checked, never to what a second lookup might answer; TLS
         # still verifies the certificate against the host name (SNI).
@@ -268,19 +279,21 @@ class Deliverer:
             raise _Undeliverable("the job has no callback_url")
         return _Subject(record.tenant, record.callback_url, record.resource())
 
-    def _secret(self, tenant: str) -> str | None:
-        """The tenant's signing secret, from the registry, cached for secret_cache_s per process."""
+    def _secrets_of(self, tenant: str) -> WebhookSecrets | None:
+        """The tenant's signing secrets, from the registry, cached for secret_cache_s per process
+        (a rotation reaches every delivery worker within that time; which of them are active is
+        decided at each attempt)."""
         now = self.clock()
         with self._lock:
             cached = self._secrets.get(tenant)
         if cached is not None and cached[1] > now:
             return cached[0]
         with self.registry.session() as session:
-            secret = tenants.tenant_secret(session, tenant)
-        if secret is not None:
+            found = tenants.webhook_secrets(session, tenant)
+        if found is not None:
             with self._lock:
-                self._secrets[tenant] = (secret, now + self.secret_cache_s)
-        return secret
+                self._secrets[tenant] = (found, now + self.secret_cache_s)
+        return found
 
     def _retry_or_fail(self, delivery_id: str, token: str, release: str, number: int, *, status: int | None = None,
                        error: str = "", retry_after: float | None = None) -> Attempt:

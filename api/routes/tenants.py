@@ -1,4 +1,4 @@
-"""Tenants, their API keys and their version pins (all admin)."""
+"""Tenants, their API keys, their webhook secrets and their version pins (all admin)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import AdminKey, StateDep, announce_routing
 from api.field_types import Name
+from api.response_models import WebhookSecretRotation
 from sluice.registry import audit, routing_table, tenants
+from sluice.webhooks import DEFAULT_SECRET_OVERLAP_S, MAX_SECRET_OVERLAP_S
 from sluice.wire import events
 
 router = APIRouter(prefix="/v1", tags=["tenants"])
@@ -27,6 +29,18 @@ class CreateTenant(BaseModel):
 class IssueKey(BaseModel):
     model_config = ConfigDict(extra="forbid")
     admin: bool = False
+
+
+class RotateWebhookSecret(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # Checked by the registry (sluice.webhooks.check_secret), whose refusals never repeat the value.
+    secret: str | None = Field(default=None, description=(
+        "The new secret; a fresh `whsec_` one when absent. `whsec_<base64>` (a key of 24 to 64 bytes, as Standard "
+        "Webhooks libraries take it) or any other 24 to 128 printable characters, whose UTF-8 bytes are the key"))
+    overlap_s: int = Field(default=DEFAULT_SECRET_OVERLAP_S, ge=0, le=MAX_SECRET_OVERLAP_S, description=(
+        "Seconds the replaced secret keeps signing deliveries beside the new one, so receivers can switch; "
+        "0 stops it at once"))
+    reason: str | None = Field(default=None, max_length=500, description="Why, for the audit log")
 
 
 class SetPin(BaseModel):
@@ -75,6 +89,28 @@ async def revoke_key(key_id: str, key: AdminKey, state: StateDep) -> dict[str, A
     state.auth.forget(key_hash)
     await state.broker.publish(events.KeyRevoked(key_hash=key_hash))
     return {"id": key_id, "revoked": True}
+
+
+@router.post("/tenants/{tenant}/webhook-secret:rotate", response_model=WebhookSecretRotation)
+async def rotate_webhook_secret(tenant: str, key: AdminKey, state: StateDep,
+                                body: RotateWebhookSecret | None = None) -> dict[str, Any]:
+    """Set or rotate a tenant's webhook secret. Deliveries are signed with both the new and the
+    replaced secret until `previous_until`. Delivery workers take a rotation up within a minute:
+    switch receivers to the new secret after that."""
+    given = body or RotateWebhookSecret()
+
+    def write() -> dict[str, Any]:
+        with state.registry.session() as session:
+            row, entry = tenants.rotate_webhook_secret(
+                session, tenant_id=tenant, actor=f"key:{key.key_id}", secret=given.secret,
+                overlap_s=given.overlap_s, reason=given.reason,
+            )
+            until = row.webhook_secret_previous_until
+            return {"tenant": row.id, "webhook_secret": row.webhook_secret,
+                    "previous_until": until.isoformat() if until else None,
+                    "audit": audit.audit_resource(entry) if entry else None}
+
+    return await to_thread.run_sync(write)
 
 
 @router.put("/tenants/{tenant}/pins/{model}")

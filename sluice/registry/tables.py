@@ -55,6 +55,10 @@ class Tenant(Base):
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     webhook_secret: Mapped[str] = mapped_column(String(128))
+    # The secret a rotation replaced: deliveries are signed with it too until the time below, so a
+    # receiver can switch to the new one at its own pace.
+    webhook_secret_previous: Mapped[str | None] = mapped_column(String(128))
+    webhook_secret_previous_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     rate_limit_per_s: Mapped[float] = mapped_column(Float, default=200.0)
     rate_burst: Mapped[int] = mapped_column(Integer, default=2000)
     max_queued: Mapped[int] = mapped_column(Integer, default=100_000)

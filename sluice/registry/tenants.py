@@ -1,12 +1,13 @@
 """Tenants and their API keys: issued once (only the hash is kept), looked up on every request,
-revoked with an audit row."""
+revoked with an audit row; a tenant's webhook secrets and their rotation."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import secrets
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -15,8 +16,10 @@ from sluice.errors import Conflict, NotFound
 from sluice.registry import audit
 from sluice.registry.tables import (
     ApiKey,
+    AuditEntry,
     Tenant,
 )
+from sluice.webhooks import SECRET_PREFIX, WebhookSecrets, check_secret
 
 KEY_PREFIX = "sk"
 
@@ -35,6 +38,12 @@ class KeyInfo:
 class IssuedKey:
     key_id: str
     secret: str  # shown once, never stored
+
+
+def new_webhook_secret() -> str:
+    """A fresh secret in the Standard Webhooks form: `whsec_` and 32 random bytes in base64, which
+    that specification's libraries take as it is."""
+    return SECRET_PREFIX + base64.b64encode(secrets.token_bytes(32)).decode()
 
 
 def hash_key(raw_key: str) -> str:
@@ -62,7 +71,7 @@ def create_tenant(
         raise Conflict(f"tenant '{tenant_id}' already exists")
     tenant = Tenant(
         id=tenant_id,
-        webhook_secret=secrets.token_urlsafe(32),
+        webhook_secret=new_webhook_secret(),
         rate_limit_per_s=rate_limit_per_s,
         rate_burst=max(1, int(rate_limit_per_s * 10)),
         max_queued=max_queued,
@@ -78,7 +87,7 @@ def create_tenant(
 def ensure_tenant_key(session: Session, *, tenant_id: str, raw_key: str, is_admin: bool) -> None:
     """Idempotent seeding: make `raw_key` a valid key of `tenant_id` (created if missing)."""
     if session.get(Tenant, tenant_id) is None:
-        session.add(Tenant(id=tenant_id, webhook_secret=secrets.token_urlsafe(32)))
+        session.add(Tenant(id=tenant_id, webhook_secret=new_webhook_secret()))
         session.flush()
     existing = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(raw_key)))
     if existing is None:
@@ -122,5 +131,45 @@ def lookup_key(session: Session, raw_key: str) -> KeyInfo | None:
 
 
 def tenant_secret(session: Session, tenant_id: str) -> str | None:
+    """The tenant's current webhook secret."""
     tenant = session.get(Tenant, tenant_id)
     return tenant.webhook_secret if tenant else None
+
+
+def webhook_secrets(session: Session, tenant_id: str) -> WebhookSecrets | None:
+    """The tenant's current secret and, during a rotation, the previous one and its end."""
+    tenant = session.get(Tenant, tenant_id)
+    if tenant is None:
+        return None
+    until = tenant.webhook_secret_previous_until
+    return WebhookSecrets(current=tenant.webhook_secret, previous=tenant.webhook_secret_previous,
+                          previous_until=until.timestamp() if until is not None else None)
+
+
+def rotate_webhook_secret(session: Session, *, tenant_id: str, actor: str, secret: str | None = None,
+                          overlap_s: int, reason: str | None = None,
+                          now: datetime | None = None) -> tuple[Tenant, AuditEntry | None]:
+    """Make `secret` (a fresh one when None) the tenant's webhook secret. The one it replaces keeps
+    signing for `overlap_s` seconds (0: stops at once); one left by an earlier rotation stops now,
+    so at most two sign a delivery. Setting the current secret again changes nothing (no audit
+    row): it must not become its own previous one."""
+    tenant = session.get(Tenant, tenant_id, with_for_update=True)
+    if tenant is None:
+        raise NotFound(f"tenant '{tenant_id}' does not exist")
+    new = new_webhook_secret() if secret is None else check_secret(secret)
+    if new == tenant.webhook_secret:
+        return tenant, None
+    before = tenant.webhook_secret_previous_until
+    until = (now or datetime.now(UTC)) + timedelta(seconds=overlap_s) if overlap_s > 0 else None
+    tenant.webhook_secret_previous = tenant.webhook_secret if until is not None else None
+    tenant.webhook_secret_previous_until = until
+    tenant.webhook_secret = new
+    # The audit row says what changed and until when the old secret signs, never a secret.
+    entry = audit.record(
+        session, actor=actor, action="tenant.webhook_secret.rotate", model=None,
+        before={"tenant": tenant_id, "previous_until": before.isoformat() if before else None},
+        after={"tenant": tenant_id, "given": secret is not None, "overlap_s": overlap_s,
+               "previous_until": until.isoformat() if until else None},
+        reason=reason,
+    )
+    return tenant, entry

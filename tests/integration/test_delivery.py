@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import httpx
 import pytest
@@ -23,7 +24,8 @@ from sluice.wire import keys
 from sluice.wire.connections import connect_sync
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
-from tests.support import REPO, Receiver, receiving
+from sluice_client import verify as receiver_verify
+from tests.support import REPO, Received, Receiver, receiving, unique
 from workers.delivery import USER_AGENT, Deliverer, TenantLimits
 
 MAX_ATTEMPTS = 3
@@ -64,10 +66,10 @@ def deliverer(redis_url: str, database_url: str, seeded: Seeded, clock: Clock) -
     made.close()
 
 
-def final_job(rds: redis.Redis, callback_url: str, deliveries: list[str]) -> tuple[str, str]:
-    """A succeeded job of the demo tenant, written straight to Redis; answer (job, delivery) ids."""
+def final_job(rds: redis.Redis, callback_url: str, deliveries: list[str], *, tenant: str = "demo") -> tuple[str, str]:
+    """A succeeded job of `tenant`, written straight to Redis; answer (job, delivery) ids."""
     now = time.time()
-    record = JobRecord(id=new_job_id("direct", "v1"), tenant="demo", model="direct", version="v1", lane="online",
+    record = JobRecord(id=new_job_id("direct", "v1"), tenant=tenant, model="direct", version="v1", lane="online",
                        status=JobStatus.succeeded, input={"text": "x"}, enqueued_at=now,
                        output={"echo": "x"}, callback_url=callback_url)
     rds.hset(keys.job(record.id), mapping=record.to_redis())  # type: ignore[arg-type]
@@ -94,6 +96,9 @@ def test_an_attempt_posts_the_signed_job_once(
         secret = tenants.tenant_secret(session, "demo")
     assert secret and verify(secret, request.headers["sluice-signature"], request.body, now=deliverer.clock())
     assert request.headers["sluice-delivery"] == delivery_id
+    assert request.headers["webhook-id"] == delivery_id
+    assert request.headers["webhook-timestamp"] == str(int(deliverer.clock()))
+    assert receiver_verify(secret, request.headers, request.body, now=deliverer.clock())  # all three forms
     assert request.headers["user-agent"] == USER_AGENT
     state = rds.hgetall(keys.delivery(delivery_id))
     assert state["status"] == "delivered" and state["attempts"] == "1" and state["job"] == job_id  # type: ignore[index]
@@ -135,3 +140,95 @@ def test_a_job_record_that_is_gone_fails_without_a_request(
     assert attempt.outcome == "failed" and "no longer exists" in attempt.detail
     assert receiver.received("/gone") == []
     assert rds.hget(keys.delivery(delivery_id), "status") == "failed"
+
+
+# --- secrets: rotation, and one tenant's never signing another's ------------------------------------
+
+
+def signed_with(secret: str, request: Received, now: float) -> dict[str, bool]:
+    """Which of the request's signatures `secret` verifies, each form alone."""
+    headers = request.headers
+    standard = {name: headers[name] for name in ("webhook-id", "webhook-timestamp", "webhook-signature")}
+    return {"sluice": receiver_verify(secret, headers["sluice-signature"], request.body, now=now),
+            "standard": receiver_verify(secret, standard, request.body, now=now)}
+
+
+BOTH = {"sluice": True, "standard": True}
+NEITHER = {"sluice": False, "standard": False}
+
+
+def test_a_rotation_signs_with_both_secrets_until_its_overlap_ends(
+    deliverer: Deliverer, receiver: Receiver, rds: redis.Redis, registry: Registry, clock: Clock,
+    deliveries: list[str],
+) -> None:
+    tenant = unique("rotating")
+    with registry.session() as session:
+        row, _ = tenants.create_tenant(session, tenant_id=tenant, actor="test")
+        old = row.webhook_secret
+    with registry.session() as session:
+        row, entry = tenants.rotate_webhook_secret(session, tenant_id=tenant, actor="test", overlap_s=60,
+                                                   now=datetime.fromtimestamp(clock.now, UTC))
+        new = row.webhook_secret
+        assert entry is not None and entry.action == "tenant.webhook_secret.rotate"
+        assert old not in str(entry.after) and new not in str(entry.after)  # the audit row holds no secret
+    assert new.startswith("whsec_") and new != old
+
+    job_id, delivery_id = final_job(rds, receiver.plan("/rotating", 503, 200), deliveries, tenant=tenant)
+    first = deliverer.attempt(delivery_id, job_id)
+    assert first.outcome == "retry"
+    clock.now += first.retry_in_s + 1.0
+    assert deliverer.attempt(delivery_id, job_id).outcome == "delivered"
+    requests = receiver.received("/rotating")
+    assert len(requests) == 2
+    for request in requests:
+        assert request.headers["webhook-id"] == delivery_id  # the same on the retry: receivers dedupe on it
+        assert request.headers["webhook-signature"].count("v1,") == 2
+        now = float(request.headers["webhook-timestamp"])
+        assert signed_with(new, request, now) == BOTH and signed_with(old, request, now) == BOTH
+
+    clock.now += 61.0  # the overlap has ended, and the deliverer's cache of the secrets with it
+    job_id, delivery_id = final_job(rds, receiver.plan("/rotated", 200), deliveries, tenant=tenant)
+    assert deliverer.attempt(delivery_id, job_id).outcome == "delivered"
+    [request] = receiver.received("/rotated")
+    assert request.headers["webhook-signature"].count("v1,") == 1
+    assert signed_with(new, request, clock.now) == BOTH and signed_with(old, request, clock.now) == NEITHER
+
+
+def test_a_rotation_without_overlap_stops_the_old_secret_at_once(
+    deliverer: Deliverer, receiver: Receiver, rds: redis.Redis, registry: Registry, clock: Clock,
+    deliveries: list[str],
+) -> None:
+    tenant = unique("cut")
+    given = "a-secret-chosen-by-the-operator-0123"
+    with registry.session() as session:
+        row, _ = tenants.create_tenant(session, tenant_id=tenant, actor="test")
+        old = row.webhook_secret
+    with registry.session() as session:
+        row, _ = tenants.rotate_webhook_secret(session, tenant_id=tenant, actor="test", secret=given, overlap_s=0)
+        assert row.webhook_secret == given
+        assert row.webhook_secret_previous is None and row.webhook_secret_previous_until is None
+    job_id, delivery_id = final_job(rds, receiver.plan("/cut", 200), deliveries, tenant=tenant)
+    assert deliverer.attempt(delivery_id, job_id).outcome == "delivered"
+    [request] = receiver.received("/cut")
+    assert signed_with(given, request, clock.now) == BOTH and signed_with(old, request, clock.now) == NEITHER
+
+
+def test_one_tenants_secrets_never_sign_another_tenants_delivery(
+    deliverer: Deliverer, receiver: Receiver, rds: redis.Redis, registry: Registry, clock: Clock,
+    deliveries: list[str],
+) -> None:
+    tenant = unique("other")
+    with registry.session() as session:
+        row, _ = tenants.create_tenant(session, tenant_id=tenant, actor="test")
+        theirs = row.webhook_secret
+    with registry.session() as session:
+        row, _ = tenants.rotate_webhook_secret(session, tenant_id=tenant, actor="test", overlap_s=3600)
+        theirs_now = row.webhook_secret
+        demo = tenants.tenant_secret(session, "demo")
+    assert demo
+    job_id, delivery_id = final_job(rds, receiver.plan("/demo-only", 200), deliveries)
+    assert deliverer.attempt(delivery_id, job_id).outcome == "delivered"
+    [request] = receiver.received("/demo-only")
+    assert signed_with(demo, request, clock.now) == BOTH
+    assert request.headers["webhook-signature"].count("v1,") == 1
+    assert signed_with(theirs, request, clock.now) == NEITHER and signed_with(theirs_now, request, clock.now) == NEITHER

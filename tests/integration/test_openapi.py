@@ -36,6 +36,7 @@ RESOURCE_ROUTES = {
     ("get", "/v1/models/{model}/rollouts", "200"): "RolloutList",
     ("get", "/v1/models/{model}/rollouts/current", "200"): "RolloutResource",
     ("delete", "/v1/models/{model}/rollouts/current", "200"): "RolloutResource",
+    ("post", "/v1/tenants/{tenant}/webhook-secret:rotate", "200"): "WebhookSecretRotation",
 }
 
 

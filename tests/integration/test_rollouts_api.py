@@ -194,6 +194,12 @@ def test_the_sync_client_makes_every_admin_call(api: ApiServer, seeded: Seeded) 
         assert client.pin(tenant, model, "v2")["version"] == "v2"
         assert client.unpin(tenant, model)["version"] is None
         assert client.revoke_key(issued["id"]) == {"id": issued["id"], "revoked": True}
+        rotated = client.rotate_webhook_secret(tenant, reason="yearly")
+        assert rotated["webhook_secret"] != made["webhook_secret"] and rotated["audit"]["reason"] == "yearly"
+        given = "a-secret-given-by-the-operator-01"
+        assert client.rotate_webhook_secret(tenant, secret=given, overlap_s=0)["previous_until"] is None
+        with pytest.raises(InvalidRequest):
+            client.rotate_webhook_secret(tenant, secret="short")
         with pytest.raises(NotFoundError):
             client.rollout(unique("ghost"))
 
@@ -222,6 +228,7 @@ async def test_the_async_client_makes_the_same_calls(api: ApiServer, seeded: See
         assert (await client.unpin(tenant, model))["version"] is None
         assert (await client.issue_key(tenant, admin=False))["tenant"] == tenant
         assert (await client.revoke_key(key["id"]))["revoked"]
+        assert (await client.rotate_webhook_secret(tenant, overlap_s=60))["previous_until"]
 
 
 def test_events_yield_the_job_at_each_state_change(

@@ -35,9 +35,11 @@ from sluice.wire import keys, scripts
 from sluice.wire.connections import connect
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
+from sluice_client import verify as receiver_verify
 from tests.support import (
     ApiServer,
     CeleryWorker,
+    Received,
     Receiver,
     celery_broker_env,
     celery_worker_process,
@@ -262,13 +264,54 @@ def test_a_finished_job_is_posted_once_signed_with_the_tenant_secret(
     assert request.headers["host"] == urlsplit(receiver.url).netloc
     signature = request.headers["sluice-signature"]
     assert verify(tenant.webhook_secret, signature, request.body)
+    # The Standard Webhooks headers: the delivery id as the message id, signed with the same secret.
+    assert request.headers["webhook-id"] == delivery_id
+    assert request.headers["webhook-timestamp"] == signature.split(",")[0].removeprefix("t=")
+    assert receiver_verify(tenant.webhook_secret, standard_headers(request), request.body)
+    assert receiver_verify(tenant.webhook_secret, request.headers, request.body)  # every form at once
     with registry.session() as session:
         demo_secret = tenants.tenant_secret(session, "demo")
     assert demo_secret and not verify(demo_secret, signature, request.body)
+    assert not receiver_verify(demo_secret, standard_headers(request), request.body)
     assert json.loads(request.body) == resource  # the same JSON as GET /v1/jobs/{id}
     state = wait_delivery(rds, str(delivery_id), "delivered")
     assert state["attempts"] == "1" and state["job"] == job_id and state["last_status"] == "200"
     assert rds.zscore(keys.WEBHOOK_DUE, str(delivery_id)) is None
+
+
+def standard_headers(request: Received) -> dict[str, str]:
+    return {name: request.headers[name] for name in ("webhook-id", "webhook-timestamp", "webhook-signature")}
+
+
+def test_a_rotated_secret_and_the_one_it_replaced_both_sign_the_delivery(
+    celery_worker: CeleryWorker, receiver: Receiver, hooks_api: ApiServer, admin: httpx.Client, model: str,
+    registry: Registry,
+) -> None:
+    """Rotated over REST before the tenant's first delivery (so no delivery worker holds its
+    secrets yet): each of the two secrets verifies every header on its own, and no other tenant's
+    secret verifies any."""
+    created = admin.post("/v1/tenants", json={"id": f"rotating-{secrets.token_hex(3)}"})
+    assert created.status_code == 201, created.text
+    old = created.json()["webhook_secret"]
+    rotated = admin.post(f"/v1/tenants/{created.json()['id']}/webhook-secret:rotate", json={"overlap_s": 600})
+    assert rotated.status_code == 200, rotated.text
+    new = rotated.json()["webhook_secret"]
+    with http_client(hooks_api.url, created.json()["key"]["secret"]) as client:
+        rotating = Tenant(id=created.json()["id"], client=client, webhook_secret=new)
+        finished(rotating, submit(rotating, model, receiver.plan("/rotating", 500, 200)))
+        requests = receiver.wait_for("/rotating", 2)
+    with registry.session() as session:
+        demo_secret = tenants.tenant_secret(session, "demo")
+    assert demo_secret
+    assert requests[0].headers["webhook-id"] == requests[1].headers["webhook-id"]  # stable across the retry
+    for request in requests:
+        assert request.headers["webhook-signature"].count("v1,") == 2
+        assert receiver_verify(new, request.headers, request.body)
+        assert receiver_verify(old, request.headers, request.body)
+        assert receiver_verify(old, standard_headers(request), request.body)
+        assert receiver_verify(new, request.headers["sluice-signature"], request.body)
+        assert not receiver_verify(demo_secret, standard_headers(request), request.body)
+        assert not receiver_verify(demo_secret, request.headers["sluice-signature"], request.body)
 
 
 def test_a_5xx_is_retried_with_backoff_and_the_same_delivery_id(
@@ -279,6 +322,8 @@ def test_a_5xx_is_retried_with_backoff_and_the_same_delivery_id(
     requests = receiver.wait_for("/flaky", 3)
     delivery_id = str(rds.hget(keys.job(job_id), "delivery_id"))
     assert {r.headers["sluice-delivery"] for r in requests} == {delivery_id}
+    assert {r.headers["webhook-id"] for r in requests} == {delivery_id}
+    assert all(receiver_verify(tenant.webhook_secret, r.headers, r.body) for r in requests)
     assert all(verify(tenant.webhook_secret, r.headers["sluice-signature"], r.body) for r in requests)
     # Backoff with equal jitter waits at least half of each step: 0.1 s, then 0.2 s.
     assert requests[1].at - requests[0].at >= BACKOFF_BASE_S / 2

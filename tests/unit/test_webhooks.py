@@ -1,7 +1,9 @@
-"""The pure webhook rules (sluice/webhooks.py): signature, callback URL policy, retry schedule."""
+"""The pure webhook rules (sluice/webhooks.py): signatures, secrets, callback URL policy, retry
+schedule."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import ipaddress
@@ -11,8 +13,11 @@ import pytest
 
 from sluice.webhooks import (
     CallbackRefused,
+    InvalidWebhookSecret,
+    WebhookSecrets,
     allowed_networks,
     check_callback_url,
+    check_secret,
     parse_callback,
     pin_address,
     refusal,
@@ -20,8 +25,12 @@ from sluice.webhooks import (
     retry_delay,
     should_retry,
     signature,
+    signing_key,
+    standard_signature,
     verify,
+    verify_standard,
 )
+from tests.unit import standard_webhooks_vectors as vector
 
 SECRET = "whsec-test-0123456789"
 BODY = b'{"id":"job_x","status":"succeeded"}'
@@ -66,6 +75,105 @@ def test_any_of_several_v1_values_may_match() -> None:
     good = signature(SECRET, BODY, timestamp=1700000000)
     header = good.replace("v1=", "v1=" + "0" * 64 + ",v1=")
     assert verify(SECRET, header, BODY, now=1700000000)
+
+
+def test_each_active_secret_adds_a_v1_that_verifies_alone() -> None:
+    header = signature([SECRET, "the-previous-secret-value"], BODY, timestamp=1700000000)
+    assert header.count("v1=") == 2 and header.startswith("t=1700000000,")
+    assert verify(SECRET, header, BODY, now=1700000000)
+    assert verify("the-previous-secret-value", header, BODY, now=1700000000)
+    assert not verify("a-third-secret-value", header, BODY, now=1700000000)
+
+
+# --- Standard Webhooks ---------------------------------------------------------------------------------
+
+
+def _verify_vector(header: str, *, secret: str = vector.SECRET, now: float = vector.TIMESTAMP,
+                   msg_id: str = vector.MSG_ID, timestamp: str = str(vector.TIMESTAMP),
+                   body: bytes = vector.PAYLOAD) -> bool:
+    return verify_standard(secret, msg_id=msg_id, timestamp=timestamp, header=header, body=body,
+                           tolerance_s=vector.TOLERANCE_S, now=now)
+
+
+def test_the_published_vector_is_signed_as_published() -> None:
+    assert standard_signature(vector.SECRET, vector.MSG_ID, vector.PAYLOAD,
+                              timestamp=vector.TIMESTAMP) == vector.SIGNATURE
+
+
+@pytest.mark.parametrize(("case", "header", "changes", "verifies"), [
+    ("valid", vector.SIGNATURE, {}, True),
+    ("one character off", vector.BAD_SIGNATURE, {}, False),
+    ("valid among strangers and a v2", vector.MULTI_SIGNATURE, {}, True),
+    ("only strangers", vector.MULTI_SIGNATURE.replace(vector.SIGNATURE, ""), {}, False),
+    ("too old", vector.SIGNATURE, {"now": vector.TIMESTAMP + vector.TOLERANCE_S + 1}, False),
+    ("too new", vector.SIGNATURE, {"now": vector.TIMESTAMP - vector.TOLERANCE_S - 1}, False),
+    ("just within the tolerance", vector.SIGNATURE, {"now": vector.TIMESTAMP + vector.TOLERANCE_S}, True),
+    ("timestamp not a number", vector.SIGNATURE, {"timestamp": "hello"}, False),
+    ("no id", vector.SIGNATURE, {"msg_id": ""}, False),
+    ("another id", vector.SIGNATURE, {"msg_id": "msg_other"}, False),
+    ("another timestamp", vector.SIGNATURE, {"timestamp": str(vector.TIMESTAMP + 1)}, False),
+    ("another body", vector.SIGNATURE, {"body": b'{"test": 2432232315}'}, False),
+    ("no signature", "", {}, False),
+])
+def test_the_published_verification_cases(case: str, header: str, changes: dict[str, object], verifies: bool) -> None:
+    assert _verify_vector(header, **changes) is verifies, case  # type: ignore[arg-type]
+
+
+def test_a_whsec_secret_is_keyed_by_its_decoded_bytes_and_a_plain_one_by_its_utf8() -> None:
+    assert signing_key(vector.SECRET) == base64.b64decode("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")
+    assert signing_key("whsec_dGVzdA") == b"test"  # unpadded base64, as the reference libraries allow
+    plain = "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"  # the same characters without the prefix: a plain secret
+    assert signing_key(plain) == plain.encode()
+    by_hand = hmac.new(plain.encode(), f"{vector.MSG_ID}.{vector.TIMESTAMP}.".encode() + vector.PAYLOAD,
+                       hashlib.sha256).digest()
+    assert standard_signature(plain, vector.MSG_ID, vector.PAYLOAD, timestamp=vector.TIMESTAMP) == \
+        "v1," + base64.b64encode(by_hand).decode()
+    assert not _verify_vector(vector.SIGNATURE, secret=plain)
+
+
+def test_sluice_signature_keys_any_secret_by_its_utf8_as_before() -> None:
+    expected = hmac.new(vector.SECRET.encode(), b"1700000000." + BODY, hashlib.sha256).hexdigest()
+    assert signature(vector.SECRET, BODY, timestamp=1700000000) == f"t=1700000000,v1={expected}"
+
+
+def test_two_secrets_give_two_space_separated_entries_each_verifying_alone() -> None:
+    other = "whsec_" + base64.b64encode(b"k" * 32).decode()
+    header = standard_signature([vector.SECRET, other], vector.MSG_ID, vector.PAYLOAD, timestamp=vector.TIMESTAMP)
+    first, second = header.split(" ")
+    assert first == vector.SIGNATURE
+    assert second == standard_signature(other, vector.MSG_ID, vector.PAYLOAD, timestamp=vector.TIMESTAMP)
+    assert _verify_vector(header) and _verify_vector(header, secret=other)
+    assert not _verify_vector(header, secret="whsec_" + base64.b64encode(b"x" * 32).decode())
+
+
+@pytest.mark.parametrize("secret", [
+    "short",
+    "x" * 129,
+    "has a space in it, twenty-four+",
+    "non-ascii-é-0123456789abcdef",
+    "whsec_not*base64*at*all*0123456789",
+    "whsec_" + base64.b64encode(b"k" * 23).decode(),
+    "whsec_" + base64.b64encode(b"k" * 65).decode(),
+])
+def test_a_secret_outside_the_bounds_is_refused_without_repeating_it(secret: str) -> None:
+    with pytest.raises(InvalidWebhookSecret) as refused:
+        check_secret(secret)
+    assert refused.value.status == 422 and secret not in str(refused.value)
+
+
+@pytest.mark.parametrize("secret", [
+    vector.SECRET, "whsec_" + base64.b64encode(b"k" * 64).decode(), "a-plain-secret-of-24-chars", "p" * 128,
+])
+def test_a_secret_within_the_bounds_is_taken_as_given(secret: str) -> None:
+    assert check_secret(secret) == secret
+
+
+def test_the_replaced_secret_signs_until_its_end_and_not_after() -> None:
+    rotating = WebhookSecrets(current="new", previous="old", previous_until=1_000.0)
+    assert rotating.active(999.9) == ("new", "old")
+    assert rotating.active(1_000.0) == ("new",)
+    assert WebhookSecrets(current="only").active(0.0) == ("only",)
+    assert WebhookSecrets(current="new", previous=None, previous_until=1_000.0).active(0.0) == ("new",)
 
 
 # --- URL policy ----------------------------------------------------------------------------------------

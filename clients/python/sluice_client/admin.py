@@ -1,6 +1,6 @@
 """The registry and operator calls of the Python clients, as mixins of `SluiceClient` and
-`AsyncClient`: models and versions, routing, rollback, rollouts, tenants, keys, pins, and the
-per-version stats, quality windows and audit log.
+`AsyncClient`: models and versions, routing, rollback, rollouts, tenants, keys, webhook secrets,
+pins, and the per-version stats, quality windows and audit log.
 
 Most of them need an admin key; a tenant's key gets 403 (`AuthError`). Each answers the API's
 resource as a plain dict, except `models` and `audit`, which answer the list the resource wraps.
@@ -77,6 +77,13 @@ class AdminCalls(ABC):
     def revoke_key(self, key_id: str) -> dict[str, Any]:
         return dict(self._call("DELETE", f"/v1/keys/{key_id}"))
 
+    def rotate_webhook_secret(self, tenant: str, *, secret: str | None = None, overlap_s: int | None = None,
+                              reason: str | None = None) -> dict[str, Any]:
+        """Make `secret` (a fresh `whsec_` one when None) the tenant's webhook secret; the old one
+        signs too for `overlap_s` (the API's default: a day). The answer holds the new secret."""
+        return dict(self._call("POST", f"/v1/tenants/{tenant}/webhook-secret:rotate",
+                               json=_present(secret=secret, overlap_s=overlap_s, reason=reason)))
+
     def pin(self, tenant: str, model: str, version: str) -> dict[str, Any]:
         return dict(self._call("PUT", f"/v1/tenants/{tenant}/pins/{model}", json={"version": version}))
 
@@ -152,6 +159,13 @@ class AsyncAdminCalls(ABC):
 
     async def revoke_key(self, key_id: str) -> dict[str, Any]:
         return dict(await self._call("DELETE", f"/v1/keys/{key_id}"))
+
+    async def rotate_webhook_secret(self, tenant: str, *, secret: str | None = None, overlap_s: int | None = None,
+                                    reason: str | None = None) -> dict[str, Any]:
+        """Make `secret` (a fresh `whsec_` one when None) the tenant's webhook secret; the old one
+        signs too for `overlap_s` (the API's default: a day). The answer holds the new secret."""
+        return dict(await self._call("POST", f"/v1/tenants/{tenant}/webhook-secret:rotate",
+                                     json=_present(secret=secret, overlap_s=overlap_s, reason=reason)))
 
     async def pin(self, tenant: str, model: str, version: str) -> dict[str, Any]:
         return dict(await self._call("PUT", f"/v1/tenants/{tenant}/pins/{model}", json={"version": version}))
