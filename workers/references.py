@@ -33,12 +33,13 @@ from typing import IO, Any
 
 import orjson
 
+from sluice.batch_files import BatchFileError
 from sluice.batcher import Item
 from sluice.errors import InvalidInput
 from sluice.kinds import validate_input
 from sluice.references import InputRef, OutputRef, Written
-from sluice.tenant_files import REFUSED, FileRefused, recheck
-from workers.execution import Outcome, run_isolating
+from sluice.tenant_files import REFUSED, recheck
+from workers.execution import Outcome, fault_message, run_isolating
 from workers.models.protocol import ModelHandler
 from workers.results import Delivery
 
@@ -77,9 +78,14 @@ class References:
                     ready[index] = self._input(handler, item, held)
                 except _Refused as exc:
                     outcomes[index] = Outcome(error=exc.body)
+                except Exception as exc:  # the worker's side (as a handler's bug): left for another delivery
+                    outcomes[index] = Outcome(fault=fault_message(exc, {}))
             ran, model_s = run_isolating(handler, list(ready.values()))
         for index, outcome in zip(ready, ran, strict=True):
-            outcomes[index] = self._stored(items[index], outcome)
+            try:
+                outcomes[index] = self._stored(items[index], outcome)
+            except Exception as exc:
+                outcomes[index] = Outcome(fault=fault_message(exc, {}))
         return [outcome for outcome in outcomes if outcome is not None], model_s
 
     # --- inputs ------------------------------------------------------------------------------------
@@ -113,7 +119,7 @@ class References:
         try:
             path = recheck(Path(ref.path), root=self.root, tenant=tenant)
             return path.open("rb")
-        except (FileRefused, OSError):
+        except (BatchFileError, OSError):
             raise _Refused("input_unavailable", REFUSED) from None
 
     def _read(self, handle: IO[bytes], *, keep: bool) -> tuple[bytes, int, str]:
@@ -159,7 +165,7 @@ class References:
         refused = _Refused("output_unwritable", "the output could not be written to output_uri: " + REFUSED)
         try:
             path = recheck(Path(ref.path), root=self.root, tenant=tenant)
-        except FileRefused:
+        except BatchFileError:
             raise refused from None
         partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
         try:
@@ -170,6 +176,6 @@ class References:
             with partial.open("xb") as handle:
                 handle.write(data)
             os.replace(partial, path)
-        except (FileRefused, OSError):
+        except (BatchFileError, OSError):
             partial.unlink(missing_ok=True)
             raise refused from None

@@ -215,8 +215,8 @@ class SluiceClient(AdminCalls, BatchCalls):
         return dict(self._call("POST", f"/v1/models/{model}/jobs", json=_job_body(input, options),
                                headers=headers))
 
-    def run(self, model: str, input: dict[str, Any] | None = None, *, timeout_s: float = 60.0, idempotency_key: str | None = None,
-            **options: Any) -> dict[str, Any]:
+    def run(self, model: str, input: dict[str, Any] | None = None, *, timeout_s: float = 60.0,
+            idempotency_key: str | None = None, **options: Any) -> dict[str, Any]:
         """Submit one job and answer it final (one request when it finishes within the server's
         wait), or as it is once `timeout_s` has passed."""
         deadline = time.monotonic() + timeout_s
