@@ -17,7 +17,8 @@ import redis
 from sluice.settings import Settings
 from sluice.tenant_files import REFUSED
 from sluice.wire import keys
-from tests.support import WorkerProcess, wait_job
+from sluice_client import SluiceClient
+from tests.support import ApiServer, WorkerProcess, wait_job
 
 pytestmark = pytest.mark.slow
 
@@ -204,3 +205,25 @@ def test_every_reference_a_tenant_may_not_read_gets_the_answer_a_missing_object_
     # The owner is told its own object is too large.
     too_large = owner[1].post(f"/v1/models/{model}/jobs", json={"input_uri": "in/huge.json"})
     assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "payload_too_large"
+
+
+def test_the_python_client_submits_jobs_by_reference(owner: Tenant, served: str, api: ApiServer) -> None:
+    _, client, folder = owner
+    _put(folder, "in/c.json", b'{"text": "from the client"}')
+    key = str(client.headers["Authorization"]).removeprefix("Bearer ")
+    with SluiceClient(base_url=api.url, api_key=key) as sluice:
+        job = sluice.run(served, input_uri="in/c.json", output_uri="out/c.json", timeout_s=60)
+        [bulk] = sluice.wait_many(sluice.submit_bulk(served, jobs=[{"input_uri": "in/c.json"}]), timeout_s=60)
+    assert job["status"] == "succeeded" and job["output_uri"] == "out/c.json", job
+    assert json.loads((folder / "out" / "c.json").read_bytes()) == {"echo": {"text": "from the client"}}
+    assert bulk["output"] == {"echo": {"text": "from the client"}}, bulk
+
+
+def test_openapi_documents_the_reference_fields(anon: httpx.Client) -> None:
+    schemas = anon.get("/openapi.json").json()["components"]["schemas"]
+    for name in ("SubmitJob", "BulkJob"):
+        properties = schemas[name]["properties"]
+        assert all(properties[field].get("description") for field in ("input_uri", "sha256", "output_uri")), name
+    assert schemas["SubmitBulk"]["properties"]["jobs"]["description"]
+    job = schemas["JobResource"]["properties"]
+    assert all(job[field].get("description") for field in ("input_uri", "output_uri", "output_size", "output_sha256"))
