@@ -55,7 +55,7 @@ class _Refused(Exception):
         self.body = {"code": code, "message": message}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class References:
     """The tenants' root (SLUICE_BATCH_ROOT), the limit of one object, and the text limit the API
     applies to inline inputs, which a referenced input meets too."""
