@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import time
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ class References:
         if not handler.takes_files and not any(
                 item.payload.input_ref is not None or item.payload.output_ref is not None for item in items):
             return run_isolating(handler, [item.payload.input for item in items])
+        started = time.perf_counter()
         outcomes: list[Outcome | None] = [None] * len(items)
         ready: dict[int, Mapping[str, Any]] = {}
         with ExitStack() as held:
@@ -80,13 +82,13 @@ class References:
                     outcomes[index] = Outcome(error=exc.body)
                 except Exception as exc:  # the worker's side (as a handler's bug): left for another delivery
                     outcomes[index] = Outcome(fault=fault_message(exc, {}))
-            ran, model_s = run_isolating(handler, list(ready.values()))
+            ran, _ = run_isolating(handler, list(ready.values()))
         for index, outcome in zip(ready, ran, strict=True):
             try:
                 outcomes[index] = self._stored(items[index], outcome)
             except Exception as exc:
                 outcomes[index] = Outcome(fault=fault_message(exc, {}))
-        return [outcome for outcome in outcomes if outcome is not None], model_s
+        return [outcome for outcome in outcomes if outcome is not None], time.perf_counter() - started
 
     # --- inputs ------------------------------------------------------------------------------------
 
