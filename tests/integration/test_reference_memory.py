@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -73,7 +74,18 @@ def env(redis_url: str, database_url: str, home: Path, settings: Settings) -> di
 
 
 @pytest.fixture
+def demo_folder(settings: Settings) -> Iterator[Path]:
+    """The demo tenant's folder, its 200 MiB object removed afterwards."""
+    assert settings.batch_root is not None
+    folder = settings.batch_root / "tenants" / "demo"
+    folder.mkdir(parents=True, exist_ok=True)
+    yield folder
+    (folder / "large.log").unlink(missing_ok=True)
+
+
+@contextmanager
 def api_process(env: dict[str, str], tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`sluice api` on a port of its own, once ready."""
     port = _free_port()
     log_path = tmp_path / "api.log"
     with log_path.open("wb") as sink:
@@ -96,8 +108,8 @@ def api_process(env: dict[str, str], tmp_path: Path) -> Iterator[tuple[subproces
 
 
 def test_a_200_mib_input_by_reference_grows_neither_the_api_nor_redis(
-    admin: httpx.Client, seeded: Seeded, settings: Settings, env: dict[str, str], tmp_path: Path,
-    api_process: tuple[subprocess.Popen[bytes], str], start_worker: Callable[..., WorkerProcess], rds: redis.Redis,
+    admin: httpx.Client, seeded: Seeded, env: dict[str, str], tmp_path: Path, demo_folder: Path,
+    start_worker: Callable[..., WorkerProcess], rds: redis.Redis,
 ) -> None:
     model = unique("counter")
     assert admin.post("/v1/models", json={"name": model, "kind": "handler"}).status_code == 201
@@ -109,13 +121,12 @@ def test_a_200_mib_input_by_reference_grows_neither_the_api_nor_redis(
     assert admin.put(f"/v1/models/{model}/routing", json={"weights": {"v1": 100}, "reason": "test"}).status_code == 200
     worker = start_worker(model, env={name: env[name] for name in ("SLUICE_BATCH_ROOT", "SLUICE_MAX_OBJECT_BYTES")})
 
-    assert settings.batch_root is not None
-    folder = settings.batch_root / "tenants" / "demo"
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = demo_folder
     (folder / "small.log").write_bytes(b"one line\n")
     digest, lines = _write_object(folder / "large.log")
-    proc, base = api_process
-    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {seeded.demo_key}"}, timeout=60) as demo:
+    # Started once the model is registered, so it loads it with the rest of the routing table.
+    with api_process(env, tmp_path) as (proc, base), httpx.Client(
+            base_url=base, headers={"Authorization": f"Bearer {seeded.demo_key}"}, timeout=60) as demo:
         def run(**body: str) -> dict[str, object]:
             response = demo.post(f"/v1/models/{model}/jobs", json=body)
             assert response.status_code == 202, response.text
