@@ -287,7 +287,7 @@ async def _references(state: AppState, key: KeyInfo, model: str, inputs: list[_P
 def _validated(state: AppState, model: str, kind: ModelKind, options: SubmitJob | SubmitBulk,
                inputs: list[_Payload], refs: list[_Refs], *, schema: str | None) -> list[tuple[dict[str, Any], int]]:
     """Each job's canonical input and cost hint; a job by reference has none until its worker reads it."""
-    validated = []
+    validated: list[tuple[dict[str, Any], int]] = []
     for index, (payload, ref) in enumerate(zip(inputs, refs, strict=True)):
         if ref.input is not None:
             validated.append(({}, cost_hint(ref.input)))
