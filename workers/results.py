@@ -91,10 +91,10 @@ class ResultWriter:
         status = JobStatus.succeeded if outcome.error is None else JobStatus.failed
         # An output written to its output_uri is not stored again: the record keeps its size and sha256.
         output = b"" if outcome.written is not None else _json(outcome.output)
-        size = outcome.written.size if outcome.written is not None else len(output)
+        encoded_size = outcome.written.size if outcome.written is not None else len(output)
         quality: dict[str, Any] = {}
         if outcome.error is None:
-            quality = {**proxies(outcome.output, encoded_size=size), **(outcome.proxies or {})}
+            quality = {**proxies(outcome.output, encoded_size=encoded_size), **(outcome.proxies or {})}
             primary = primaries.get(delivery.shadow_of or "")
             if primary is not None and outcome.output is not None:
                 agreed = agreement(primary, outcome.output)
