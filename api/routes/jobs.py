@@ -52,6 +52,11 @@ _SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorResource, "description": "Unknown model or version; `job_expired` when an "
                                                  "Idempotency-Key replay's jobs have expired"},
     409: {"model": ErrorResource, "description": "Retired version, or Idempotency-Key reused or in flight"},
+    413: {"model": ErrorResource, "description": "Too many inputs, or an object at `input_uri` over "
+                                                 "SLUICE_MAX_OBJECT_BYTES"},
+    422: {"model": ErrorResource, "description": "An input the model kind refuses, or an `input_uri` or "
+                                                 "`output_uri` that names no object the key may use (one answer "
+                                                 "for missing and forbidden alike)"},
     429: {"model": ErrorResource, "description": "Rate limit, quota, `stored_jobs_limit` (too many stored jobs "
                                                  "answered from the response cache) or load shedding, with "
                                                  "`Retry-After`; load shedding of the online lane says "
