@@ -102,6 +102,12 @@ class JobResource(BaseModel):
     attempts: int
     timings: Timings
     batch: BatchFacts
+    input_uri: str | _Absent = Field(default=None, description="The object the input was read from, as submitted")
+    output_uri: str | _Absent = Field(default=None, description="Where the worker writes the output (JSON) "
+                                                                "instead of `output`, as submitted")
+    output_size: int | _Absent = Field(default=None, description="The bytes written to `output_uri`")
+    output_sha256: str | _Absent = Field(default=None, description="The sha256 (hex) of what was written to "
+                                                                   "`output_uri`")
     output: dict[str, Any] | _Absent = None
     error: JobError | _Absent = None
     metadata: dict[str, str | int | float | bool | None] | _Absent = None

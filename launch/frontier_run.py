@@ -158,6 +158,7 @@ class PassThroughHandler(ModelHandler):
         self.kind = inner.kind
         self.length_buckets = inner.length_buckets
         self.precision = inner.precision
+        self.takes_files = inner.takes_files
 
     def warmup(self) -> None:
         self.inner.warmup()

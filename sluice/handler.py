@@ -28,6 +28,13 @@ version's timeout fails its jobs with a clear error.
 ``predict`` raises :class:`~sluice.errors.InferenceError` when an input itself is bad (the job
 fails for good); any other exception is the handler's fault and the job is tried again elsewhere.
 
+A job may name its input by reference (``input_uri``). By default the worker reads the object,
+checks its size and sha256, parses it as JSON and hands ``predict`` that, validated against
+``Input``, like any input. A handler for objects too large or not JSON (audio, archives, a
+200 MiB log) sets ``Input`` to :class:`InputFile` (or a subclass): the worker then never reads
+the object itself but verifies it and hands ``predict`` its path, size and sha256 to stream from.
+Such a version takes only jobs by reference: an inline input would let a caller name any path.
+
 This module is the kernel's contract and stays free of torch: the API reads schemas through it.
 """
 
@@ -48,6 +55,15 @@ OutputT = TypeVar("OutputT", bound=BaseModel)
 
 # "package.module:Class": dotted module path, a colon, a class name (nested classes allowed).
 _SPEC = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+
+
+class InputFile(BaseModel):
+    """The input of a handler that reads referenced objects itself: a verified object's real path,
+    its size and its sha256, filled in by the worker (never by the caller)."""
+
+    path: str
+    size: int
+    sha256: str
 
 
 @dataclass(frozen=True, slots=True)

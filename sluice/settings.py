@@ -181,6 +181,9 @@ class Settings(BaseSettings):
     # JSON line is refused at submit.
     batch_max_line_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
     max_batch_upload_bytes: int = Field(default=4 * 1024**3, ge=1024)
+    # Payloads by reference (sluice/references.py): the most bytes of one object a job names by
+    # `input_uri` (checked at submit and again when the worker reads it) or writes to `output_uri`.
+    max_object_bytes: int = Field(default=64 * 1024**2, ge=1024)
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -20,6 +20,7 @@ from typing import Any
 
 from sluice.errors import InferenceError
 from sluice.redact import scrub
+from sluice.references import Written
 from workers.models.protocol import ModelHandler
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class Outcome:
     fault: str | None = None
     # The handler's own quality proxies of the output (a handler class's `quality`), if it has any.
     proxies: dict[str, Any] | None = None
+    # Set when the output went to the job's output_uri (workers/references.py): stored instead of it.
+    written: Written | None = None
 
 
 def _error_body(exc: BaseException) -> dict[str, str]:

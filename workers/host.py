@@ -42,6 +42,7 @@ from sluice.wire.placements import VersionKey, version_name
 from workers.models.loading import Sources
 from workers.models.precision import PrecisionPolicy
 from workers.models.shared import Loaded, LoadedModels
+from workers.references import References
 from workers.slots import ExecutionSlots
 from workers.worker import Worker
 
@@ -202,6 +203,8 @@ class WorkerHost:
                 precision=choice.precision if choice else "", precision_speedup=choice.speedup if choice else None,
                 batch_timeout_s=self.settings.batch_timeout_s, slots=self.slots, tier=loaded.tier,
                 group=self.group, resident_bytes=loaded.model.resident_bytes,
+                references=References(root=self.settings.batch_root, max_bytes=self.settings.max_object_bytes,
+                                      max_text_chars=self.settings.max_text_chars),
             )
             served.worker = worker
             if served.stop.is_set():

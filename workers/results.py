@@ -22,6 +22,7 @@ import orjson
 from sluice.batcher import Batch, Item
 from sluice.metrics import SHADOW_COPIES
 from sluice.quality import agreement, proxies
+from sluice.references import InputRef, OutputRef
 from sluice.vocabulary import Lane
 from sluice.wire import keys
 from sluice.wire.connections import translate_redis_errors
@@ -45,6 +46,9 @@ class Delivery:
     # When this worker handed it to the batcher: a batch's fill time runs from its first arrival.
     arrived_at: float = 0.0
     request_id: str | None = None
+    # A job by reference (sluice/references.py): `input` is empty until workers/references.py reads it.
+    input_ref: InputRef | None = None
+    output_ref: OutputRef | None = None
 
 
 def _json(value: dict[str, Any] | None) -> bytes:
@@ -85,10 +89,12 @@ class ResultWriter:
                   started: float, finished: float, model_ms: float, size: int, close_reason: str) -> Finished:
         delivery = item.payload
         status = JobStatus.succeeded if outcome.error is None else JobStatus.failed
-        output = _json(outcome.output)
+        # An output written to its output_uri is not stored again: the record keeps its size and sha256.
+        output = b"" if outcome.written is not None else _json(outcome.output)
+        encoded_size = outcome.written.size if outcome.written is not None else len(output)
         quality: dict[str, Any] = {}
         if outcome.error is None:
-            quality = {**proxies(outcome.output, encoded_size=len(output)), **(outcome.proxies or {})}
+            quality = {**proxies(outcome.output, encoded_size=encoded_size), **(outcome.proxies or {})}
             primary = primaries.get(delivery.shadow_of or "")
             if primary is not None and outcome.output is not None:
                 agreed = agreement(primary, outcome.output)
@@ -104,7 +110,8 @@ class ResultWriter:
         # A shadow copy's state is nobody's to wait for: only primaries announce theirs.
         return Finished(job_id=delivery.job_id, lane=delivery.lane, entry_id=item.id, status=status.value,
                         output=output, error=_json(outcome.error), sample=sample,
-                        announce=not delivery.shadow_of, copy=copy)
+                        announce=not delivery.shadow_of, copy=copy,
+                        written=outcome.written.encode() if outcome.written is not None else "")
 
     async def _primary_outputs(self, batch: Batch[Delivery], outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
         """The primary outputs that shadow copies in this batch are compared with."""

@@ -45,9 +45,10 @@ from sluice.wire.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
 from sluice.wire.jobs import JobStatus
 from sluice.wire.streams import StreamConsumer
 from workers.batch_log import BatchLog
-from workers.execution import Outcome, run_isolating, timed_out
+from workers.execution import Outcome, timed_out
 from workers.metrics import BatchMetrics
 from workers.models.protocol import ModelHandler
+from workers.references import References
 from workers.results import Delivery, ResultWriter
 from workers.slots import ExecutionSlots, rank
 
@@ -124,6 +125,7 @@ class Worker:
         resident_bytes: int = 0,
         slots: ExecutionSlots | None = None,
         tier: str = "latency",
+        references: References | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.model = model
@@ -144,6 +146,8 @@ class Worker:
         # The process's model slots, shared with the other versions it serves (workers/slots.py).
         self.slots = slots or ExecutionSlots()
         self.tier = tier
+        # Reads the inputs and writes the outputs of jobs by reference (workers/references.py).
+        self.references = references or References(root=None)
         self.clock = clock
         # Top-up is off by default: on one CPU thread a forward pass costs per padded token, and
         # topping up with shorter items raised padding 1.3-2.4x under a backlog (bench/README.md).
@@ -327,7 +331,8 @@ class Worker:
                     priority=LANE_PRIORITY[delivered.lane],
                     payload=Delivery(job_id=entry.job_id, lane=delivered.lane, input=claim.input,
                                      attempts=claim.attempts, shadow=entry.shadow, shadow_of=entry.shadow_of,
-                                     arrived_at=now, request_id=entry.request_id),
+                                     arrived_at=now, request_id=entry.request_id, input_ref=claim.input_ref,
+                                     output_ref=claim.output_ref),
                 )
                 self.batcher.add(item)
                 self._held[item.id] = delivered.lane
@@ -364,7 +369,8 @@ class Worker:
                 started = self.clock()
                 try:
                     outcomes, model_s = await asyncio.wait_for(
-                        asyncio.to_thread(run_isolating, self.handler, inputs), timeout=self.batch_timeout_s)
+                        asyncio.to_thread(self.references.run, self.handler, batch.items),
+                        timeout=self.batch_timeout_s)
                 except TimeoutError:
                     # A thread cannot be stopped: fail this batch's jobs, then the worker, so a fresh
                     # process takes the rest instead of queueing behind a model that never answers.
@@ -401,7 +407,8 @@ class Worker:
         """A batch as the forward passes its handler plans, each stored as soon as it is done (a
         short job does not wait for the long ones that shared its batch), the pass holding the
         oldest job first: the tail is made of the jobs that have waited longest."""
-        if self.handler.length_buckets or len(batch.items) == 1:
+        if self.handler.length_buckets or len(batch.items) == 1 or any(
+                item.payload.input_ref is not None for item in batch.items):
             return [batch]
         try:
             plan = self.handler.passes([item.payload.input for item in batch.items])

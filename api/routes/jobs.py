@@ -12,12 +12,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
+from anyio import to_thread
 from fastapi import APIRouter, Header, Query
 from fastapi.responses import StreamingResponse
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, model_validator
 
 from api.deps import AppState, CurrentKey, StateDep, checked_callback
 from api.event_hub import FinalWatch
+from api.field_types import FileUri
 from api.json_response import JsonResponse
 from api.middleware import StrictJsonRoute
 from api.response_models import BulkAccepted, ErrorResource, JobResource
@@ -35,6 +37,7 @@ from sluice.kinds import SCHEMA_KINDS, ModelKind, validate_input
 from sluice.logs import current_request_id
 from sluice.metrics import CACHE_LOOKUPS, JOBS_FINISHED, JOBS_REJECTED, JOBS_SUBMITTED
 from sluice.queue_standing import Standing
+from sluice.references import SHA256_PATTERN, InputRef, OutputRef, check_input, check_output, cost_hint
 from sluice.registry.tenants import KeyInfo
 from sluice.routing import VersionInfo, hash_unit, route, shadow_target
 from sluice.vocabulary import Lane
@@ -57,6 +60,11 @@ _SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorResource, "description": "Unknown model or version; `job_expired` when an "
                                                  "Idempotency-Key replay's jobs have expired"},
     409: {"model": ErrorResource, "description": "Retired version, or Idempotency-Key reused or in flight"},
+    413: {"model": ErrorResource, "description": "Too many inputs, or an object at `input_uri` over "
+                                                 "SLUICE_MAX_OBJECT_BYTES"},
+    422: {"model": ErrorResource, "description": "An input the model kind refuses, or an `input_uri` or "
+                                                 "`output_uri` that names no object the key may use (one answer "
+                                                 "for missing and forbidden alike)"},
     429: {"model": ErrorResource, "description": "Rate limit, quota, `stored_jobs_limit` (too many stored jobs "
                                                  "answered from the response cache) or load shedding, with "
                                                  "`Retry-After`; load shedding of the online lane says "
@@ -81,18 +89,84 @@ class _JobOptions(BaseModel):
     metadata: dict[str, MetadataValue] | None = Field(default=None, max_length=32)
 
 
-class SubmitJob(_JobOptions):
-    input: Any = Field(description="The model kind's input, e.g. {\"text\": \"...\"}")
+_INPUT = "The model kind's input, e.g. {\"text\": \"...\"}; give it or `input_uri`"
+_INPUT_URI = ("Instead of `input`: an object holding the input (JSON), named by its path relative to the "
+              "tenant's folder under SLUICE_BATCH_ROOT or a file:// URI inside it. The API checks that it "
+              "exists and is within SLUICE_MAX_OBJECT_BYTES; the worker reads it when the job runs. A reference "
+              "the key may not read gets the answer a missing object gets")
+_SHA256 = ("With `input_uri`: the object's sha256 (hex); the worker verifies it before running, and a mismatch "
+           "fails the job (`input_checksum_mismatch`)")
+_OUTPUT_URI = ("Where the worker writes the job's output (JSON) instead of keeping it in the job: a path in the "
+               "tenant's folder, as `input_uri`; the job then shows `output_uri`, `output_size` and "
+               "`output_sha256` instead of `output`")
+
+
+class _Payload(BaseModel):
+    """One job's input, inline or by reference, and where its output goes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: Any = Field(default=None, description=_INPUT)
+    input_uri: FileUri | None = Field(default=None, description=_INPUT_URI)
+    sha256: str | None = Field(default=None, pattern=SHA256_PATTERN, description=_SHA256)
+    output_uri: FileUri | None = Field(default=None, description=_OUTPUT_URI)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> _Payload:
+        # `"input": null` counts as given: it is refused as an input, not taken for a missing one.
+        if ("input" in self.model_fields_set) == (self.input_uri is not None):
+            raise ValueError("give exactly one of 'input' and 'input_uri'")
+        if self.sha256 is not None and self.input_uri is None:
+            raise ValueError("'sha256' is the checksum of the object at 'input_uri'; give it only with input_uri")
+        return self
+
+
+class SubmitJob(_JobOptions, _Payload):
     lane: Lane = Field(default="online", description=_LANES)
+
+    def payloads(self) -> list[_Payload]:
+        return [self]
+
+
+class BulkJob(_Payload):
+    """One job of a bulk submission, when it gives more than its input."""
 
 
 class SubmitBulk(_JobOptions):
-    inputs: list[Any] = Field(min_length=1)
+    inputs: list[Any] | None = Field(default=None, min_length=1, description="The jobs' inputs, one job each")
+    jobs: list[BulkJob] | None = Field(default=None, min_length=1,
+                                       description="Instead of `inputs`: one object per job, each with its "
+                                                   "`input` or `input_uri` (and `sha256`), and `output_uri`")
     lane: Lane = Field(default="bulk", description=_LANES)
+
+    @model_validator(mode="after")
+    def _one_list(self) -> SubmitBulk:
+        if (self.inputs is None) == (self.jobs is None):
+            raise ValueError("give exactly one of 'inputs' and 'jobs'")
+        return self
+
+    def payloads(self) -> list[_Payload]:
+        if self.jobs is not None:
+            return list(self.jobs)
+        # Not validated again, one model per input: a bulk submission's CPU is the API's hot path.
+        return [_Payload.model_construct(input=item) for item in self.inputs or []]
+
+
+@dataclass(frozen=True, slots=True)
+class _Refs:
+    input: InputRef | None = None
+    output: OutputRef | None = None
+
+
+# Fields left out of the request's hash while unset, so an Idempotency-Key's hash from before they
+# existed still matches the same request.
+_REFERENCE_FIELDS = frozenset({"input_uri", "sha256", "output_uri", "jobs"})
 
 
 def _request_hash(model: str, body: BaseModel) -> str:
-    canonical = json.dumps([model, body.model_dump(mode="json")], sort_keys=True, separators=(",", ":"))
+    unset = {name for name in _REFERENCE_FIELDS & set(type(body).model_fields) if getattr(body, name) is None}
+    canonical = json.dumps([model, body.model_dump(mode="json", exclude=unset)], sort_keys=True,
+                           separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -114,7 +188,7 @@ class _Submitted:
 
 
 async def _admit(
-    state: AppState, key: KeyInfo, model: str, options: SubmitJob | SubmitBulk, inputs: list[Any],
+    state: AppState, key: KeyInfo, model: str, options: SubmitJob | SubmitBulk, inputs: list[_Payload],
     idempotency_key: str | None, *, watch: bool = False,
 ) -> _Submitted:
     """The jobs of this submission, whether they were made by an earlier identical one, and with
@@ -144,14 +218,15 @@ async def _replayed(state: AppState, job_ids: list[str]) -> list[JobRecord]:
 
 
 async def _queue(
-    state: AppState, key: KeyInfo, model: str, options: SubmitJob | SubmitBulk, inputs: list[Any],
+    state: AppState, key: KeyInfo, model: str, options: SubmitJob | SubmitBulk, inputs: list[_Payload],
     claim: IdempotencyClaim | None, *, watch: bool,
 ) -> _Submitted:
     snapshot = state.routing.current()
     info = snapshot.model(model)
     kind = ModelKind(info.kind)
+    refs = await _references(state, key, model, inputs)
     # A kind that fixes its schema is checked before routing; a declared schema is the routed version's.
-    validated = [] if kind in SCHEMA_KINDS else _validated(state, model, kind, options, inputs, schema=None)
+    validated = [] if kind in SCHEMA_KINDS else _validated(state, model, kind, options, inputs, refs, schema=None)
     try:
         callback_url = checked_callback(state, options.callback_url)
     except InvalidInput:
@@ -168,24 +243,25 @@ async def _queue(
         raise NotServed(f"{model}/{version.version} cannot be served now: {unserved}",
                         headers={"Retry-After": "30"})
     if kind in SCHEMA_KINDS:
-        validated = _validated(state, model, kind, options, inputs, schema=version.input_schema)
+        validated = _validated(state, model, kind, options, inputs, refs, schema=version.input_schema)
     # No await since `blocked`: a half-open version this job was routed to still has its slot free.
     probe = state.breakers.take_probe(model, version.version)
     now = time.time()
     request_id = current_request_id()
     armed: FinalWatch | None = None
     records = []
-    for canonical, cost in validated:
+    for (canonical, cost), ref in zip(validated, refs, strict=True):
         job_id = keys.new_job_id(model, version.version)
+        # No shadow copy of a job by reference: the copy runs as nobody's, and the object is the tenant's.
+        shadow = None if ref.input or ref.output else shadow_target(snapshot, model=model, primary=version,
+                                                                      point=hash_unit(model, job_id))
         records.append(JobRecord(
             id=job_id, tenant=key.tenant, model=model, version=version.version,
             lane=options.lane, status=JobStatus.queued, input=canonical, cost=cost, enqueued_at=now,
             callback_url=callback_url,
             deadline=now + options.timeout_s if options.timeout_s else None,
             metadata=dict(options.metadata or {}),
-            shadow=_served(state, model, shadow_target(snapshot, model=model, primary=version,
-                                                      point=hash_unit(model, job_id))),
-            request_id=request_id,
+            shadow=_served(state, model, shadow), request_id=request_id, input_ref=ref.input, output_ref=ref.output,
         ))
     try:
         if version.cache_ttl_s > 0:
@@ -217,35 +293,68 @@ def _served(state: AppState, model: str, shadow: str | None) -> str | None:
     return None if shadow is not None and state.placement.not_served(model, shadow) else shadow
 
 
-def _validated(state: AppState, model: str, kind: ModelKind, options: SubmitJob | SubmitBulk, inputs: list[Any],
-               *, schema: str | None) -> list[tuple[dict[str, Any], int]]:
-    validated = []
-    for index, payload in enumerate(inputs):
+async def _references(state: AppState, key: KeyInfo, model: str, inputs: list[_Payload]) -> list[_Refs]:
+    """Each job's references, checked (on a thread: the checks touch the file system)."""
+    if all(item.input_uri is None and item.output_uri is None for item in inputs):
+        return [_Refs()] * len(inputs)
+    settings = state.settings
+
+    def check() -> list[_Refs]:
+        return [_Refs(
+            input=None if item.input_uri is None else check_input(
+                item.input_uri, item.sha256, root=settings.batch_root, tenant=key.tenant, admin=key.is_admin,
+                max_bytes=settings.max_object_bytes),
+            output=None if item.output_uri is None else check_output(
+                item.output_uri, root=settings.batch_root, tenant=key.tenant, admin=key.is_admin),
+        ) for item in inputs]
+
+    try:
+        return await to_thread.run_sync(check)
+    except (InvalidInput, PayloadTooLarge) as exc:
+        JOBS_REJECTED.labels(model, exc.code).inc()
+        raise
+
+
+def _validated(state: AppState, model: str, kind: ModelKind, options: SubmitJob | SubmitBulk,
+               inputs: list[_Payload], refs: list[_Refs], *, schema: str | None) -> list[tuple[dict[str, Any], int]]:
+    """Each job's canonical input and cost hint; a job by reference has none until its worker reads it."""
+    validated: list[tuple[dict[str, Any], int]] = []
+    for index, (payload, ref) in enumerate(zip(inputs, refs, strict=True)):
+        if ref.input is not None:
+            validated.append(({}, cost_hint(ref.input)))
+            continue
         try:
-            validated.append(validate_input(kind, payload, max_text_chars=state.settings.max_text_chars,
+            validated.append(validate_input(kind, payload.input, max_text_chars=state.settings.max_text_chars,
                                             schema=schema))
         except InvalidInput as exc:
             JOBS_REJECTED.labels(model, exc.code).inc()
-            where = f"inputs[{index}]" if len(inputs) > 1 or isinstance(options, SubmitBulk) else "input"
+            where = "input"
+            if isinstance(options, SubmitBulk):
+                where = f"jobs[{index}].input" if options.jobs is not None else f"inputs[{index}]"
             raise InvalidInput(exc.message.replace("input", where, 1)) from None
     return validated
 
 
 async def _answer_cached(state: AppState, version: VersionInfo, records: list[JobRecord]) -> list[JobRecord]:
     """The jobs with those the version's response cache answers made final (`cache_hit`); the
-    others carry their cache key, for the worker to store their output under."""
+    others carry their cache key, for the worker to store their output under. A job by reference
+    bypasses the cache: its input is not known here, and its output goes to its own object."""
+    cacheable = [record for record in records if record.input_ref is None and record.output_ref is None]
+    if not cacheable:
+        return records
     names = response_cache.cache_keys(version.model, version.version, records[0].tenant,
-                                      [record.input for record in records])
+                                      [record.input for record in cacheable])
     found = await response_cache.lookup(state.broker.redis, names)
     hits = sum(1 for output in found if output is not None)
     CACHE_LOOKUPS.labels(version.model, version.version, "hit").inc(hits)
     CACHE_LOOKUPS.labels(version.model, version.version, "miss").inc(len(found) - hits)
     at = time.time()
-    return [
-        response_cache.answered(record, output, at=at) if output is not None
+    answered = {
+        record.id: response_cache.answered(record, output, at=at) if output is not None
         else replace(record, cache_key=name, cache_ttl_s=version.cache_ttl_s)
-        for record, name, output in zip(records, names, found, strict=True)
-    ]
+        for record, name, output in zip(cacheable, names, found, strict=True)
+    }
+    return [answered.get(record.id, record) for record in records]
 
 
 _SUBMIT_WAIT = (
@@ -264,7 +373,7 @@ async def submit_job(
 ) -> JsonResponse:
     wait_s = min(wait, state.settings.max_wait_s)
     waits = wait_s > 0 and not state.draining.is_set()
-    submitted = await _admit(state, key, model, body, [body.input], idempotency_key, watch=waits)
+    submitted = await _admit(state, key, model, body, body.payloads(), idempotency_key, watch=waits)
     record = submitted.records[0]
     headers = {"Location": f"/v1/jobs/{record.id}"}
     if submitted.replayed:
@@ -283,9 +392,10 @@ async def submit_bulk(
     model: str, body: SubmitBulk, key: CurrentKey, state: StateDep,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
 ) -> JsonResponse:
-    if len(body.inputs) > state.settings.max_bulk_items:
-        raise PayloadTooLarge(f"{len(body.inputs)} inputs; at most {state.settings.max_bulk_items} per request")
-    submitted = await _admit(state, key, model, body, body.inputs, idempotency_key)
+    payloads = body.payloads()
+    if len(payloads) > state.settings.max_bulk_items:
+        raise PayloadTooLarge(f"{len(payloads)} inputs; at most {state.settings.max_bulk_items} per request")
+    submitted = await _admit(state, key, model, body, payloads, idempotency_key)
     records = submitted.records
     accepted = {"ids": [r.id for r in records], "model": model, "version": records[0].version if records else "",
                 "count": len(records)}

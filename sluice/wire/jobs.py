@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from sluice.queue_standing import Standing
+from sluice.references import INPUT_REF_FIELD, OUTPUT_REF_FIELD, WRITTEN_FIELD, InputRef, OutputRef, Written
 
 
 class JobStatus(StrEnum):
@@ -96,6 +97,11 @@ class JobRecord:
     # The job's number in its lane, written by the queue script (`sluice.wire.keys.queue_added`):
     # how far it stands from the front is this less the highest number a worker has read.
     seq: int | None = None
+    # Payloads by reference (sluice/references.py): the object the worker reads as the input (then
+    # `input` is empty), where it writes the output (then `output` stays empty), and what it wrote.
+    input_ref: InputRef | None = None
+    output_ref: OutputRef | None = None
+    written: Written | None = None
 
     def to_redis(self) -> dict[str, str]:
         """Fields as written at submission; later fields are set by the transition scripts (a job
@@ -133,6 +139,12 @@ class JobRecord:
             fields["cache_ttl_s"] = str(self.cache_ttl_s)
         if self.request_id:
             fields["request_id"] = self.request_id
+        if self.input_ref is not None:
+            fields[INPUT_REF_FIELD] = self.input_ref.encode()
+        if self.output_ref is not None:
+            fields[OUTPUT_REF_FIELD] = self.output_ref.encode()
+        if self.written is not None:
+            fields[WRITTEN_FIELD] = self.written.encode()
         return fields
 
     @classmethod
@@ -176,6 +188,9 @@ class JobRecord:
             cache_ttl_s=int(data.get("cache_ttl_s") or 0),
             request_id=data.get("request_id") or None,
             seq=int(data["seq"]) if data.get("seq") else None,
+            input_ref=InputRef.parse(data.get(INPUT_REF_FIELD)),
+            output_ref=OutputRef.parse(data.get(OUTPUT_REF_FIELD)),
+            written=Written.parse(data.get(WRITTEN_FIELD)),
         )
 
     @property
@@ -208,6 +223,14 @@ class JobRecord:
             },
             "batch": {"size": self.batch_size, "close_reason": self.close_reason},
         }
+        # Before the copied fields, in the order JobView.body() adds them after these.
+        if self.input_ref is not None:
+            body["input_uri"] = self.input_ref.uri
+        if self.output_ref is not None:
+            body["output_uri"] = self.output_ref.uri
+        if self.written is not None:
+            body["output_size"] = self.written.size
+            body["output_sha256"] = self.written.sha256
         if self.output is not None:
             body["output"] = self.output
         if self.error is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.redact import scrub
+from sluice.references import InputRef, OutputRef
 from sluice.vocabulary import LANES, ClaimVerdict, Lane
 from sluice.wire import keys, samples
 from sluice.wire.entries import Delivered, StreamEntry
@@ -22,13 +23,16 @@ DEAD_LETTER_MAXLEN = 100_000
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """The claim script's verdict on one entry: `run` (with the job's input and attempt number),
-    `expired`, `dead` (with the last error), `missing`, or the final state the job already has."""
+    """The claim script's verdict on one entry: `run` (with the job's input, attempt number and
+    references), `expired`, `dead` (with the last error), `missing`, or the final state the job
+    already has."""
 
     verdict: str
     input: dict[str, Any] = field(default_factory=dict)
     attempts: int = 0
     last_error: str = ""
+    input_ref: InputRef | None = None
+    output_ref: OutputRef | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,7 @@ class Finished:
     sample: samples.Sample
     announce: bool = True  # publish the final state (a shadow copy's is nobody's to wait for)
     copy: JobRecord | None = None  # a shadow copy, queued (`queue_copies`) only if this write wins
+    written: str = ""  # the facts of an output written to the job's output_uri (sluice.references.Written)
 
 
 def _flat(fields: Mapping[str, str]) -> list[str]:
@@ -113,7 +118,9 @@ def parse_claims(reply: list[Any]) -> list[Claim]:
     for verdict, *rest in reply:
         name = verdict.decode()
         if name == ClaimVerdict.run:
-            claims.append(Claim(name, input=json.loads(rest[0]), attempts=int(rest[1])))
+            refs = [value or b"" for value in rest[2:4]] + [b"", b""]
+            claims.append(Claim(name, input=json.loads(rest[0]), attempts=int(rest[1]),
+                                input_ref=InputRef.parse(refs[0]), output_ref=OutputRef.parse(refs[1])))
         elif name == ClaimVerdict.dead:
             claims.append(Claim(name, last_error=rest[0].decode() if rest else ""))
         else:
@@ -134,7 +141,7 @@ def finish_call(model: str, version: str, jobs: Sequence[Finished], *, faults: S
     for job in jobs:
         script_keys.append(keys.job(job.job_id))
         args += [job.job_id, _lane_number(job.lane), job.entry_id, job.status, job.output, job.error,
-                 "1" if job.announce else "", *_flat(job.sample.to_fields())]
+                 "1" if job.announce else "", job.written, *_flat(job.sample.to_fields())]
     for job_id, message in faults:
         script_keys.append(keys.job(job_id))
         args.append(scrub(message)[:500])

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from sluice.references import INPUT_REF_FIELD, OUTPUT_REF_FIELD, WRITTEN_FIELD
 from sluice.wire import events, scripts
 from sluice.wire.outbox import OutboxEntry
 
@@ -89,6 +90,8 @@ def test_the_lua_twins_spell_what_the_python_codecs_read() -> None:
     assert f"cjson.encode({{type='{job_type}', id=id, status=status}})" in scripts.load("lib/job_changed.lua")
     delivery_field, job_field = OutboxEntry(delivery_id="dlv_x", job_id="job_x").to_fields()
     assert f"'{delivery_field}', delivery, '{job_field}', id" in scripts.load("lib/queue_webhook.lua")
+    assert f"'HMGET', job, '{INPUT_REF_FIELD}', '{OUTPUT_REF_FIELD}')" in scripts.load("claim.lua")
+    assert f"'HSET', job, '{WRITTEN_FIELD}', written)" in scripts.load("finish.lua")
 
 
 def test_a_missing_include_or_one_that_includes_itself_is_refused(tmp_path: Path,

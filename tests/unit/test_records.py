@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from sluice.references import InputRef, OutputRef, Written
 from sluice.wire import events
 from sluice.wire.entries import DeadLetter, StreamEntry
 from sluice.wire.heartbeats import LIVE_WITHIN_S, Heartbeat, WorkerState, live_since
@@ -114,7 +115,10 @@ def _submitted(**changes: Any) -> JobRecord:
                shadow="v2", cost=512),
     # A request body may carry integers of up to 4300 digits.
     _submitted(metadata={"n": 10**40}),
-], ids=["plain", "unicode", "every-field", "big-integer"])
+    _submitted(input={}, input_ref=InputRef(uri="in/a.json", path="/r/tenants/acme/in/a.json", size=12,
+                                            sha256="a" * 64),
+               output_ref=OutputRef(uri="file:///r/tenants/acme/out/a.json", path="/r/tenants/acme/out/a.json")),
+], ids=["plain", "unicode", "every-field", "big-integer", "by-reference"])
 def test_a_job_record_round_trips_as_submitted(record: JobRecord) -> None:
     assert JobRecord.from_redis(_as_redis(record.to_redis())) == record
 
@@ -142,7 +146,19 @@ VIEWED = {
     "label-named-NaN": _finished(_submitted(), status="succeeded", output='{"label":"NaN","scores":{"NaN":1.0}}'),
     "failed": _finished(_submitted(metadata={"k": "v"}), status="failed",
                         error='{"code":"inference_error","message":"boom"}'),
+    "written": _finished(_submitted(input={}, input_ref=InputRef(uri="in/a.json", path="/p", size=3),
+                                    output_ref=OutputRef(uri="out/a.json", path="/q"),
+                                    written=Written(size=14, sha256="b" * 64), metadata={"k": "v"}),
+                         status="succeeded"),
 }
+
+
+def test_a_job_by_reference_shows_its_uris_and_written_output_never_its_paths() -> None:
+    resource = JobView.from_redis(VIEWED["written"]).body()
+    body = json.loads(resource)
+    assert (body["input_uri"], body["output_uri"], body["output_size"], body["output_sha256"]) == (
+        "in/a.json", "out/a.json", 14, "b" * 64)
+    assert "output" not in body and b'"/p"' not in resource and b'"/q"' not in resource
 
 
 @pytest.mark.parametrize("raw", VIEWED.values(), ids=VIEWED.keys())

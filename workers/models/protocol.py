@@ -46,6 +46,9 @@ class ModelHandler(Protocol):
     # The precision the handler chose at load (fp32, int8, bf16) and why, exported as a metric and
     # in the heartbeat; None where the kind has no choice to make.
     precision: PrecisionChoice | None = None
+    # True when the handler reads a job's referenced object itself (a handler class whose `Input`
+    # is sluice.handler.InputFile): the worker hands it the verified object's path, not its bytes.
+    takes_files: bool = False
 
     def cost_of(self, item: Mapping[str, Any]) -> int | None:
         """The handler's own cost of one input, in the units the batcher packs by (tokens for the

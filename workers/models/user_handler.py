@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 
 from sluice.errors import ArtifactError, InferenceError, ModelError
-from sluice.handler import Handler, Quality, import_handler, schemas_of
+from sluice.handler import Handler, InputFile, Quality, import_handler, schemas_of
 from sluice.kinds import ModelKind
 from workers.models.protocol import ModelHandler
 
@@ -53,6 +53,7 @@ class UserHandler(ModelHandler):
         self.handler = handler
         self._input = type(handler).Input
         self._output = type(handler).Output
+        self.takes_files = issubclass(self._input, InputFile)
 
     @staticmethod
     def passes(inputs: Sequence[Mapping[str, Any]]) -> list[list[int]]:

@@ -110,6 +110,16 @@ def _retry_wait(error: ClientError, attempt: int, *, retries: int, cap_s: float)
     return min(cap_s, error.retry_after_s if error.retry_after_s is not None else backoff)
 
 
+def _job_body(input: dict[str, Any] | None, options: dict[str, Any]) -> dict[str, Any]:
+    """A job's body: its `input`, or (None) the `input_uri` (and `sha256`, `output_uri`) in the options."""
+    return dict(options) if input is None else {"input": input, **options}
+
+
+def _bulk_body(inputs: list[dict[str, Any]] | None, options: dict[str, Any]) -> dict[str, Any]:
+    """A bulk body: `inputs`, or (None) `jobs=[{"input_uri": ...}, ...]` in the options."""
+    return dict(options) if inputs is None else {"inputs": inputs, **options}
+
+
 def _job_params(wait_s: float) -> dict[str, float] | None:
     return {"wait": wait_s} if wait_s else None
 
@@ -199,27 +209,27 @@ class SluiceClient(AdminCalls, BatchCalls):
             time.sleep(wait)
             attempt += 1
 
-    def submit(self, model: str, input: dict[str, Any], *, idempotency_key: str | None = None,
+    def submit(self, model: str, input: dict[str, Any] | None = None, *, idempotency_key: str | None = None,
                **options: Any) -> dict[str, Any]:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return dict(self._call("POST", f"/v1/models/{model}/jobs", json={"input": input, **options},
+        return dict(self._call("POST", f"/v1/models/{model}/jobs", json=_job_body(input, options),
                                headers=headers))
 
-    def run(self, model: str, input: dict[str, Any], *, timeout_s: float = 60.0, idempotency_key: str | None = None,
-            **options: Any) -> dict[str, Any]:
+    def run(self, model: str, input: dict[str, Any] | None = None, *, timeout_s: float = 60.0,
+            idempotency_key: str | None = None, **options: Any) -> dict[str, Any]:
         """Submit one job and answer it final (one request when it finishes within the server's
         wait), or as it is once `timeout_s` has passed."""
         deadline = time.monotonic() + timeout_s
         wait_s = min(POLL_S, timeout_s)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        job = dict(self._call("POST", f"/v1/models/{model}/jobs", json={"input": input, **options},
+        job = dict(self._call("POST", f"/v1/models/{model}/jobs", json=_job_body(input, options),
                               headers=headers, params=_job_params(wait_s), timeout=self._timeout_s + wait_s))
         if job["status"] in FINAL:
             return job
         return self.wait(job["id"], timeout_s=max(0.0, deadline - time.monotonic()))
 
-    def submit_bulk(self, model: str, inputs: list[dict[str, Any]], **options: Any) -> list[str]:
-        body = self._call("POST", f"/v1/models/{model}/jobs:bulk", json={"inputs": inputs, **options})
+    def submit_bulk(self, model: str, inputs: list[dict[str, Any]] | None = None, **options: Any) -> list[str]:
+        body = self._call("POST", f"/v1/models/{model}/jobs:bulk", json=_bulk_body(inputs, options))
         return list(body["ids"])
 
     def job(self, job_id: str, *, wait_s: float = 0) -> dict[str, Any]:
@@ -309,20 +319,20 @@ class AsyncClient(AsyncAdminCalls, AsyncBatchCalls):
             await asyncio.sleep(wait)
             attempt += 1
 
-    async def submit(self, model: str, input: dict[str, Any], *, idempotency_key: str | None = None,
+    async def submit(self, model: str, input: dict[str, Any] | None = None, *, idempotency_key: str | None = None,
                      **options: Any) -> dict[str, Any]:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return dict(await self._call("POST", f"/v1/models/{model}/jobs", json={"input": input, **options},
+        return dict(await self._call("POST", f"/v1/models/{model}/jobs", json=_job_body(input, options),
                                      headers=headers))
 
-    async def run(self, model: str, input: dict[str, Any], *, timeout_s: float = 60.0,
+    async def run(self, model: str, input: dict[str, Any] | None = None, *, timeout_s: float = 60.0,
                   idempotency_key: str | None = None, **options: Any) -> dict[str, Any]:
         """Submit one job and answer it final: one request when it finishes within the server's
         wait, then long-polls; WaitTimeout if it is not final within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         wait_s = min(POLL_S, timeout_s)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        job = dict(await self._call("POST", f"/v1/models/{model}/jobs", json={"input": input, **options},
+        job = dict(await self._call("POST", f"/v1/models/{model}/jobs", json=_job_body(input, options),
                                     headers=headers, params=_job_params(wait_s), wait_s=wait_s))
         if job["status"] in FINAL:
             return job
@@ -331,8 +341,8 @@ class AsyncClient(AsyncAdminCalls, AsyncBatchCalls):
             raise WaitTimeout([job["id"]], timeout_s)
         return await self.wait(job["id"], timeout_s=remaining)
 
-    async def submit_bulk(self, model: str, inputs: list[dict[str, Any]], **options: Any) -> list[str]:
-        body = await self._call("POST", f"/v1/models/{model}/jobs:bulk", json={"inputs": inputs, **options})
+    async def submit_bulk(self, model: str, inputs: list[dict[str, Any]] | None = None, **options: Any) -> list[str]:
+        body = await self._call("POST", f"/v1/models/{model}/jobs:bulk", json=_bulk_body(inputs, options))
         return list(body["ids"])
 
     async def job(self, job_id: str, *, wait_s: float = 0) -> dict[str, Any]:

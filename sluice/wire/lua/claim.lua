@@ -17,7 +17,8 @@
 -- ARGV[6]: the dead letters' cap (MAXLEN ~)
 -- ARGV[7..]: per entry, three values: its lane (1 online, 2 bulk), entry id, job id
 --
--- Returns: per entry, {'run', input, attempts} for a job now running; {state} for a job already
+-- Returns: per entry, {'run', input, attempts, input_ref or '', output_ref or ''} for a job now
+-- running (the references: sluice/references.py); {state} for a job already
 -- final; {'missing'} for a vanished one; {'expired'} for one past its deadline; {'dead', last
 -- error} for one delivered max_deliveries times.
 --
@@ -51,7 +52,8 @@ local function claim(job)
   end
   redis.call('HSET', job, 'status', 'running', 'worker', worker)
   redis.call('HINCRBY', job, 'attempts', 1)
-  return {'run', redis.call('HGET', job, 'input'), tostring(attempts + 1)}
+  local refs = redis.call('HMGET', job, 'input_ref', 'output_ref')
+  return {'run', redis.call('HGET', job, 'input'), tostring(attempts + 1), refs[1] or '', refs[2] or ''}
 end
 local replies, settled = {}, {{}, {}}
 for e = 1, #KEYS - 4 do
