@@ -20,11 +20,13 @@ from pydantic.json_schema import SkipJsonSchema
 
 from sluice.kinds import ModelKind
 from sluice.registry.tables import ROLLOUT_ACTIONS
+from sluice.retry import RetryOn
 from sluice.versions import Tier, VersionState
 from sluice.vocabulary import CLOSE_REASONS, BatchState, Lane, RolloutState
 from sluice.wire.jobs import JobStatus
 
 __all__ = [
+    "AttemptError",
     "AuditResource",
     "BatchFacts",
     "BatchList",
@@ -37,6 +39,7 @@ __all__ = [
     "ModelList",
     "ModelResource",
     "QueueResource",
+    "RetryResource",
     "RolloutDecisionResource",
     "RolloutResource",
     "RoutingChange",
@@ -81,8 +84,23 @@ class JobError(BaseModel):
     message: str
 
 
+class RetryResource(BaseModel):
+    max_attempts: int = Field(description="Starts in all, the first included")
+    on: list[RetryOn] = Field(description="The failures that re-queue the job while attempts are left")
+
+
+class AttemptError(BaseModel):
+    """How one earlier attempt of the job ended: it was re-queued after it (or its run ended without an
+    outcome, code `worker_error`)."""
+
+    attempt: int = Field(description="Which start this was, from 1")
+    error: JobError
+    at: str = Field(json_schema_extra=_ISO)
+
+
 class JobResource(BaseModel):
-    """The job resource. `output`, `error` and `metadata` are absent (not null) when there is none."""
+    """The job resource. `output`, `error`, `metadata`, `start_by`, `run_timeout_s`, `retry` and
+    `attempt_errors` are absent (not null) when there is none."""
 
     id: str
     status: JobStatus
@@ -90,12 +108,19 @@ class JobResource(BaseModel):
     version: str
     lane: Lane
     cache_hit: bool
-    attempts: int
+    attempts: int = Field(description="How many times the job was started")
     timings: Timings
     batch: BatchFacts
     output: dict[str, Any] | _Absent = None
     error: JobError | _Absent = None
     metadata: dict[str, str | int | float | bool | None] | _Absent = None
+    start_by: str | _Absent = Field(default=None, json_schema_extra=_ISO, description=(
+        "The instant by which the job must start, else `expired`: the earlier of its `start_by` and its "
+        "submission plus `timeout_s`"))
+    run_timeout_s: float | _Absent = Field(default=None, description="The longest a batch holding the job may run")
+    retry: RetryResource | _Absent = None
+    attempt_errors: list[AttemptError] | _Absent = Field(default=None, description=(
+        "The errors of the attempts before the last, oldest first; the last attempt's is `error`"))
 
 
 class JobSet(BaseModel):

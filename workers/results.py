@@ -22,6 +22,7 @@ import orjson
 from sluice.batcher import Batch, Item
 from sluice.metrics import SHADOW_COPIES
 from sluice.quality import agreement, proxies
+from sluice.retry import RetryPolicy
 from sluice.vocabulary import Lane
 from sluice.wire import keys
 from sluice.wire.connections import translate_redis_errors
@@ -45,6 +46,8 @@ class Delivery:
     # When this worker handed it to the batcher: a batch's fill time runs from its first arrival.
     arrived_at: float = 0.0
     request_id: str | None = None
+    run_timeout_s: float | None = None  # the job's own limit on its batch's run
+    retry: RetryPolicy | None = None
 
 
 def _json(value: dict[str, Any] | None) -> bytes:
@@ -85,6 +88,8 @@ class ResultWriter:
                   started: float, finished: float, model_ms: float, size: int, close_reason: str) -> Finished:
         delivery = item.payload
         status = JobStatus.succeeded if outcome.error is None else JobStatus.failed
+        retried = (outcome.error is not None and delivery.retry is not None
+                   and delivery.retry.requeues(error_code=outcome.error.get("code"), attempts=delivery.attempts))
         output = _json(outcome.output)
         quality: dict[str, Any] = {}
         if outcome.error is None:
@@ -102,7 +107,8 @@ class ResultWriter:
         copy = (self._shadow_copy(delivery, item.cost, finished)
                 if delivery.shadow and outcome.output is not None else None)
         # A shadow copy's state is nobody's to wait for: only primaries announce theirs.
-        return Finished(job_id=delivery.job_id, lane=delivery.lane, entry_id=item.id, status=status.value,
+        return Finished(job_id=delivery.job_id, lane=delivery.lane, entry_id=item.id,
+                        status=JobStatus.queued.value if retried else status.value,
                         output=output, error=_json(outcome.error), sample=sample,
                         announce=not delivery.shadow_of, copy=copy)
 

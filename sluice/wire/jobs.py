@@ -15,6 +15,8 @@ from typing import Any
 
 import orjson
 
+from sluice.retry import RetryPolicy
+
 
 class JobStatus(StrEnum):
     queued = "queued"
@@ -91,6 +93,12 @@ class JobRecord:
     cache_ttl_s: int = 0
     # The submitting request's id (sluice.logs): the worker's log lines about the job carry it.
     request_id: str | None = None
+    # The longest a batch holding this job may run (workers/worker.py), and its retry policy
+    # (`sluice.retry`, encoded); the errors of its earlier attempts, as the scripts append them:
+    # [{"error": {...}, "at": unix seconds}].
+    run_timeout_s: float | None = None
+    retry: str | None = None
+    attempt_errors: list[dict[str, Any]] = field(default_factory=list)
 
     def to_redis(self) -> dict[str, str]:
         """Fields as written at submission; later fields are set by the transition scripts (a job
@@ -128,6 +136,10 @@ class JobRecord:
             fields["cache_ttl_s"] = str(self.cache_ttl_s)
         if self.request_id:
             fields["request_id"] = self.request_id
+        if self.run_timeout_s is not None:
+            fields["run_timeout_s"] = repr(self.run_timeout_s)
+        if self.retry:
+            fields["retry"] = self.retry
         return fields
 
     @classmethod
@@ -170,6 +182,9 @@ class JobRecord:
             cache_key=data.get("cache_key") or None,
             cache_ttl_s=int(data.get("cache_ttl_s") or 0),
             request_id=data.get("request_id") or None,
+            run_timeout_s=num("run_timeout_s"),
+            retry=data.get("retry") or None,
+            attempt_errors=obj("attempt_errors") or [],
         )
 
     @property
@@ -202,6 +217,16 @@ class JobRecord:
             body["error"] = self.error
         if self.metadata:
             body["metadata"] = self.metadata
+        if self.deadline is not None:
+            body["start_by"] = _iso(self.deadline)
+        if self.run_timeout_s is not None:
+            body["run_timeout_s"] = self.run_timeout_s
+        policy = RetryPolicy.parse(self.retry)
+        if policy is not None:
+            body["retry"] = {"max_attempts": policy.max_attempts, "on": list(policy.on)}
+        if self.attempt_errors:
+            body["attempt_errors"] = [{"attempt": number, "error": each.get("error"), "at": _iso(each.get("at"))}
+                                      for number, each in enumerate(self.attempt_errors, start=1)]
         return body
 
 
