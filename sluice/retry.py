@@ -12,7 +12,7 @@ the job's own `run_timeout_s` (code `run_timeout`). An input the model refuses
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, cast, get_args
 
 RetryOn = Literal["worker_error", "timeout", "run_timeout"]
 RETRY_ON: tuple[RetryOn, ...] = get_args(RetryOn)
@@ -50,4 +50,4 @@ class RetryPolicy:
         if not text:
             return None
         count, _, words = text.partition(":")
-        return cls(max_attempts=int(count), on=tuple(w for w in words.split(",") if w))  # type: ignore[misc]
+        return cls(max_attempts=int(count), on=cast(tuple[RetryOn, ...], tuple(w for w in words.split(",") if w)))
