@@ -111,9 +111,6 @@ class JobResource(BaseModel):
     attempts: int = Field(description="How many times the job was started")
     timings: Timings
     batch: BatchFacts
-    output: dict[str, Any] | _Absent = None
-    error: JobError | _Absent = None
-    metadata: dict[str, str | int | float | bool | None] | _Absent = None
     start_by: str | _Absent = Field(default=None, json_schema_extra=_ISO, description=(
         "The instant by which the job must start, else `expired`: the earlier of its `start_by` and its "
         "submission plus `timeout_s`"))
@@ -121,6 +118,9 @@ class JobResource(BaseModel):
     retry: RetryResource | _Absent = None
     attempt_errors: list[AttemptError] | _Absent = Field(default=None, description=(
         "The errors of the attempts before the last, oldest first; the last attempt's is `error`"))
+    output: dict[str, Any] | _Absent = None
+    error: JobError | _Absent = None
+    metadata: dict[str, str | int | float | bool | None] | _Absent = None
 
 
 class JobSet(BaseModel):

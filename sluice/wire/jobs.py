@@ -211,12 +211,7 @@ class JobRecord:
             },
             "batch": {"size": self.batch_size, "close_reason": self.close_reason},
         }
-        if self.output is not None:
-            body["output"] = self.output
-        if self.error is not None:
-            body["error"] = self.error
-        if self.metadata:
-            body["metadata"] = self.metadata
+        # Before the fields `JobView` copies in at the end, so both build the keys in one order.
         if self.deadline is not None:
             body["start_by"] = _iso(self.deadline)
         if self.run_timeout_s is not None:
@@ -227,6 +222,12 @@ class JobRecord:
         if self.attempt_errors:
             body["attempt_errors"] = [{"attempt": number, "error": each.get("error"), "at": _iso(each.get("at"))}
                                       for number, each in enumerate(self.attempt_errors, start=1)]
+        if self.output is not None:
+            body["output"] = self.output
+        if self.error is not None:
+            body["error"] = self.error
+        if self.metadata:
+            body["metadata"] = self.metadata
         return body
 
 

@@ -33,6 +33,10 @@ def test_a_stream_entry_round_trips_and_carries_what_its_record_says(shadow: str
     assert StreamEntry.from_fields(_as_redis(entry.to_fields())) == entry
     assert (entry.job_id, entry.tenant, entry.cost, entry.enqueued_at) == ("job_x", "acme", 17, record.enqueued_at)
     assert (entry.shadow, entry.shadow_of) == (shadow, shadow_of)
+    assert (entry.run_timeout_s, entry.retry) == (None, None)
+    limited = StreamEntry.of(replace(record, run_timeout_s=1.5, retry="3:run_timeout"))
+    assert StreamEntry.from_fields(_as_redis(limited.to_fields())) == limited
+    assert (limited.run_timeout_s, limited.retry) == (1.5, "3:run_timeout")
     # The entry is for batching: the input never rides in the stream.
     assert "secret" not in str(entry.to_fields())
 
@@ -114,7 +118,8 @@ def _submitted(**changes: Any) -> JobRecord:
                shadow="v2", cost=512),
     # A request body may carry integers of up to 4300 digits.
     _submitted(metadata={"n": 10**40}),
-], ids=["plain", "unicode", "every-field", "big-integer"])
+    _submitted(deadline=1_700_000_002.0, run_timeout_s=0.5, retry="2:worker_error,run_timeout"),
+], ids=["plain", "unicode", "every-field", "big-integer", "limits"])
 def test_a_job_record_round_trips_as_submitted(record: JobRecord) -> None:
     assert JobRecord.from_redis(_as_redis(record.to_redis())) == record
 
@@ -142,6 +147,11 @@ VIEWED = {
     "label-named-NaN": _finished(_submitted(), status="succeeded", output='{"label":"NaN","scores":{"NaN":1.0}}'),
     "failed": _finished(_submitted(metadata={"k": "v"}), status="failed",
                         error='{"code":"inference_error","message":"boom"}'),
+    # As the scripts leave a job retried once: its first attempt's error noted (cjson's spelling).
+    "retried": _as_redis({**{k.decode(): v.decode() for k, v in _finished(
+        _submitted(deadline=1_700_000_060.5, run_timeout_s=0.5, retry="2:run_timeout", metadata={"k": "v"}),
+        status="failed", error='{"code":"run_timeout","message":"late again"}').items()},
+        "attempt_errors": '[{"error":{"code":"run_timeout","message":"late"},"at":1700000000.75}]'}),
 }
 
 
