@@ -143,9 +143,10 @@ def test_the_earlier_of_timeout_s_and_start_by_is_the_job_s_deadline(
     model = register_synthetic("earlier")
     now = time.time()
     east = timezone(timedelta(hours=2))
-    cases = [({"timeout_s": 60, "start_by": _iso(now + 3600)}, now + 60),
-             ({"timeout_s": 3600, "start_by": _iso(now + 30)}, now + 30),
-             ({"start_by": datetime.fromtimestamp(now + 90, tz=east).isoformat()}, now + 90)]
+    cases: list[tuple[dict[str, Any], float]] = [
+        ({"timeout_s": 60, "start_by": _iso(now + 3600)}, now + 60),
+        ({"timeout_s": 3600, "start_by": _iso(now + 30)}, now + 30),
+        ({"start_by": datetime.fromtimestamp(now + 90, tz=east).isoformat()}, now + 90)]
     for limits, expected in cases:
         response = demo.post(f"/v1/models/{model}/jobs", json={"input": {"text": "x"}, **limits})
         assert response.status_code == 202, response.text
