@@ -90,8 +90,8 @@ class RetryResource(BaseModel):
 
 
 class AttemptError(BaseModel):
-    """How one earlier attempt of the job ended: it was re-queued after it (or its run ended without an
-    outcome, code `worker_error`)."""
+    """How one attempt of the job ended without making it final: re-queued by its retry policy, or its
+    run lost to a worker error (code `worker_error`)."""
 
     attempt: int = Field(description="Which start this was, from 1")
     error: JobError
@@ -117,7 +117,8 @@ class JobResource(BaseModel):
     run_timeout_s: float | _Absent = Field(default=None, description="The longest a batch holding the job may run")
     retry: RetryResource | _Absent = None
     attempt_errors: list[AttemptError] | _Absent = Field(default=None, description=(
-        "The errors of the attempts before the last, oldest first; the last attempt's is `error`"))
+        "The errors of the attempts that did not make the job final, oldest first: each retried attempt, and "
+        "each run lost to a worker error (`worker_error`); a final attempt's error is `error`"))
     output: dict[str, Any] | _Absent = None
     error: JobError | _Absent = None
     metadata: dict[str, str | int | float | bool | None] | _Absent = None

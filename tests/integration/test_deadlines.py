@@ -10,12 +10,13 @@ sweeper thread, a real Celery worker process and an HTTP receiver on 127.0.0.1.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,12 @@ import redis
 
 from launch.seed import Seeded
 from scheduler.main import Scheduler, autoscaler
+from sluice.kinds import ModelKind
 from sluice.registry.store import Registry
 from sluice.settings import Settings
 from sluice.webhooks import verify
 from sluice.wire import keys
+from sluice.wire.connections import connect
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
 from sluice.wire.streams import queue_jobs
@@ -41,11 +44,14 @@ from tests.support import (
     celery_broker_env,
     celery_worker_process,
     claim_one,
+    drive,
     http_client,
     receiving,
     serving,
     wait_job,
 )
+from workers.models.protocol import ModelHandler
+from workers.worker import Worker
 
 pytestmark = pytest.mark.slow
 
@@ -245,6 +251,59 @@ def test_a_batch_past_a_job_s_run_timeout_fails_it_and_a_retry_runs_it_again(
     assert job["status"] == "succeeded" and job["attempts"] == 1 and "attempt_errors" not in job, job
     assert worker.proc.poll() is None, worker.log()
     assert "run_timeout_s of 0.5 s" in worker.log() and "Traceback" not in worker.log(), worker.log()
+
+
+MARK = "the marked input"
+
+
+class FaultingHandler(ModelHandler):
+    """Echoes its inputs, but a batch holding MARK raises what a broken device would: the
+    worker's failure (`worker_error`), not the input's."""
+
+    kind = ModelKind.synthetic
+    length_buckets = True
+
+    def warmup(self) -> None:
+        """Nothing to warm."""
+
+    @staticmethod
+    def passes(inputs: Sequence[Mapping[str, Any]]) -> list[list[int]]:
+        return [list(range(len(inputs)))]
+
+    def run(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        if any(item["text"] == MARK for item in inputs):
+            raise RuntimeError(f"device lost while running {MARK!r}")
+        return [{"echo": dict(item)} for item in inputs]
+
+
+async def _served_by_a_faulting_worker(redis_url: str, model: str, ids: list[str]) -> None:
+    """A worker in this process, over real Redis, whose reclaim comes after 0.3 s, until `ids` are final."""
+    client = connect(redis_url, max_connections=8)
+    try:
+        worker = Worker(redis=client, model=model, version="v1", handler=FaultingHandler(), max_batch_size=4,
+                        max_wait_ms=5, claim_after_s=0.3, max_deliveries=3, shutdown_grace_s=5)
+        await drive([worker], client, ids, timeout_s=30)
+    finally:
+        await client.aclose()
+
+
+def test_a_run_lost_to_a_worker_error_is_retried_as_the_job_s_policy_says(
+    demo: httpx.Client, register_synthetic: Callable[..., str], redis_url: str,
+) -> None:
+    model = register_synthetic("workererror")
+    policy = {"max_attempts": 2, "on": ["worker_error"]}
+    capped = demo.post(f"/v1/models/{model}/jobs", json={"input": {"text": MARK}, "retry": policy}).json()["id"]
+    plain = demo.post(f"/v1/models/{model}/jobs", json={"input": {"text": MARK}}).json()["id"]
+    asyncio.run(_served_by_a_faulting_worker(redis_url, model, [capped, plain]))
+    for job_id, starts in ((capped, 2), (plain, 3)):  # its policy's starts; else max_deliveries
+        job = demo.get(f"/v1/jobs/{job_id}").json()
+        assert job["status"] == "failed" and job["error"]["code"] == "max_deliveries", job
+        assert job["attempts"] == starts, job
+        noted = job["attempt_errors"]
+        assert [(each["attempt"], each["error"]["code"]) for each in noted] == [
+            (n, "worker_error") for n in range(1, starts + 1)], noted
+        assert "RuntimeError: device lost while running '[input]'" in noted[0]["error"]["message"], noted
+        assert MARK not in json.dumps(job["attempt_errors"])
 
 
 # --- the claim script's cap on starts ------------------------------------------------------------------
