@@ -157,9 +157,9 @@ def version_artifact(database_url: str, version: str) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def both_systems(pg_url: str, *, artifact: str | None = None) -> Iterator[Stack]:
+def both_systems(pg_url: str, *, artifact: str | None = None, max_wait_ms: float | None = None) -> Iterator[Stack]:
     """Sluice and the Celery peer with its handler, ready and warm; both run `artifact` (by default
-    the one the seed registers for the version)."""
+    the one the seed registers for the version), Sluice's version with `max_wait_ms` if given."""
     import redis
 
     from bench.platform import warm
@@ -171,6 +171,7 @@ def both_systems(pg_url: str, *, artifact: str | None = None) -> Iterator[Stack]
             redis_base=redis_base,
             redis_db=SLUICE_DB,
             seeded_artifacts={f"{MODEL}/{VERSION}": artifact} if artifact else {},
+            seeded_max_wait_ms={f"{MODEL}/{VERSION}": max_wait_ms} if max_wait_ms is not None else {},
         ) as platform,
     ):
         client = redis.Redis.from_url(redis_base)

@@ -56,12 +56,20 @@ def configure_torch(threads: int) -> None:
         pass
 
 
-def load_encoder(threads: int) -> Any:
+def load_encoder(threads: int, precision: str = "fp32") -> Any:
+    """The encoder the worker builds for `precision` (fp32, bf16 or int8), on the CPU."""
     configure_torch(threads)
     from sluice.artifacts import MINILM_URI, resolve_artifact
+    from workers.models.calibration import measure_pass_overhead, torch_dtype
     from workers.models.minilm import MiniLMEncoder
 
-    return MiniLMEncoder(model_dir=resolve_artifact(MINILM_URI), device="cpu")
+    encoder = MiniLMEncoder(model_dir=resolve_artifact(MINILM_URI), device="cpu", dtype=torch_dtype(precision),
+                            quantize="int8" if precision == "int8" else None)
+    # Planned as the worker plans them: with the pass cost measured on this host at this precision.
+    measured = measure_pass_overhead(encoder, rounds=5)
+    if measured is not None:
+        encoder.pass_overhead_tokens = measured
+    return encoder
 
 
 def warmup(encoder: Any) -> None:
@@ -162,10 +170,10 @@ def run_plans_isolated(texts: Sequence[str], plans: Sequence[str], *, threads: i
 # --- several processes at once (the fair baseline for a multi-worker platform) ------------------
 
 
-def _parallel_child(texts: Sequence[str], plan: str, threads: int, batch_size: int, barrier: Any,
-                    queue: Any) -> None:
+def _parallel_child(texts: Sequence[str], plan: str, threads: int, batch_size: int, precision: str,
+                    barrier: Any, queue: Any) -> None:
     try:
-        encoder = load_encoder(threads)
+        encoder = load_encoder(threads, precision)
         warmup(encoder)
         barrier.wait(timeout=300)
         started = time.time()
@@ -178,14 +186,15 @@ def _parallel_child(texts: Sequence[str], plan: str, threads: int, batch_size: i
         queue.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def run_parallel(texts: Sequence[str], plan: str, *, procs: int, threads: int, batch_size: int) -> dict[str, Any]:
+def run_parallel(texts: Sequence[str], plan: str, *, procs: int, threads: int, batch_size: int,
+                 precision: str = "fp32") -> dict[str, Any]:
     """`procs` processes of `threads` threads each, text i going to process i % procs, started
     together on a barrier. Answers the sum of their throughputs and the wall-clock aggregate."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     barrier = ctx.Barrier(procs)
     children = [ctx.Process(target=_parallel_child,
-                            args=(list(texts[i::procs]), plan, threads, batch_size, barrier, queue))
+                            args=(list(texts[i::procs]), plan, threads, batch_size, precision, barrier, queue))
                 for i in range(procs)]
     for child in children:
         child.start()
@@ -200,7 +209,7 @@ def run_parallel(texts: Sequence[str], plan: str, *, procs: int, threads: int, b
     elapsed = statistics.fmean(p["seconds"] for p in parts)
     foreign = max(0.0, busy - sum(p["own_cpu_s"] for p in parts)) / elapsed
     return {
-        "plan": plan, "procs": procs, "threads": threads, "texts": len(texts),
+        "plan": plan, "procs": procs, "threads": threads, "texts": len(texts), "precision": precision,
         "texts_per_s_sum": sum(p["texts_per_s"] for p in parts),
         "texts_per_s_wall": len(texts) / wall,
         "padding_ratio": [p["padding_ratio"] for p in parts], "foreign_cores": foreign,

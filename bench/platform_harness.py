@@ -44,6 +44,8 @@ class BenchPlatform:
     # Seeded versions to run with other load options over the same bytes (``?quantize=int8``),
     # keyed "model/version": the artifact is swapped before the API or any worker reads it.
     seeded_artifacts: Mapping[str, str] = field(default_factory=dict)
+    # Seeded versions' batching window (`max_wait_ms`), keyed likewise: a budget-tuned setting.
+    seeded_max_wait_ms: Mapping[str, float] = field(default_factory=dict)
     keep_home: bool = False
     home: Path = field(init=False)
     db_name: str = field(init=False, default="")
@@ -51,6 +53,7 @@ class BenchPlatform:
     redis_url: str = field(init=False, default="")
     api_port: int = field(init=False, default=0)
     demo_key: str = field(init=False, default="")
+    admin_key: str = field(init=False, default="")
     api: subprocess.Popen[bytes] | None = field(init=False, default=None)
     workers: dict[str, list[subprocess.Popen[bytes]]] = field(init=False, default_factory=dict)
     _db_created: bool = field(init=False, default=False)
@@ -116,7 +119,8 @@ class BenchPlatform:
         upgrade(self.database_url)
         registry = Registry(url=self.database_url, pool_size=1)
         try:
-            self.demo_key = seed(registry, home=self.home).demo_key
+            seeded = seed(registry, home=self.home)
+            self.demo_key, self.admin_key = seeded.demo_key, seeded.admin_key
             # Registered before the API starts, so its first routing snapshot already has them.
             with registry.session() as session:
                 for key, artifact in self.seeded_artifacts.items():
@@ -125,6 +129,8 @@ class BenchPlatform:
                     if artifact_sha256(resolve_artifact(artifact)) != row.sha256:
                         raise ValueError(f"{artifact!r} is not the bytes of {key} ({row.artifact!r})")
                     row.artifact = artifact
+                for key, max_wait_ms in self.seeded_max_wait_ms.items():
+                    catalog.get_version(session, *key.split("/", 1)).max_wait_ms = max_wait_ms
                 for extra in self.extra_versions:
                     if session.get(ModelVersion, (extra.model, extra.version)) is None:
                         catalog.register_version(

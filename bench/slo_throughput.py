@@ -183,10 +183,10 @@ def summarise(steps: Sequence[dict[str, Any]], budget_ms: float) -> dict[str, An
 
 
 @contextmanager
-def three_peers(pg_url: str, artifact: str) -> Iterator[dict[str, Stack]]:
+def three_peers(pg_url: str, artifact: str, max_wait_ms: float | None) -> Iterator[dict[str, Stack]]:
     """Each peer's view of one set of processes: the stack whose Celery broker its client uses and
     whose process groups are measured (Sluice's phases use the handler peer's, idle then)."""
-    with both_systems(pg_url, artifact=artifact) as stack:
+    with both_systems(pg_url, artifact=artifact, max_wait_ms=max_wait_ms) as stack:
         url = f"{stack.celery_url.rsplit('/', 1)[0]}/{PLAIN_DB}"
         plain = celery_worker(stack.platform.home, url, app="bench.celery_transformers", env={"HF_HUB_OFFLINE": "1"})
         try:
@@ -251,10 +251,10 @@ def measure(stacks: dict[str, Stack], args: argparse.Namespace) -> tuple[list[di
     steps: list[dict[str, Any]] = []
     discarded: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
-        misses = dict.fromkeys(PEERS, 0)
+        misses = dict.fromkeys(args.peers, 0)
         for i, rate in enumerate(args.rates):
             jobs = max(MIN_JOBS, math.ceil(rate * args.step_s))
-            for peer in PEERS if repeat % 2 == 0 else PEERS[::-1]:
+            for peer in args.peers if repeat % 2 == 0 else args.peers[::-1]:
                 if misses[peer] > args.steps_past_miss:
                     continue
                 print(f"[repeat {repeat + 1}] {peer}: open loop at {rate:g} jobs/s, {jobs} requests ...", flush=True)
@@ -385,6 +385,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--precision", choices=PRECISIONS, default="fp32", help="what Sluice and its handler run (fp32)"
     )
+    parser.add_argument("--peers", default=",".join(PEERS), help=f"which peers, comma-separated ({','.join(PEERS)})")
+    parser.add_argument(
+        "--max-wait-ms", type=float, help="Sluice's batching window for its version (default: the seed's, 10 ms)"
+    )
     parser.add_argument("--steps-past-miss", type=int, help="steps measured after a peer's first miss (1; quick 0)")
     parser.add_argument(
         "--max-other-load",
@@ -407,6 +411,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.rates = sorted(float(r) for r in str(args.rates).split(","))
+    args.peers = [peer for peer in PEERS if peer in {p.strip() for p in args.peers.split(",")}]
+    if not args.peers:
+        parser.error(f"--peers takes some of {', '.join(PEERS)}")
     args.artifact = precision_artifact(args.precision)
     from sluice.artifacts import parse_artifact
     from sluice.errors import ArtifactError
@@ -425,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"mix {SKEWED.describe()}; precision {args.precision}; seed {args.seed}",
         flush=True,
     )
-    with sigterm_as_interrupt(), three_peers(args.pg_url, args.artifact) as stacks:
+    with sigterm_as_interrupt(), three_peers(args.pg_url, args.artifact, args.max_wait_ms) as stacks:
         steps, discarded = measure(stacks, args)
     summary = summarise(steps, args.budget_ms)
     print_summary(summary, info, args)

@@ -111,7 +111,7 @@ async def serve(args: argparse.Namespace) -> None:
     handler = TimedHandler(
         load_handler(
             kind="embedding",
-            artifact=MINILM_URI,
+            artifact=f"{MINILM_URI}?precision={args.precision}",
             sha256=artifact_sha256(resolve_artifact(MINILM_URI)),
             device="cpu",
             threads=1,
@@ -182,6 +182,8 @@ class WorkerProcess:
                     str(args.max_batch_size),
                     "--max-wait-ms",
                     str(args.max_wait_ms),
+                    "--precision",
+                    args.precision,
                 ],
                 stdout=sink,
                 stderr=subprocess.STDOUT,
@@ -473,6 +475,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backlog-jobs", type=int, default=640)
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--max-wait-ms", type=float, default=10.0)
+    parser.add_argument("--precision", choices=("fp32", "bf16", "int8", "auto"), default="fp32",
+                        help="what the worker's MiniLM runs (fp32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", type=Path, help="record each run with py-spy into this directory")
     parser.add_argument("--output", default="worker_cost.json", help="file name under bench/results/")

@@ -8,7 +8,7 @@ import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query
@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import AnyHttpUrl, AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
 
 from api.deps import AppState, CurrentKey, StateDep, checked_callback
+from api.event_hub import FinalWatch
 from api.json_response import JsonResponse
 from api.middleware import StrictJsonRoute
 from api.response_models import BulkAccepted, ErrorResource, JobResource
@@ -131,20 +132,29 @@ async def _claim_key(state: AppState, key: KeyInfo, model: str, options: SubmitJ
     return await state.broker.claim_idempotency_key(key.tenant, idempotency_key, _request_hash(model, options))
 
 
+@dataclass(slots=True)
+class _Submitted:
+    records: list[JobRecord]
+    replayed: bool = False  # made by an earlier identical submission (its Idempotency-Key)
+    # Armed before the jobs were written (`watch` of `_admit`): a final state written since wakes it.
+    watch: FinalWatch | None = None
+
+
 async def _admit(
     state: AppState, key: KeyInfo, model: str, options: SubmitJob | SubmitBulk, inputs: list[Any],
-    idempotency_key: str | None,
-) -> tuple[list[JobRecord], bool]:
-    """The jobs of this submission, and whether they were made by an earlier identical one.
+    idempotency_key: str | None, *, watch: bool = False,
+) -> _Submitted:
+    """The jobs of this submission, whether they were made by an earlier identical one, and with
+    `watch`, a watch on the new jobs armed before they were written.
 
     A replay is answered before anything else is checked: the request was accepted once, and a
     client retrying it must get that answer from a draining replica or past an open breaker too.
     """
     claim = await _claim_key(state, key, model, options, idempotency_key)
     if claim is not None and claim.replay is not None:
-        return await _replayed(state, claim.replay), True
+        return _Submitted(await _replayed(state, claim.replay), replayed=True)
     try:
-        return await _queue(state, key, model, options, inputs, claim), False
+        return await _queue(state, key, model, options, inputs, claim, watch=watch)
     except BaseException:
         if claim is not None:
             await state.broker.release_idempotency_key(claim)
@@ -162,8 +172,8 @@ async def _replayed(state: AppState, job_ids: list[str]) -> list[JobRecord]:
 
 async def _queue(
     state: AppState, key: KeyInfo, model: str, options: SubmitJob | SubmitBulk, inputs: list[Any],
-    claim: IdempotencyClaim | None,
-) -> list[JobRecord]:
+    claim: IdempotencyClaim | None, *, watch: bool,
+) -> _Submitted:
     deadline, run_timeout_s, retry = _limits(state, options, now=time.time())
     snapshot = state.routing.current()
     info = snapshot.model(model)
@@ -191,6 +201,7 @@ async def _queue(
     probe = state.breakers.take_probe(model, version.version)
     now = time.time()
     request_id = current_request_id()
+    armed: FinalWatch | None = None
     records = []
     for canonical, cost in validated:
         job_id = keys.new_job_id(model, version.version)
@@ -211,15 +222,22 @@ async def _queue(
                 # Answered without the version: these jobs tell its breaker nothing.
                 state.breakers.return_probe(probe)
                 probe = None
+        if watch:
+            # Armed before the write, a watch cannot miss the jobs' final states, so the waiter
+            # need not read them back first (`_wait_final`).
+            pending = [record.id for record in records if not record.cache_hit]
+            armed = await state.hub.watch_final(pending) if pending else None
         await state.admission.queue(key, version, records, idempotency=claim)
     except BaseException as exc:
+        if armed is not None:
+            state.hub.unwatch_final(pending, armed)
         if probe is not None:
             state.breakers.return_probe(probe)
         if isinstance(exc, TooManyRequests):
             JOBS_REJECTED.labels(model, exc.code).inc()
         raise
     JOBS_SUBMITTED.labels(model, version.version, options.lane).inc(len(records))
-    return records
+    return _Submitted(records, watch=armed)
 
 
 def _limits(state: AppState, options: SubmitJob | SubmitBulk, *, now: float) -> tuple[float | None, float | None,
@@ -297,17 +315,19 @@ async def submit_job(
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
     wait: Annotated[float, Query(ge=0, description=_SUBMIT_WAIT)] = 0,
 ) -> JsonResponse:
-    records, replayed = await _admit(state, key, model, body, [body.input], idempotency_key)
-    record = records[0]
-    headers = {"Location": f"/v1/jobs/{record.id}"}
-    if replayed:
-        headers["Idempotent-Replayed"] = "true"
     wait_s = min(wait, state.settings.max_wait_s)
-    if wait_s <= 0 or state.draining.is_set():
-        return JsonResponse(record.resource(), status_code=202, headers=headers)
+    waits = wait_s > 0 and not state.draining.is_set()
+    submitted = await _admit(state, key, model, body, [body.input], idempotency_key, watch=waits)
+    record = submitted.records[0]
+    headers = {"Location": f"/v1/jobs/{record.id}"}
+    if submitted.replayed:
+        headers["Idempotent-Replayed"] = "true"
+    if not waits or record.cache_hit:
+        return JsonResponse(record.resource(), status_code=200 if record.is_final and waits else 202,
+                            headers=headers)
     # One request per job for a client that wants its result: the accept is already durable, so
     # a client that gives up on this answer polls the Location like any other.
-    job = await _wait_final(state, record.id, key.tenant, wait_s)
+    job = await _wait_final(state, record.id, key.tenant, wait_s, armed=submitted.watch)
     return JsonResponse(job.body(), status_code=200 if job.is_final else 202, headers=headers)
 
 
@@ -318,10 +338,12 @@ async def submit_bulk(
 ) -> JsonResponse:
     if len(body.inputs) > state.settings.max_bulk_items:
         raise PayloadTooLarge(f"{len(body.inputs)} inputs; at most {state.settings.max_bulk_items} per request")
-    records, replayed = await _admit(state, key, model, body, body.inputs, idempotency_key)
+    submitted = await _admit(state, key, model, body, body.inputs, idempotency_key)
+    records = submitted.records
     accepted = {"ids": [r.id for r in records], "model": model, "version": records[0].version if records else "",
                 "count": len(records)}
-    return JsonResponse(accepted, status_code=202, headers={"Idempotent-Replayed": "true"} if replayed else None)
+    return JsonResponse(accepted, status_code=202,
+                        headers={"Idempotent-Replayed": "true"} if submitted.replayed else None)
 
 
 @router.get("/jobs/{job_id}", response_model=JobResource, response_model_exclude_unset=True)
@@ -335,15 +357,17 @@ async def get_job(
     return JsonResponse((await _wait_final(state, job_id, key.tenant, wait_s)).body())
 
 
-async def _wait_final(state: AppState, job_id: str, tenant: str, wait_s: float) -> JobView:
-    """The job once it is final, or as it is after ``wait_s`` or when the replica starts draining."""
+async def _wait_final(state: AppState, job_id: str, tenant: str, wait_s: float, *,
+                      armed: FinalWatch | None = None) -> JobView:
+    """The job once it is final, or as it is after ``wait_s`` or when the replica starts draining.
+    `armed`: a watch on the job set before it was written, so there is no state to read first."""
     deadline = time.monotonic() + wait_s
     # Watched before the read, so a final state written after it still wakes the wait; `running`
     # does not: each wake-up costs a read, and only a final state ends the long-poll.
-    watch = await state.hub.watch_final((job_id,))
+    watch = armed if armed is not None else await state.hub.watch_final((job_id,))
     try:
-        job = await state.broker.view_for_tenant(job_id, tenant)
-        while not job.is_final and not state.draining.is_set():
+        job = None if armed is not None else await state.broker.view_for_tenant(job_id, tenant)
+        while (job is None or not job.is_final) and not state.draining.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -354,7 +378,7 @@ async def _wait_final(state: AppState, job_id: str, tenant: str, wait_s: float) 
             job = await state.broker.view_for_tenant(job_id, tenant)
     finally:
         state.hub.unwatch_final((job_id,), watch)
-    return job
+    return job if job is not None else await state.broker.view_for_tenant(job_id, tenant)
 
 
 @router.get("/jobs/{job_id}/events", response_class=StreamingResponse,

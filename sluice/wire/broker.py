@@ -16,10 +16,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
+from redis.commands.core import AsyncScript
 
 from sluice.errors import BrokerError, Conflict, NotDurable, NotFound
 from sluice.wire import events, keys, quota, scripts
-from sluice.wire.connections import reply_text, translate_redis_errors
+from sluice.wire.connections import is_cluster, reply_text, translate_redis_errors
 from sluice.wire.durability import fsynced, wait_fsynced
 from sluice.wire.idempotency import LEASE_S, IdempotencyClaim, IdempotencyRecord
 from sluice.wire.jobs import JobRecord, JobStatus, JobView
@@ -44,6 +45,10 @@ class Broker:
         # Set: durable accept (sluice.wire.durability), waiting up to this long for the fsync.
         self.durable_timeout_ms = durable_timeout_ms
         self._admit = redis.register_script(scripts.ADMIT)
+        self._admit_queue = redis.register_script(scripts.ADMIT_QUEUE)
+        # On one server the admission and the write run as one script; a cluster keeps the
+        # tenant's keys and the version's in different slots, so there they run apart.
+        self._one_step = not is_cluster(redis)
         self._cancel = redis.register_script(scripts.CANCEL)
         self._complete = redis.register_script(scripts.IDEMPOTENCY_COMPLETE)
         self._queue = redis.register_script(scripts.QUEUE)
@@ -58,31 +63,35 @@ class Broker:
         written final in the same step as the others: they take no quota place (but must fit under
         the quota), a place among the tenant's stored answers, and `limits.hit_cost` rate tokens.
 
-        Three round trips, each atomic in one slot: admission charges the tenant
-        (admit.lua), queue.lua writes the jobs, idempotency_complete.lua the key.
-        Should writing fail, the places (and stored answers) are given back. In durable mode the write waits for the
+        On one server, one round trip (admit_queue.lua) admits and writes; on a Redis Cluster
+        two, each atomic in one slot: admission charges the tenant (admit.lua), queue.lua writes
+        the jobs. Then idempotency_complete.lua completes the key. Should the write fail, the
+        places (and stored answers) are given back. In durable mode the write waits for the
         fsync; unconfirmed, the queued jobs are withdrawn and NotDurable (503) raised.
         """
         queued = [record for record in records if not record.cache_hit]
         marker, redis_key = (idempotency.marker, idempotency.redis_key) if idempotency else (None, None)
         admit_keys, admit_args = admit_call(records, limits=limits, now=time.time(), result_ttl_s=self.result_ttl_s,
                                             marker=marker, redis_key=redis_key, lease_s=self.idempotency_lease_s)
+        script_keys, args = queue_call(records, result_ttl_s=self.result_ttl_s)
         with translate_redis_errors():
             if any(record.callback_url for record in records):
                 # Before the jobs: a relay must know the outbox before it can hold an entry.
                 first = records[0]
                 await self.redis.sadd(keys.WEBHOOK_OUTBOXES, keys.outbox(first.model, first.version))
-            verdict, value = quota.verdict(await self._admit(keys=admit_keys, args=admit_args))
-        if verdict == "lost":
-            raise Conflict("this request held its Idempotency-Key too long and another request took it; "
-                           "retry to get that request's answer", headers={"Retry-After": "1"})
-        if verdict == "quota":
-            return Refusal(verdict, queued=int(value))
-        if verdict != "ok":
-            return Refusal(verdict, wait_s=value)
-        script_keys, args = queue_call(records, result_ttl_s=self.result_ttl_s)
+            if not self._one_step:
+                refusal = self._refusal(await self._admit(keys=admit_keys, args=admit_args))
+                if refusal is not None:
+                    return refusal
         try:
-            fsync = await self._write(script_keys, args)
+            if self._one_step:
+                reply, fsync = await self._write(self._admit_queue, [*admit_keys, *script_keys],
+                                                 [str(len(admit_keys)), str(len(admit_args)), *admit_args, *args])
+                refusal = self._refusal(reply)
+                if refusal is not None:
+                    return refusal
+            else:
+                _, fsync = await self._write(self._queue, script_keys, args)
         except BaseException:
             await self._give_back(limits.tenant, [record.id for record in queued],
                                   answered=[record.id for record in records if record.cache_hit])
@@ -94,26 +103,37 @@ class Broker:
             await self._complete_key(idempotency, answers)
         return None
 
-    async def _write(self, script_keys: list[str], args: list[str]) -> object:
-        """Run queue.lua; in durable mode followed, on the same connection, by the wait for its
-        fsync, whose reply is answered (None otherwise)."""
+    @staticmethod
+    def _refusal(reply: Any) -> Refusal | None:
+        verdict, value = quota.verdict(reply)
+        if verdict == "lost":
+            raise Conflict("this request held its Idempotency-Key too long and another request took it; "
+                           "retry to get that request's answer", headers={"Retry-After": "1"})
+        if verdict == "quota":
+            return Refusal(verdict, queued=int(value))
+        if verdict != "ok":
+            return Refusal(verdict, wait_s=value)
+        return None
+
+    async def _write(self, script: AsyncScript, script_keys: list[str], args: list[str]) -> tuple[Any, object]:
+        """Run a script that writes jobs: its reply, and in durable mode the answer of the wait for
+        its fsync that follows it on the same connection (None otherwise)."""
         with translate_redis_errors():
             if self.durable_timeout_ms is None:
-                await self._queue(keys=script_keys, args=args)
-                return None
+                return await script(keys=script_keys, args=args), None
             for attempt in (1, 2):
                 pipe = self.redis.pipeline(transaction=False)
                 # EVALSHA by name: the cluster pipeline blocks its evalsha() method, not the command.
-                pipe.execute_command("EVALSHA", self._queue.sha, len(script_keys), *script_keys, *args)
+                pipe.execute_command("EVALSHA", script.sha, len(script_keys), *script_keys, *args)
                 wait_fsynced(pipe, self.durable_timeout_ms, near=script_keys[0])
                 reply, fsync = await pipe.execute(raise_on_error=False)
                 if isinstance(reply, redis_errors.NoScriptError) and attempt == 1:
                     # A pipeline does not load scripts: load it (on every node) and go again.
-                    await self.redis.script_load(scripts.QUEUE)
+                    await self.redis.script_load(script.script)
                     continue
                 if isinstance(reply, Exception):
                     raise reply
-                return fsync
+                return reply, fsync
         raise AssertionError("unreachable")
 
     async def _give_back(self, tenant: str, job_ids: list[str], *, answered: Sequence[str] = ()) -> None:

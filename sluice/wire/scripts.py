@@ -64,6 +64,7 @@ SETTLE = load("settle.lua")
 WITHDRAW = load("withdraw.lua")
 # A tenant's admission (`sluice.wire.quota`) and its Idempotency-Keys (`sluice.wire.idempotency`).
 ADMIT = load("admit.lua")
+ADMIT_QUEUE = load("admit_queue.lua")
 IDEMPOTENCY_RELEASE = load("idempotency_release.lua")
 IDEMPOTENCY_COMPLETE = load("idempotency_complete.lua")
 # Webhook delivery attempts (workers/delivery.py).

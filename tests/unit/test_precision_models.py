@@ -18,6 +18,7 @@ from workers.models.calibration import QUALITY_TEXTS, classifier_quality, embedd
 from workers.models.hf import HfClassifierHandler, HfEmbeddingHandler
 from workers.models.int8 import DynamicInt8Linear
 from workers.models.loading import ClassifierHandler, EmbeddingHandler, Sources, load_handler
+from workers.models.pass_cost import MAX_OVERHEAD_TOKENS, MIN_OVERHEAD_TOKENS
 from workers.models.precision import BF16, PrecisionPolicy, QualityBound, candidates
 from workers.models.shared import LoadedModels
 from workers.models.train_intent import load_examples, split_examples
@@ -172,3 +173,15 @@ def test_a_handler_class_opts_in_with_its_precisions_and_calibration_inputs(tmp_
     with pytest.raises(ArtifactError, match="runs bf16, fp32, not int8"):
         load_handler(kind="handler", artifact=f"{artifact}?precision=int8", sha256=sha, precision=QUICK,
                      sources=sources)
+
+
+def test_a_calibrated_encoder_plans_its_passes_with_this_hosts_measured_pass_cost(
+    fp32_embedding: EmbeddingHandler, shared: tuple[LoadedModels, EmbeddingHandler, ClassifierHandler],
+) -> None:
+    auto, fp32 = shared[1].encoder, fp32_embedding.encoder
+    # Measured for the precision that runs, whichever way it was chosen: within the fit's bounds.
+    for encoder in (auto, fp32):
+        assert MIN_OVERHEAD_TOKENS < encoder.pass_overhead_tokens < MAX_OVERHEAD_TOKENS
+    if auto.dtype == torch.bfloat16:
+        # Its tokens are much cheaper than fp32's, its fixed work per pass is not.
+        assert auto.pass_overhead_tokens > fp32.pass_overhead_tokens

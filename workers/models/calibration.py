@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from workers.models.int8 import needs_reduce_range
 from workers.models.minilm import MiniLMEncoder
+from workers.models.pass_cost import SHAPES, fit_overhead_tokens
 from workers.models.precision import (
     BF16,
     CALIBRATION_BATCHES,
@@ -169,6 +170,26 @@ def select_precision(requested: str | None, *, device: str, policy: PrecisionPol
     models.clear()
     release_freed_memory()
     return Selected(kept, choice, reference)
+
+
+@torch.inference_mode()
+def measure_pass_overhead(encoder: MiniLMEncoder, *, rounds: int,
+                          clock: Callable[[], float] = time.process_time) -> int | None:
+    """The fixed cost of one of the encoder's forward passes on this host, in tokens' worth
+    (`workers.models.pass_cost`): each shape of `SHAPES` timed `rounds` times, in rotating order."""
+    inputs = {(texts, width): (torch.full((texts, width), 1000, dtype=torch.long),
+                               torch.ones((texts, width), dtype=torch.long),
+                               torch.zeros((texts, width), dtype=torch.long))
+              for texts, width in SHAPES}
+    for shape in SHAPES:
+        encoder.forward_pooled(*inputs[shape])  # the first pass of a shape pays for its allocations
+    timings: dict[tuple[int, int], list[float]] = {shape: [] for shape in SHAPES}
+    for turn in range(rounds):
+        for shape in SHAPES[turn % len(SHAPES):] + SHAPES[:turn % len(SHAPES)]:
+            started = clock()
+            encoder.forward_pooled(*inputs[shape])
+            timings[shape].append(clock() - started)
+    return fit_overhead_tokens(timings)
 
 
 def release_freed_memory() -> None:

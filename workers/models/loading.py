@@ -149,7 +149,7 @@ def _encoder(model_dir: Path, dev: str, requested: str | None, artifact: str,
              policy: PrecisionPolicy) -> Selected[MiniLMEncoder]:
     """The MiniLM encoder in the precision ``requested`` resolves to on this host (see
     ``workers/models/precision.py``), and that choice."""
-    from workers.models.calibration import embedding_quality, torch_dtype
+    from workers.models.calibration import embedding_quality, measure_pass_overhead, torch_dtype
     from workers.models.minilm import MiniLMEncoder
 
     def build(precision: str) -> MiniLMEncoder:
@@ -158,6 +158,14 @@ def _encoder(model_dir: Path, dev: str, requested: str | None, artifact: str,
 
     selected: Selected[MiniLMEncoder] = _select(requested, artifact, device=dev, policy=policy, build=build,
                                                 outputs=MiniLMEncoder.encode, compare=embedding_quality)
+    encoder = selected.model
+    if encoder.device.type == "cpu":
+        # The planner's pass cost is this host's at this precision (`workers/models/pass_cost.py`).
+        measured = measure_pass_overhead(encoder, rounds=policy.rounds)
+        if measured is not None:
+            log.info("forward pass overhead at %s: %d tokens' worth (was %d)", selected.choice.precision,
+                     measured, encoder.pass_overhead_tokens)
+            encoder.pass_overhead_tokens = measured
     return selected
 
 

@@ -24,8 +24,9 @@ from workers.models.int8 import CALIBRATION_TEXTS, activation_maxima, quantize_i
 
 DEFAULT_MAX_SEQ_LENGTH = 256
 # How the encoder splits a batch into forward passes (see MiniLMEncoder.passes). On one CPU
-# thread a pass costs about 25 tokens' worth beyond its padded tokens (13.5 ms for one text of
-# 18 tokens, 98 ms for 16 of them), and past a few thousand padded tokens its activations leave
+# thread of one host a pass cost about 25 tokens' worth beyond its padded tokens in fp32 (13.5 ms
+# for one text of 18 tokens, 98 ms for 16 of them): the figure until the worker measures its own
+# (`workers/models/pass_cost.py`). Past a few thousand padded tokens a pass's activations leave
 # the cache and every token costs more.
 DEFAULT_PASS_OVERHEAD_TOKENS = 24
 DEFAULT_MAX_BATCH_TOKENS = 2048

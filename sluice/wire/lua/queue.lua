@@ -25,32 +25,6 @@
 -- has not been answered yet. The tenant's admission (quota, rate, Idempotency-Key) is checked and
 -- charged before, in its own slot (admit.lua).
 --!include lib/queue_webhook.lua
-local ttl, count = tonumber(ARGV[1]), tonumber(ARGV[2])
-local n = tonumber(ARGV[3])
-local record = {unpack(ARGV, 4, 3 + 2 * n)}
-local i = 4 + 2 * n
-local m = tonumber(ARGV[i])
-local entry = {unpack(ARGV, i + 1, i + 2 * m)}
-i = i + 1 + 2 * m
-for k = 4, 3 + count do
-  local own = tonumber(ARGV[i])
-  redis.call('HSET', KEYS[k], unpack(ARGV, i + 1, i + 2 * own))
-  if n > 0 then redis.call('HSET', KEYS[k], unpack(record)) end
-  redis.call('EXPIRE', KEYS[k], ttl)
-  local deadline = redis.call('HGET', KEYS[k], 'deadline')
-  if deadline then redis.call('ZADD', KEYS[3], deadline, KEYS[k]) end
-  i = i + 1 + 2 * own
-  own = tonumber(ARGV[i])
-  local fields = {unpack(ARGV, i + 1, i + 2 * own)}
-  for _, part in ipairs(entry) do fields[#fields + 1] = part end
-  redis.call('XADD', KEYS[1], '*', unpack(fields))
-  i = i + 1 + 2 * own
-end
-for h = 4 + count, #KEYS do
-  local own = tonumber(ARGV[i])
-  redis.call('HSET', KEYS[h], unpack(ARGV, i + 1, i + 2 * own))
-  redis.call('EXPIRE', KEYS[h], ttl)
-  queue_webhook(KEYS[h], KEYS[2])
-  i = i + 1 + 2 * own
-end
+--!include lib/queue_jobs.lua
+queue_jobs(1, 1)
 return 1
