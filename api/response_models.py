@@ -20,11 +20,13 @@ from pydantic.json_schema import SkipJsonSchema
 
 from sluice.kinds import ModelKind
 from sluice.registry.tables import ROLLOUT_ACTIONS
+from sluice.retry import RetryOn
 from sluice.versions import Tier, VersionState
 from sluice.vocabulary import CLOSE_REASONS, BatchState, Lane, RolloutState
 from sluice.wire.jobs import JobStatus
 
 __all__ = [
+    "AttemptError",
     "AuditResource",
     "BatchFacts",
     "BatchList",
@@ -37,6 +39,7 @@ __all__ = [
     "ModelList",
     "ModelResource",
     "QueueResource",
+    "RetryResource",
     "RolloutDecisionResource",
     "RolloutResource",
     "RoutingChange",
@@ -88,10 +91,23 @@ _QUEUE_POSITION = ("Only while queued: how many jobs are ahead of this one in it
 _ESTIMATED_START = ("Only while queued: seconds until a worker may start it, the jobs ahead (a bulk job's "
                     "include the online lane's) over the version's measured service rate; null while no live "
                     "worker has measured one. An estimate")
+class RetryResource(BaseModel):
+    max_attempts: int = Field(description="Starts in all, the first included")
+    on: list[RetryOn] = Field(description="The failures that re-queue the job while attempts are left")
+
+
+class AttemptError(BaseModel):
+    """How one attempt of the job ended without making it final: re-queued by its retry policy, or its
+    run lost to a worker error (code `worker_error`)."""
+
+    attempt: int = Field(description="Which start this was, from 1")
+    error: JobError
+    at: str = Field(json_schema_extra=_ISO)
 
 
 class JobResource(BaseModel):
-    """The job resource. `output`, `error` and `metadata` are absent (not null) when there is none."""
+    """The job resource. `output`, `error`, `metadata`, `start_by`, `run_timeout_s`, `retry` and
+    `attempt_errors` are absent (not null) when there is none."""
 
     id: str
     status: JobStatus
@@ -99,7 +115,7 @@ class JobResource(BaseModel):
     version: str
     lane: Lane
     cache_hit: bool
-    attempts: int
+    attempts: int = Field(description="How many times the job was started")
     timings: Timings
     batch: BatchFacts
     input_uri: str | _Absent = Field(default=None, description="The object the input was read from, as submitted")
@@ -108,6 +124,14 @@ class JobResource(BaseModel):
     output_size: int | _Absent = Field(default=None, description="The bytes written to `output_uri`")
     output_sha256: str | _Absent = Field(default=None, description="The sha256 (hex) of what was written to "
                                                                    "`output_uri`")
+    start_by: str | _Absent = Field(default=None, json_schema_extra=_ISO, description=(
+        "The instant by which the job must start, else `expired`: the earlier of its `start_by` and its "
+        "submission plus `timeout_s`"))
+    run_timeout_s: float | _Absent = Field(default=None, description="The longest a batch holding the job may run")
+    retry: RetryResource | _Absent = None
+    attempt_errors: list[AttemptError] | _Absent = Field(default=None, description=(
+        "The errors of the attempts that did not make the job final, oldest first: each retried attempt, and "
+        "each run lost to a worker error (`worker_error`); a final attempt's error is `error`"))
     output: dict[str, Any] | _Absent = None
     error: JobError | _Absent = None
     metadata: dict[str, str | int | float | bool | None] | _Absent = None

@@ -31,7 +31,9 @@ async def standings(state: AppState, jobs: Sequence[JobView | JobRecord]) -> dic
             continue  # a worker took it meanwhile: it stands nowhere now
         model, version, lane = job.lane_key
         added_online, read_online = progress[(model, version, "online")]
-        found[job.id] = standing(seq=job.seq or 0, read=progress[job.lane_key][1],
-                                 ahead_elsewhere=max(0, added_online - read_online) if lane != "online" else 0,
-                                 service_rate=rates[(model, version)])
+        place = standing(seq=job.seq or 0, read=progress[job.lane_key][1],
+                         ahead_elsewhere=max(0, added_online - read_online) if lane != "online" else 0,
+                         service_rate=rates[(model, version)])
+        if place is not None:
+            found[job.id] = place
     return found

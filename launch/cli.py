@@ -127,7 +127,7 @@ def scheduler(actuator: Annotated[Actuator, typer.Option(help="local: supervise 
     registry = Registry.serving(settings, pool_size=3)
     runner = Scheduler(registry=registry, redis_url=settings.require_redis_url(), supervisor=supervisor,
                        autoscaler=autoscaler(settings), refresh_s=settings.scale_interval_s,
-                       retire_drain_s=settings.retire_drain_s,
+                       retire_drain_s=settings.retire_drain_s, sweep_s=settings.deadline_sweep_s,
                        scrape_target=exposition.ScrapeTarget(address=endpoint.address, process="scheduler"))
     install_two_stage(runner.request_stop, force=lambda: sys.exit(1))
     runner.run()

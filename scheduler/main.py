@@ -8,7 +8,8 @@ With the `local` actuator it supervises one worker process per placement group o
 with `kubernetes` it keeps a Deployment per group (scheduler/kubernetes.py); with `none` it only
 publishes the plan and the decisions (metrics, and `GET /v1/models/{m}`) for compose. The
 rollout controller (scheduler/rollout.py) and the quality aggregator (scheduler/quality.py) run
-beside it, each on a thread of its own.
+beside it, each on a thread of its own, as does the deadline sweeper, which expires queued jobs
+past their deadline every `deadline_sweep_s`, between the ticks.
 """
 
 from __future__ import annotations
@@ -80,13 +81,16 @@ class Actuator(Protocol):
 class Scheduler:
     def __init__(self, *, registry: Registry, redis_url: str, supervisor: Actuator | None,
                  autoscaler: Autoscaler, refresh_s: float = 2.0, retire_drain_s: float = 60.0,
-                 scrape_target: exposition.ScrapeTarget | None = None) -> None:
+                 sweep_s: float = 0.5, scrape_target: exposition.ScrapeTarget | None = None) -> None:
         self.registry = registry
         self.redis_url = redis_url
         self.supervisor = supervisor
         self.autoscaler = autoscaler
         self.retire_drain_s = retire_drain_s
         self.refresh_s = refresh_s
+        self.sweep_s = sweep_s
+        # The versions whose deadlines are swept, as the last tick saw them (the sweeper's thread reads it).
+        self._swept: list[VersionKey] = []
         self.stopping = threading.Event()
         self._wake = threading.Event()
         self._redis = connect_sync(redis_url)
@@ -162,12 +166,10 @@ class Scheduler:
         past its drain limit has the rest failed; answer the retired versions still draining,
         which stay placed (docs/ARCHITECTURE.md, "No job waits for a worker that will never come")."""
         assert self._snapshot is not None
-        swept = [(model.name, name) for model in self._snapshot.models.values()
-                 for name, version in model.versions.items()
-                 if version.state != VersionState.retired or (model.name, name) in retired]
-        for key, expired in settling.expire_due(self._redis, swept, now=now).items():
-            if expired:
-                log.info("%s/%s: %d queued jobs expired past their deadline", *key, expired)
+        self._swept = [(model.name, name) for model in self._snapshot.models.values()
+                       for name, version in model.versions.items()
+                       if version.state != VersionState.retired or (model.name, name) in retired]
+        _expire(self._redis, self._swept, now=now)
         backlog = {key: readings[key].online.queued + readings[key].bulk.queued for key in retired}
         decided = retiring(retired, backlog, now=now, drain_s=self.retire_drain_s)
         for key in sorted(decided.fail_now):
@@ -175,6 +177,21 @@ class Scheduler:
             log.warning("%s/%s: retired %.0f s ago, past its %.0f s drain limit: %d unfinished jobs failed "
                         "(version_retired)", *key, now - retired[key], self.retire_drain_s, failed)
         return draining_versions(self._snapshot, decided.keep_placed)
+
+    def run_sweeper(self) -> None:
+        """Until stopped: every `sweep_s`, expire the queued jobs past their deadline, on its own
+        connection. The tick sweeps too, but a tick that reads the registry and starts processes
+        may take seconds: a deadline (`start_by`) should not wait for it."""
+        warned = False
+        with connect_sync(self.redis_url) as client:
+            while not self.stopping.wait(self.sweep_s):
+                try:
+                    _expire(client, self._swept, now=time.time())
+                    warned = False
+                except BrokerError as exc:
+                    if not warned:
+                        log.warning("the deadline sweeper cannot reach Redis, retrying: %s", exc)
+                    warned = True
 
     def _advertise(self) -> None:
         now = time.time()
@@ -206,6 +223,8 @@ class Scheduler:
         aggregator = threading.Thread(target=run_aggregator, name="quality-aggregator", daemon=True, kwargs={
             "registry": self.registry, "redis_url": self.redis_url, "stopping": self.stopping})
         aggregator.start()
+        sweeper = threading.Thread(target=self.run_sweeper, name="deadline-sweeper", daemon=True)
+        sweeper.start()
         try:
             while not self.stopping.is_set():
                 self.tick()
@@ -216,10 +235,17 @@ class Scheduler:
                 self.supervisor.stop_all()
             controller.join(timeout=10)
             aggregator.join(timeout=10)
+            sweeper.join(timeout=10)
             if self.scrape_target is not None:
                 with contextlib.suppress(BrokerError):
                     exposition.withdraw(self._redis, self.scrape_target)
             self._redis.close()
+
+
+def _expire(client: redis.Redis, versions: list[VersionKey], *, now: float) -> None:
+    for key, expired in settling.expire_due(client, versions, now=now).items():
+        if expired:
+            log.info("%s/%s: %d queued jobs expired past their deadline", *key, expired)
 
 
 def local_supervisor(*, home: Path, env: dict[str, str] | None = None, stop_grace_s: float = 30.0) -> Supervisor:

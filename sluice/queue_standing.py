@@ -18,11 +18,15 @@ class Standing:
     estimated_start_s: float | None  # None while no live worker has measured its rate
 
 
-def standing(*, seq: int, read: int, ahead_elsewhere: int = 0, service_rate: float) -> Standing:
+def standing(*, seq: int, read: int, ahead_elsewhere: int = 0, service_rate: float) -> Standing | None:
     """A job numbered `seq` in a lane whose workers have read up to number `read`; the jobs of
     lanes served before it (`ahead_elsewhere`: the online lane's, for a bulk job) wait in front
-    too. Starting takes the jobs in front, and the job itself, at `service_rate` jobs a second."""
-    position = max(0, seq - read - 1)
+    too. Starting takes the jobs in front, and the job itself, at `service_rate` jobs a second.
+    None for a queued job whose number was read already: one its retry policy queued again under
+    its first number, whose place the numbers no longer tell."""
+    if seq <= read:
+        return None
+    position = seq - read - 1
     if service_rate <= 0:
         return Standing(position, None)
     return Standing(position, round((position + max(0, ahead_elsewhere) + 1) / service_rate, 3))

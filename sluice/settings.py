@@ -93,6 +93,11 @@ class Settings(BaseSettings):
     # A batch still running after this many seconds fails its jobs (`handler_timeout`) and the
     # worker, whose model thread cannot be taken back, exits for a fresh one.
     batch_timeout_s: float = Field(default=120.0, gt=0)
+    # The most `retry.max_attempts` a submission may ask for (sluice/retry.py).
+    retry_max_attempts: int = Field(default=5, ge=1, le=100)
+    # How often the scheduler's sweeper expires queued jobs past their deadline (`timeout_s`,
+    # `start_by`), between its scaling ticks: a job expires at most this late.
+    deadline_sweep_s: float = Field(default=0.5, gt=0, le=60)
 
     # Artifacts (sluice/artifact_store.py). `sluice models register` publishes to `artifact_store`
     # (an fsspec URL: file://, s3://, gs://, ...; unset: HOME/artifacts); workers fetch remote

@@ -98,6 +98,12 @@ def timed_out(size: int, timeout_s: float) -> list[Outcome]:
     return [Outcome(error=error) for _ in range(size)]
 
 
+def run_timed_out(limit_s: float) -> Outcome:
+    """The outcome of a job whose batch ran past the job's own `run_timeout_s`."""
+    return Outcome(error={"code": "run_timeout",
+                          "message": f"the batch holding this job ran past its run_timeout_s of {limit_s:g} s"})
+
+
 def run_isolating(handler: ModelHandler, inputs: Sequence[Mapping[str, Any]]) -> tuple[list[Outcome], float]:
     """Run a batch; answer one outcome per input and the model seconds spent."""
     start = time.perf_counter()

@@ -23,6 +23,7 @@ from sluice.batcher import Batch, Item
 from sluice.metrics import SHADOW_COPIES
 from sluice.quality import agreement, proxies
 from sluice.references import InputRef, OutputRef
+from sluice.retry import RetryPolicy
 from sluice.vocabulary import Lane
 from sluice.wire import keys
 from sluice.wire.connections import translate_redis_errors
@@ -49,6 +50,8 @@ class Delivery:
     # A job by reference (sluice/references.py): `input` is empty until workers/references.py reads it.
     input_ref: InputRef | None = None
     output_ref: OutputRef | None = None
+    run_timeout_s: float | None = None  # the job's own limit on its batch's run
+    retry: RetryPolicy | None = None
 
 
 def _json(value: dict[str, Any] | None) -> bytes:
@@ -89,6 +92,8 @@ class ResultWriter:
                   started: float, finished: float, model_ms: float, size: int, close_reason: str) -> Finished:
         delivery = item.payload
         status = JobStatus.succeeded if outcome.error is None else JobStatus.failed
+        retried = (outcome.error is not None and delivery.retry is not None
+                   and delivery.retry.requeues(error_code=outcome.error.get("code"), attempts=delivery.attempts))
         # An output written to its output_uri is not stored again: the record keeps its size and sha256.
         output = b"" if outcome.written is not None else _json(outcome.output)
         encoded_size = outcome.written.size if outcome.written is not None else len(output)
@@ -108,7 +113,8 @@ class ResultWriter:
         copy = (self._shadow_copy(delivery, item.cost, finished)
                 if delivery.shadow and outcome.output is not None else None)
         # A shadow copy's state is nobody's to wait for: only primaries announce theirs.
-        return Finished(job_id=delivery.job_id, lane=delivery.lane, entry_id=item.id, status=status.value,
+        return Finished(job_id=delivery.job_id, lane=delivery.lane, entry_id=item.id,
+                        status=JobStatus.queued.value if retried else status.value,
                         output=output, error=_json(outcome.error), sample=sample,
                         announce=not delivery.shadow_of, copy=copy,
                         written=outcome.written.encode() if outcome.written is not None else "")

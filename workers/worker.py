@@ -39,18 +39,19 @@ import redis.asyncio as aioredis
 from sluice.backoff import Backoff
 from sluice.batcher import DEFAULT_BUCKET_BOUNDS, Batch, Item, MicroBatcher
 from sluice.errors import BrokerError, HandlerHung, InferenceError, WorkerFailed
+from sluice.retry import RetryPolicy
 from sluice.vocabulary import ClaimVerdict, Lane
 from sluice.wire.entries import Delivered
 from sluice.wire.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
 from sluice.wire.jobs import JobStatus
 from sluice.wire.streams import StreamConsumer
 from workers.batch_log import BatchLog
-from workers.execution import Outcome, timed_out
+from workers.execution import Outcome, run_timed_out, timed_out
 from workers.metrics import BatchMetrics
 from workers.models.protocol import ModelHandler
 from workers.references import References
 from workers.results import Delivery, ResultWriter
-from workers.slots import ExecutionSlots, rank
+from workers.slots import ExecutionSlots, Turn, rank
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,12 @@ def consumer_name() -> str:
 LOOP_STOP_S = 2.0
 
 LANE_PRIORITY: dict[Lane, int] = {"online": 0, "bulk": 1}
+
+
+def _part(batch: Batch[Delivery], items: Sequence[Item[Delivery]]) -> Batch[Delivery]:
+    """Some of a batch's items, as a batch of their own (stored apart from the rest)."""
+    return Batch(items=tuple(items), close_reason=batch.close_reason, bucket=batch.bucket, tenant=batch.tenant,
+                 closed_at=batch.closed_at)
 
 
 def held_limit(*, prefetch: int, max_batch_size: int, items_per_s: float, claim_after_s: float) -> int:
@@ -332,7 +339,8 @@ class Worker:
                     payload=Delivery(job_id=entry.job_id, lane=delivered.lane, input=claim.input,
                                      attempts=claim.attempts, shadow=entry.shadow, shadow_of=entry.shadow_of,
                                      arrived_at=now, request_id=entry.request_id, input_ref=claim.input_ref,
-                                     output_ref=claim.output_ref),
+                                     output_ref=claim.output_ref, run_timeout_s=entry.run_timeout_s,
+                                     retry=RetryPolicy.parse(entry.retry)),
                 )
                 self.batcher.add(item)
                 self._held[item.id] = delivered.lane
@@ -363,27 +371,60 @@ class Worker:
                 await _wait(self._wake_runner, None if deadline is None else max(0.0, deadline - self.clock()))
                 continue
             self._runner_idle = False
-            inputs = [item.payload.input for item in batch.items]
             async with self.slots.turn(version=(self.model, self.version),
                                        rank=rank(self.tier, batch.items[0].priority)) as turn:
                 started = self.clock()
-                try:
-                    outcomes, model_s = await asyncio.wait_for(
-                        asyncio.to_thread(self.references.run, self.handler, batch.items),
-                        timeout=self.batch_timeout_s)
-                except TimeoutError:
-                    # A thread cannot be stopped: fail this batch's jobs, then the worker, so a fresh
-                    # process takes the rest instead of queueing behind a model that never answers.
-                    log.error("worker %s: a batch of %d ran past the %.0f s per-batch timeout; its jobs fail "
-                              "(handler_timeout) and the worker exits", self.name, len(inputs), self.batch_timeout_s)
-                    turn.used(self.batch_timeout_s)
-                    await self._complete(batch, timed_out(len(inputs), self.batch_timeout_s), started,
-                                         self.batch_timeout_s)
-                    raise HandlerHung(f"a batch ran past the {self.batch_timeout_s:g} s per-batch timeout") from None
+                left, outcomes, model_s = await self._run_pass(batch, started, turn)
                 turn.used(model_s)
-            task = asyncio.create_task(self._complete(batch, outcomes, started, model_s))
-            self._writes.add(task)
-            task.add_done_callback(self._write_done)
+            if left:
+                self._store(_part(batch, left), outcomes, started, model_s)
+
+    async def _run_pass(self, batch: Batch[Delivery], started: float,
+                        turn: Turn) -> tuple[list[Item[Delivery]], list[Outcome], float]:
+        """Run a batch on the model; answer its items not failed meanwhile by their own
+        `run_timeout_s`, their outcomes, and the model seconds.
+
+        A thread cannot be stopped. Past a job's `run_timeout_s` the job fails (`run_timeout`) and is
+        stored at once while the pass runs on, holding the model, and what it answers for that job
+        is dropped. Past `batch_timeout_s` every job left fails (`handler_timeout`) and then the
+        worker, so a fresh process takes the rest instead of queueing behind a model that never
+        answers.
+        """
+        # Jobs by reference are read before the pass and written after it (workers/references.py).
+        work = asyncio.ensure_future(asyncio.to_thread(self.references.run, self.handler, batch.items))
+        left = list(batch.items)
+        while True:
+            limit = min([self.batch_timeout_s, *(item.payload.run_timeout_s for item in left
+                                                 if item.payload.run_timeout_s is not None)])
+            try:
+                async with asyncio.timeout(max(0.0, started + limit - self.clock())):
+                    outcomes, model_s = await asyncio.shield(work)
+            except TimeoutError:
+                if limit >= self.batch_timeout_s:
+                    log.error("worker %s: a batch of %d ran past the %.0f s per-batch timeout; its jobs fail "
+                              "(handler_timeout) and the worker exits", self.name, len(batch.items),
+                              self.batch_timeout_s)
+                    turn.used(self.batch_timeout_s)
+                    if left:
+                        await self._complete(_part(batch, left), timed_out(len(left), self.batch_timeout_s),
+                                             started, self.batch_timeout_s)
+                    raise HandlerHung(f"a batch ran past the {self.batch_timeout_s:g} s per-batch timeout") from None
+                over = [item for item in left if (item.payload.run_timeout_s or math.inf) <= limit]
+                log.warning("worker %s: %d jobs ran past their run_timeout_s of %g s; they fail (run_timeout) "
+                            "while the pass runs on", self.name, len(over), limit)
+                self._store(_part(batch, over), [run_timed_out(limit) for _ in over], started, limit)
+                failed = {item.id for item in over}
+                left = [item for item in left if item.id not in failed]
+                continue
+            kept = {item.id for item in left}
+            return left, [outcome for item, outcome in zip(batch.items, outcomes, strict=True)
+                          if item.id in kept], model_s
+
+    def _store(self, batch: Batch[Delivery], outcomes: list[Outcome], started: float, model_s: float) -> None:
+        """Store a pass's outcomes in the background: the model goes on with the next batch."""
+        task = asyncio.create_task(self._complete(batch, outcomes, started, model_s))
+        self._writes.add(task)
+        task.add_done_callback(self._write_done)
 
     def _take(self) -> Batch[Delivery] | None:
         """The next batch to run: the batcher's most urgent, or its first forward pass when the
@@ -414,8 +455,7 @@ class Worker:
             plan = self.handler.passes([item.payload.input for item in batch.items])
         except InferenceError:
             return [batch]  # a malformed input: run_isolating fails it alone
-        parts = [Batch(items=tuple(batch.items[i] for i in sorted(part)), close_reason=batch.close_reason,
-                       bucket=batch.bucket, tenant=batch.tenant, closed_at=batch.closed_at) for part in plan]
+        parts = [_part(batch, [batch.items[i] for i in sorted(part)]) for part in plan]
         return sorted(parts, key=lambda part: part.oldest_enqueued_at)
 
     async def _complete(self, batch: Batch[Delivery], outcomes: list[Outcome], started: float, model_s: float) -> None:

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from anyio import to_thread
 from fastapi import APIRouter, Header, Query
 from fastapi.responses import StreamingResponse
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AnyHttpUrl, AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from api.deps import AppState, CurrentKey, StateDep, checked_callback
 from api.event_hub import FinalWatch
@@ -39,6 +39,7 @@ from sluice.metrics import CACHE_LOOKUPS, JOBS_FINISHED, JOBS_REJECTED, JOBS_SUB
 from sluice.queue_standing import Standing
 from sluice.references import SHA256_PATTERN, InputRef, OutputRef, check_input, check_output, cost_hint
 from sluice.registry.tenants import KeyInfo
+from sluice.retry import RETRY_ON, RetryOn, RetryPolicy
 from sluice.routing import VersionInfo, hash_unit, route, shadow_target
 from sluice.vocabulary import Lane
 from sluice.wire import keys, response_cache
@@ -79,13 +80,47 @@ _LANES = ("`online`: load-shed, a 429 (with `retry_with`) when the predicted que
           "A single job defaults to `online`, a bulk submission to `bulk`.")
 
 
+MAX_QUEUE_S = 7 * 24 * 3600
+
+
+def _iso_text(value: object) -> object:
+    # One spelling of an instant: a number could be seconds or milliseconds, and naive text any zone.
+    if not isinstance(value, str):
+        raise ValueError("start_by must be an ISO 8601 instant with its UTC offset, e.g. 2026-12-04T18:30:00Z")
+    return value
+
+
+class Retry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_attempts: int = Field(ge=1, description="Starts in all, the first included; at most the server's "
+                                                "`SLUICE_RETRY_MAX_ATTEMPTS` (5 by default)")
+    on: list[RetryOn] = Field(min_length=1, max_length=len(RETRY_ON), description=(
+        "The failures that put the job back in its queue while attempts are left: `worker_error` (its run "
+        "ended without an outcome: a handler fault or a worker that died), `timeout` (its batch ran past the "
+        "server's per-batch timeout, `handler_timeout`), `run_timeout` (past the job's own `run_timeout_s`). "
+        "An input the model refuses (`inference_error`) is never retried"))
+
+
 class _JobOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     version: str | None = Field(default=None, min_length=1, max_length=64)
     routing_key: str | None = Field(default=None, min_length=1, max_length=256)
     callback_url: AnyHttpUrl | None = None
-    timeout_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
+    timeout_s: float | None = Field(default=None, gt=0, le=MAX_QUEUE_S, description=(
+        "Seconds from submission by which the job must start, else it is `expired` (code `expired`), "
+        "whether or not a worker serves the version"))
+    start_by: Annotated[AwareDatetime, BeforeValidator(_iso_text)] | None = Field(default=None, description=(
+        "The instant by which the job must start, as ISO 8601 with its UTC offset (`2026-12-04T18:30:00Z`); "
+        "like `timeout_s` but absolute, and with both the earlier wins. In the future, at most 7 days ahead. "
+        "A retried attempt must start by it too"))
+    run_timeout_s: float | None = Field(default=None, gt=0, description=(
+        "The longest one batch holding this job may run on the model; past it the job fails with code "
+        "`run_timeout` (its pass runs on, its result discarded). At most the server's per-batch timeout "
+        "(`SLUICE_BATCH_TIMEOUT_S`, 120 s by default)"))
+    retry: Retry | None = Field(default=None, description="Re-queue the job after the failures listed, "
+                                                          "up to `max_attempts` starts")
     metadata: dict[str, MetadataValue] | None = Field(default=None, max_length=32)
 
 
@@ -221,6 +256,7 @@ async def _queue(
     state: AppState, key: KeyInfo, model: str, options: SubmitJob | SubmitBulk, inputs: list[_Payload],
     claim: IdempotencyClaim | None, *, watch: bool,
 ) -> _Submitted:
+    deadline, run_timeout_s, retry = _limits(state, options, now=time.time())
     snapshot = state.routing.current()
     info = snapshot.model(model)
     kind = ModelKind(info.kind)
@@ -259,7 +295,7 @@ async def _queue(
             id=job_id, tenant=key.tenant, model=model, version=version.version,
             lane=options.lane, status=JobStatus.queued, input=canonical, cost=cost, enqueued_at=now,
             callback_url=callback_url,
-            deadline=now + options.timeout_s if options.timeout_s else None,
+            deadline=deadline, run_timeout_s=run_timeout_s, retry=retry,
             metadata=dict(options.metadata or {}),
             shadow=_served(state, model, shadow), request_id=request_id, input_ref=ref.input, output_ref=ref.output,
         ))
@@ -286,6 +322,31 @@ async def _queue(
         raise
     JOBS_SUBMITTED.labels(model, version.version, options.lane).inc(len(records))
     return _Submitted(records, watch=armed)
+
+
+def _limits(state: AppState, options: SubmitJob | SubmitBulk, *, now: float) -> tuple[float | None, float | None,
+                                                                                  str | None]:
+    """The submission's start deadline (the earlier of `timeout_s` and `start_by`), run limit and
+    encoded retry policy, each checked against the server's bounds."""
+    deadlines = [now + options.timeout_s] if options.timeout_s else []
+    if options.start_by is not None:
+        start_by = options.start_by.timestamp()
+        if start_by <= now:
+            raise InvalidInput(f"start_by {options.start_by.isoformat()} has passed; name an instant ahead")
+        if start_by > now + MAX_QUEUE_S:
+            raise InvalidInput("start_by is more than 7 days ahead")
+        deadlines.append(start_by)
+    settings = state.settings
+    if options.run_timeout_s is not None and options.run_timeout_s > settings.batch_timeout_s:
+        raise InvalidInput(f"run_timeout_s must be at most {settings.batch_timeout_s:g}, this server's "
+                           "per-batch timeout")
+    retry = None
+    if options.retry is not None:
+        if options.retry.max_attempts > settings.retry_max_attempts:
+            raise InvalidInput(f"retry.max_attempts must be at most {settings.retry_max_attempts} on this server")
+        retry = RetryPolicy(max_attempts=options.retry.max_attempts,
+                            on=tuple(dict.fromkeys(options.retry.on))).encode()
+    return (min(deadlines) if deadlines else None), options.run_timeout_s, retry
 
 
 def _served(state: AppState, model: str, shadow: str | None) -> str | None:

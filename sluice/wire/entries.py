@@ -24,11 +24,15 @@ class StreamEntry:
     request_id: str | None = None
     # The job's number in its lane (`sluice.wire.keys.queue_added`), given by the queue script.
     seq: int | None = None
+    # The job's own run limit and retry policy (`JobRecord`), which the worker applies.
+    run_timeout_s: float | None = None
+    retry: str | None = None
 
     @classmethod
     def of(cls, record: JobRecord) -> StreamEntry:
         return cls(job_id=record.id, tenant=record.tenant, cost=record.cost, enqueued_at=record.enqueued_at,
-                   shadow=record.shadow, shadow_of=record.shadow_of, request_id=record.request_id, seq=record.seq)
+                   shadow=record.shadow, shadow_of=record.shadow_of, request_id=record.request_id, seq=record.seq,
+                   run_timeout_s=record.run_timeout_s, retry=record.retry)
 
     def to_fields(self) -> dict[str, str]:
         fields = {"id": self.job_id, "tenant": self.tenant, "cost": str(self.cost), "t": repr(self.enqueued_at)}
@@ -40,6 +44,10 @@ class StreamEntry:
             fields["so"] = self.shadow_of
         if self.request_id:
             fields["rq"] = self.request_id
+        if self.run_timeout_s is not None:
+            fields["rt"] = repr(self.run_timeout_s)
+        if self.retry:
+            fields["ry"] = self.retry
         return fields
 
     @classmethod
@@ -47,7 +55,9 @@ class StreamEntry:
         return cls(job_id=fields[b"id"].decode(), tenant=fields[b"tenant"].decode(), cost=int(fields[b"cost"]),
                    enqueued_at=float(fields[b"t"]), shadow=reply_text(fields.get(b"sh")) or None,
                    shadow_of=reply_text(fields.get(b"so")) or None, request_id=reply_text(fields.get(b"rq")) or None,
-                   seq=int(fields[b"sq"]) if b"sq" in fields else None)
+                   seq=int(fields[b"sq"]) if b"sq" in fields else None,
+                   run_timeout_s=float(fields[b"rt"]) if fields.get(b"rt") else None,
+                   retry=reply_text(fields.get(b"ry")) or None)
 
 
 @dataclass(frozen=True, slots=True)

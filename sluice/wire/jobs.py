@@ -17,6 +17,7 @@ import orjson
 
 from sluice.queue_standing import Standing
 from sluice.references import INPUT_REF_FIELD, OUTPUT_REF_FIELD, WRITTEN_FIELD, InputRef, OutputRef, Written
+from sluice.retry import RetryPolicy
 
 
 class JobStatus(StrEnum):
@@ -102,6 +103,12 @@ class JobRecord:
     input_ref: InputRef | None = None
     output_ref: OutputRef | None = None
     written: Written | None = None
+    # The longest a batch holding this job may run (workers/worker.py), and its retry policy
+    # (`sluice.retry`, encoded); the errors of its earlier attempts, as the scripts append them:
+    # [{"error": {...}, "at": unix seconds}].
+    run_timeout_s: float | None = None
+    retry: str | None = None
+    attempt_errors: list[dict[str, Any]] = field(default_factory=list)
 
     def to_redis(self) -> dict[str, str]:
         """Fields as written at submission; later fields are set by the transition scripts (a job
@@ -145,6 +152,10 @@ class JobRecord:
             fields[OUTPUT_REF_FIELD] = self.output_ref.encode()
         if self.written is not None:
             fields[WRITTEN_FIELD] = self.written.encode()
+        if self.run_timeout_s is not None:
+            fields["run_timeout_s"] = repr(self.run_timeout_s)
+        if self.retry:
+            fields["retry"] = self.retry
         return fields
 
     @classmethod
@@ -191,6 +202,9 @@ class JobRecord:
             input_ref=InputRef.parse(data.get(INPUT_REF_FIELD)),
             output_ref=OutputRef.parse(data.get(OUTPUT_REF_FIELD)),
             written=Written.parse(data.get(WRITTEN_FIELD)),
+            run_timeout_s=num("run_timeout_s"),
+            retry=data.get("retry") or None,
+            attempt_errors=obj("attempt_errors") or [],
         )
 
     @property
@@ -231,6 +245,16 @@ class JobRecord:
         if self.written is not None:
             body["output_size"] = self.written.size
             body["output_sha256"] = self.written.sha256
+        if self.deadline is not None:
+            body["start_by"] = _iso(self.deadline)
+        if self.run_timeout_s is not None:
+            body["run_timeout_s"] = self.run_timeout_s
+        policy = RetryPolicy.parse(self.retry)
+        if policy is not None:
+            body["retry"] = {"max_attempts": policy.max_attempts, "on": list(policy.on)}
+        if self.attempt_errors:
+            body["attempt_errors"] = [{"attempt": number, "error": each.get("error"), "at": _iso(each.get("at"))}
+                                      for number, each in enumerate(self.attempt_errors, start=1)]
         if self.output is not None:
             body["output"] = self.output
         if self.error is not None:

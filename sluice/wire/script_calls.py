@@ -37,7 +37,8 @@ class Claim:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """One job's outcome as finish.lua stores it: `output` and `error` are JSON, or empty."""
+    """One job's outcome as finish.lua stores it: `output` and `error` are JSON, or empty. Status
+    `queued` is a retry: the job goes back to its queue with `error` noted as this attempt's."""
 
     job_id: str
     lane: Lane
@@ -133,7 +134,8 @@ def finish_call(model: str, version: str, jobs: Sequence[Finished], *, faults: S
                 close_reason: str) -> tuple[list[str], list[bytes | str]]:
     """KEYS and ARGV of finish.lua for one batch of one version; `faults` are (job id, message)
     of the jobs whose run faulted."""
-    script_keys = [keys.outbox(model, version), keys.stats(model, version), *_lane_streams(model, version)]
+    script_keys = [keys.outbox(model, version), keys.stats(model, version), *_lane_streams(model, version),
+                   keys.deadlines(model, version)]
     args: list[bytes | str] = [
         str(result_ttl_s), channel, keys.GROUP, str(samples.SAMPLES_MAXLEN), repr(started), repr(finished),
         repr(model_ms), str(batch_size), close_reason, str(len(jobs)),

@@ -34,6 +34,10 @@ def test_a_stream_entry_round_trips_and_carries_what_its_record_says(shadow: str
     assert StreamEntry.from_fields(_as_redis(entry.to_fields())) == entry
     assert (entry.job_id, entry.tenant, entry.cost, entry.enqueued_at) == ("job_x", "acme", 17, record.enqueued_at)
     assert (entry.shadow, entry.shadow_of) == (shadow, shadow_of)
+    assert (entry.run_timeout_s, entry.retry) == (None, None)
+    limited = StreamEntry.of(replace(record, run_timeout_s=1.5, retry="3:run_timeout"))
+    assert StreamEntry.from_fields(_as_redis(limited.to_fields())) == limited
+    assert (limited.run_timeout_s, limited.retry) == (1.5, "3:run_timeout")
     # The entry is for batching: the input never rides in the stream.
     assert "secret" not in str(entry.to_fields())
 
@@ -118,7 +122,8 @@ def _submitted(**changes: Any) -> JobRecord:
     _submitted(input={}, input_ref=InputRef(uri="in/a.json", path="/r/tenants/acme/in/a.json", size=12,
                                             sha256="a" * 64),
                output_ref=OutputRef(uri="file:///r/tenants/acme/out/a.json", path="/r/tenants/acme/out/a.json")),
-], ids=["plain", "unicode", "every-field", "big-integer", "by-reference"])
+    _submitted(deadline=1_700_000_002.0, run_timeout_s=0.5, retry="2:worker_error,run_timeout"),
+], ids=["plain", "unicode", "every-field", "big-integer", "by-reference", "limits"])
 def test_a_job_record_round_trips_as_submitted(record: JobRecord) -> None:
     assert JobRecord.from_redis(_as_redis(record.to_redis())) == record
 
@@ -150,6 +155,11 @@ VIEWED = {
                                     output_ref=OutputRef(uri="out/a.json", path="/q"),
                                     written=Written(size=14, sha256="b" * 64), metadata={"k": "v"}),
                          status="succeeded"),
+    # As the scripts leave a job retried once: its first attempt's error noted (cjson's spelling).
+    "retried": _as_redis({**{k.decode(): v.decode() for k, v in _finished(
+        _submitted(deadline=1_700_000_060.5, run_timeout_s=0.5, retry="2:run_timeout", metadata={"k": "v"}),
+        status="failed", error='{"code":"run_timeout","message":"late again"}').items()},
+        "attempt_errors": '[{"error":{"code":"run_timeout","message":"late"},"at":1700000000.75}]'}),
 }
 
 

@@ -55,6 +55,10 @@ JOBS = {
                    model_ms=3.0, batch_size=1, close_reason="size",
                    error={"code": "inference_error", "message": "boom"}),
     "cancelled": _job(status=JobStatus.cancelled, finished_at=1_700_000_000.75),
+    "retried": _job(status=JobStatus.failed, attempts=2, started_at=1_700_000_000.5, finished_at=1_700_000_001.0,
+                    error={"code": "run_timeout", "message": "late again"}, deadline=1_700_000_060.5,
+                    run_timeout_s=0.5, retry="2:run_timeout,worker_error",
+                    attempt_errors=[{"error": {"code": "run_timeout", "message": "late"}, "at": 1_700_000_000.75}]),
 }
 
 

@@ -23,13 +23,27 @@
 -- error} for one delivered max_deliveries times.
 --
 -- Per entry: queued/running -> running, announced, and the input handed back. One past its
--- deadline becomes `expired`, one delivered max_deliveries times becomes `failed` and is
+-- deadline becomes `expired`, one delivered as often as it may be becomes `failed` and is
 -- dead-lettered, both announced. Every entry whose job will not run is acknowledged and deleted in
 -- the same step, so claiming a read is one round trip.
+--
+-- A job may be started max_deliveries times, unless its own retry policy (`sluice.retry`, the
+-- record's `retry`: "n:word,word") says otherwise: n starts at least, and exactly n where it lists
+-- worker_error. A running job delivered again lost its last run without an outcome: where that run
+-- left no error of its own (finish.lua notes a fault's), its worker died, and that is noted.
 --!include lib/queue_webhook.lua
 --!include lib/job_changed.lua
 --!include lib/ack_and_drop.lua
+--!include lib/note_attempt.lua
 local now, worker, max_deliveries, channel = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local DIED = 'its worker died while running it'
+local function starts_allowed(job)
+  local retry = redis.call('HGET', job, 'retry')
+  if not retry then return max_deliveries end
+  local n = tonumber(string.match(retry, '^(%d+):'))
+  if string.find(retry, 'worker_error', 1, true) then return n end
+  return math.max(max_deliveries, n)
+end
 local function claim(job)
   local s = redis.call('HGET', job, 'status')
   if not s then return {'missing'} end
@@ -42,8 +56,11 @@ local function claim(job)
     return {'expired'}
   end
   local attempts = tonumber(redis.call('HGET', job, 'attempts') or '0')
-  if attempts >= max_deliveries then
-    local last = redis.call('HGET', job, 'last_error') or 'its worker died while running it'
+  if s == 'running' and noted_attempts(job) < attempts then
+    note_attempt(job, {code = 'worker_error', message = DIED}, now)
+  end
+  if attempts >= starts_allowed(job) then
+    local last = redis.call('HGET', job, 'last_error') or DIED
     redis.call('HSET', job, 'status', 'failed', 'finished_at', now,
       'error', cjson.encode({code='max_deliveries',
         message='delivered ' .. attempts .. ' times without finishing; last error: ' .. last}))
