@@ -21,7 +21,7 @@ from pydantic.json_schema import SkipJsonSchema
 from sluice.kinds import ModelKind
 from sluice.registry.tables import ROLLOUT_ACTIONS
 from sluice.versions import Tier, VersionState
-from sluice.vocabulary import CLOSE_REASONS, BatchState, Lane, RolloutState
+from sluice.vocabulary import CLOSE_REASONS, BatchState, Lane, RolloutState, ZeroState
 from sluice.wire.jobs import JobStatus
 
 __all__ = [
@@ -224,6 +224,10 @@ class Replicas(BaseModel):
                                               description="The worker processes the version is placed on")
     not_served: str | None = Field(default=None, description="Why no worker can serve the version now "
                                    "(submissions get 503 `not_served`), or null")
+    scale_to_zero: str | None = Field(
+        default=None, json_schema_extra={"enum": [state.value for state in ZeroState]},
+        description="A version with `min_replicas` 0: `asleep` (idle, placed on no process; a submission is "
+                    "accepted and wakes it), `waking` (its first worker is starting) or `awake`; null otherwise")
 
 
 class RunningPrecision(BaseModel):

@@ -1,5 +1,5 @@
 """The platform's shared words: the states a batch or a rollout passes through, the lanes a job
-rides, why a micro-batch closed, what the claim script says of an entry, and the defaults a new
+rides, where a version scaled to zero stands, why a micro-batch closed, what the claim script says of an entry, and the defaults a new
 version starts with. Each is spelled here once; the registry's columns, the API's fields, the
 workers and the CLI read it from here, so a new state or a changed default cannot drift apart.
 
@@ -35,6 +35,16 @@ class RolloutState(StrEnum):
     promoted = "promoted"
     rolled_back = "rolled_back"
     aborted = "aborted"
+
+
+class ZeroState(StrEnum):
+    """Where a version with `min_replicas` 0 stands (scheduler/idle.py): placed on no process,
+    its first worker starting, or served. The scheduler publishes it; the API and the CLI show it,
+    the circuit breaker and the workers read it."""
+
+    asleep = "asleep"
+    waking = "waking"
+    awake = "awake"
 
 
 Lane = Literal["online", "bulk"]
