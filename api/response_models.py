@@ -59,7 +59,7 @@ _Absent = SkipJsonSchema[None]
 
 
 class Timings(BaseModel):
-    """Every key is always present; a time not reached yet is null."""
+    """Every key but `cold_start_ms` is always present; a time not reached yet is null."""
 
     enqueued_at: str = Field(json_schema_extra=_ISO)
     started_at: str | None = Field(json_schema_extra=_ISO)
@@ -67,6 +67,9 @@ class Timings(BaseModel):
     queue_wait_ms: float | None
     model_ms: float | None
     total_ms: float | None
+    cold_start_ms: float | _Absent = Field(
+        default=None, description="Only for a job that woke its version from zero (`min_replicas` 0): how long "
+                                  "it waited for the version's first worker to start; part of `queue_wait_ms`")
 
 
 class BatchFacts(BaseModel):

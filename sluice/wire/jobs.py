@@ -91,6 +91,8 @@ class JobRecord:
     cache_ttl_s: int = 0
     # The submitting request's id (sluice.logs): the worker's log lines about the job carry it.
     request_id: str | None = None
+    # Written by the worker that ran it, only when the job woke its version from zero.
+    cold_start_ms: float | None = None
 
     def to_redis(self) -> dict[str, str]:
         """Fields as written at submission; later fields are set by the transition scripts (a job
@@ -128,6 +130,8 @@ class JobRecord:
             fields["cache_ttl_s"] = str(self.cache_ttl_s)
         if self.request_id:
             fields["request_id"] = self.request_id
+        if self.cold_start_ms is not None:
+            fields["cold_start_ms"] = repr(self.cold_start_ms)
         return fields
 
     @classmethod
@@ -170,6 +174,7 @@ class JobRecord:
             cache_key=data.get("cache_key") or None,
             cache_ttl_s=int(data.get("cache_ttl_s") or 0),
             request_id=data.get("request_id") or None,
+            cold_start_ms=num("cold_start_ms"),
         )
 
     @property
@@ -196,6 +201,8 @@ class JobRecord:
             },
             "batch": {"size": self.batch_size, "close_reason": self.close_reason},
         }
+        if self.cold_start_ms is not None:
+            body["timings"]["cold_start_ms"] = self.cold_start_ms
         if self.output is not None:
             body["output"] = self.output
         if self.error is not None:

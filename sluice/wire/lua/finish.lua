@@ -22,8 +22,8 @@
 -- ARGV[9]: close_reason
 -- ARGV[10]: the number of jobs
 -- ARGV[11..]: per job: its id, lane (1 online, 2 bulk), entry id, status, output or '', error or
---   '', '1' to announce it or '', then its sample (its number of fields, then the fields); then one
---   message per faulted job
+--   '', '1' to announce it or '', its cold_start_ms or '' (it waited for a version woken from zero),
+--   then its sample (its number of fields, then the fields); then one message per faulted job
 --
 -- Returns: per job, 1 where this write won, else 0.
 --
@@ -41,9 +41,9 @@ local k, a = 5, 11
 local won, acks = {}, {{}, {}}
 for j = 1, tonumber(ARGV[10]) do
   local job, id, lane, entry, status = KEYS[k], ARGV[a], tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 3]
-  local output, err, announce = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
-  local sample = a + 8
-  a = sample + 2 * tonumber(ARGV[a + 7])
+  local output, err, announce, cold = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], ARGV[a + 7]
+  local sample = a + 9
+  a = sample + 2 * tonumber(ARGV[a + 8])
   local s = redis.call('HGET', job, 'status')
   won[j] = 0
   if s == 'queued' or s == 'running' then
@@ -51,6 +51,7 @@ for j = 1, tonumber(ARGV[10]) do
       'close_reason', ARGV[9], 'started_at', ARGV[5])
     if output ~= '' then redis.call('HSET', job, 'output', output) end
     if err ~= '' then redis.call('HSET', job, 'error', err) end
+    if cold ~= '' then redis.call('HSET', job, 'cold_start_ms', cold) end
     local cache = redis.call('HMGET', job, 'cache_key', 'cache_ttl_s')
     if cache[1] and status == 'succeeded' and output ~= '' then
       redis.call('SET', cache[1], output, 'EX', cache[2])
