@@ -145,6 +145,6 @@ def test_in_simulated_time_a_min_zero_pool_sleeps_between_bursts_and_pays_a_cold
     zero = simulate(bursts, "lag", cost=cost, config=SimConfig(min_replicas=0, idle_s=IDLE_S, seed=3))
     assert zero.jobs == floor.jobs > 0  # every job ran
     # Asleep from about 60 + 300 s to the second burst, and again after it: far fewer replica-minutes.
-    assert zero.replica_minutes < 0.6 * floor.replica_minutes
+    assert zero.replica_minutes < 0.7 * floor.replica_minutes
     # The jobs that woke it waited for a worker to start.
     assert zero.p99_ms >= 1000 * cost.cold_start_s * 0.5 > floor.p99_ms
