@@ -228,7 +228,7 @@ class Replicas(BaseModel):
     not_served: str | None = Field(default=None, description="Why no worker can serve the version now "
                                    "(submissions get 503 `not_served`), or null")
     scale_to_zero: str | None = Field(
-        default=None, json_schema_extra={"enum": [state.value for state in ZeroState]},
+        default=None, json_schema_extra={"enum": [*(state.value for state in ZeroState), None]},
         description="A version with `min_replicas` 0: `asleep` (idle, placed on no process; a submission is "
                     "accepted and wakes it), `waking` (its first worker is starting) or `awake`; null otherwise")
 
