@@ -7,8 +7,8 @@ plain facts read from its streams, so an operator can predict it:
 
 * **asleep**: nothing queued or running and no arrival for `idle_s`; the version is placed on no
   process. It is still served: a submission is accepted and queued.
-* **waking**: a job arrived while it was asleep; it is placed on one process (a floor placement,
-  so the budget cannot keep it from waking) and its first worker is starting.
+* **waking**: a job arrived while it was asleep; it is placed on exactly one process (a floor
+  placement, so the budget cannot keep it from waking) while its first worker starts.
 * **awake**: a worker serves it; the lag policy sizes it from one replica upwards.
 
 One `IdleWatch` per version; the scheduler (`scheduler/scaling.py`) and the capacity simulator

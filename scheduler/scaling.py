@@ -201,11 +201,13 @@ class Autoscaler:
                                                    arrived=reading.online.added + reading.bulk.added,
                                                    ready=ready_processes))
                 zeros[key] = zero.state
-                if zero.state is ZeroState.asleep:
-                    # The idle period was the stabilization: no window of older recommendations
-                    # holds a replica past it, and a wake scales up from zero at once.
+                if zero.state is not ZeroState.awake:
+                    # Asleep: the idle period was the stabilization, no window of older
+                    # recommendations holds a replica past it. Waking: one process until its worker
+                    # is ready; nothing is measured before, and the lag policy's "one more while work
+                    # waits" would add a process every tick of the cold start.
                     self._stabilizers.pop(key, None)
-                    needs[key] = (0, zero.reason, 0)
+                    needs[key] = (zero.floor, zero.reason, zero.floor)
                     continue
                 floor, woke = zero.floor, f"; {zero.reason}"
             else:

@@ -228,10 +228,10 @@ class _Simulation:
             floor = config.min_replicas
             if self.idle is not None:
                 zero = self.idle.observe(now, Activity(backlog=backlog, arrived=self.arrived, ready=ready))
-                if zero.state is ZeroState.asleep:
-                    # As the scheduler: no stabilization window outlives the idle period.
+                if zero.state is not ZeroState.awake:
+                    # As the scheduler: asleep holds none, waking one until it is ready.
                     self.stabilizer = Stabilizer(policy=self.scaling)
-                    self.scale_to(now, 0)
+                    self.scale_to(now, zero.floor)
                     self.push(now + config.tick_s, "tick")
                     return
                 floor = zero.floor
