@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from scheduler.autoscale import ScalingPolicy
@@ -126,6 +128,21 @@ def test_a_wake_is_placed_as_a_floor_even_with_no_process_left_in_the_budget() -
     readings = {**readings, **reading(queued=1, added=1, ready=False)}
     _, placed = scaler.decide(versions, readings, now=2.0)
     assert placed.replicas(KEY) == 1 and any("over the 1-process budget" in c for c in placed.changes)
+
+
+def test_while_its_first_worker_starts_a_waking_version_holds_one_process_whatever_waits() -> None:
+    scaler = autoscaler(processes=4)
+    scaler.decide(scaled(0), reading(queued=0, added=0, ready=False), now=0.0)
+    starting = Heartbeat(state=WorkerState.starting, items_per_s=0.0, batch_size=0, cold_start_s=0.0, processed=0,
+                         pid=8, at=0.0, group="g1")
+    for now in (2.0, 4.0, 6.0, 8.0):
+        readings = {KEY: replace(reading(queued=500, added=500, ready=False)[KEY], beats=(starting,))}
+        decisions, placed = scaler.decide(scaled(0), readings, now=now)
+        assert decisions[KEY].zero is ZeroState.waking and decisions[KEY].desired == 1
+        assert placed.replicas(KEY) == 1
+    # Ready: the lag policy sizes it, from one upwards.
+    decisions, placed = scaler.decide(scaled(0), reading(queued=500, added=500, ready=True), now=10.0)
+    assert decisions[KEY].zero is ZeroState.awake and placed.replicas(KEY) > 1
 
 
 def test_a_version_with_a_floor_never_goes_to_zero() -> None:
