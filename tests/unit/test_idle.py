@@ -136,12 +136,12 @@ def test_while_its_first_worker_starts_a_waking_version_holds_one_process_whatev
     starting = Heartbeat(state=WorkerState.starting, items_per_s=0.0, batch_size=0, cold_start_s=0.0, processed=0,
                          pid=8, at=0.0, group="g1")
     for now in (2.0, 4.0, 6.0, 8.0):
-        readings = {KEY: replace(reading(queued=500, added=500, ready=False)[KEY], beats=(starting,))}
+        readings = {KEY: replace(reading(queued=5000, added=5000, ready=False)[KEY], beats=(starting,))}
         decisions, placed = scaler.decide(scaled(0), readings, now=now)
         assert decisions[KEY].zero is ZeroState.waking and decisions[KEY].desired == 1
         assert placed.replicas(KEY) == 1
     # Ready: the lag policy sizes it, from one upwards.
-    decisions, placed = scaler.decide(scaled(0), reading(queued=500, added=500, ready=True), now=10.0)
+    decisions, placed = scaler.decide(scaled(0), reading(queued=5000, added=5000, ready=True), now=10.0)
     assert decisions[KEY].zero is ZeroState.awake and placed.replicas(KEY) > 1
 
 
