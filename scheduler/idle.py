@@ -9,7 +9,8 @@ plain facts read from its streams, so an operator can predict it:
   process. It is still served: a submission is accepted and queued.
 * **waking**: a job arrived while it was asleep; it is placed on exactly one process (a floor
   placement, so the budget cannot keep it from waking) while its first worker starts.
-* **awake**: a worker serves it; the lag policy sizes it from one replica upwards.
+* **awake**: a worker the wake started reports ready (not one released with it and still
+  draining); the lag policy sizes it from one replica upwards.
 
 One `IdleWatch` per version; the scheduler (`scheduler/scaling.py`) and the capacity simulator
 (`scheduler/planning/capacity_sim.py`) run it.
@@ -39,7 +40,10 @@ class Activity:
 
     backlog: int  # entries queued or running, both lanes (finished entries are deleted)
     arrived: int  # entries ever added, both lanes: a monotonic count (XINFO STREAM entries-added)
-    ready: int  # processes serving the version now
+    # The workers serving it now, by name (a Worker's consumer name is never reused): a worker
+    # released with the version may still report ready while it drains, and must not count as
+    # the one a wake started.
+    ready: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,7 @@ class IdleWatch:
         self._arrived: int | None = None
         self._active_at = 0.0
         self._state = ZeroState.asleep
+        self._released: frozenset[str] = frozenset()  # ready when it went to sleep, or since
 
     @property
     def state(self) -> ZeroState:
@@ -68,22 +73,27 @@ class IdleWatch:
         # and written to again.
         arrived = not first and activity.arrived != self._arrived
         self._arrived = activity.arrived
+        fresh = activity.ready - self._released
+        if self._state is ZeroState.asleep:
+            # Whoever reports ready while it sleeps is a released worker still draining.
+            self._released = activity.ready
         if first:
             # A scheduler starting (or the version just registered): nothing running and nothing
             # waiting is already at zero; anything else gets a whole idle period from now.
-            if activity.backlog == 0 and activity.ready == 0:
+            if activity.backlog == 0 and not activity.ready:
                 return self._decide(ZeroState.asleep, "no job queued or running, no worker: at zero")
             self._active_at = now
-            self._state = ZeroState.awake if activity.ready else ZeroState.waking
+            self._state = ZeroState.awake if fresh else ZeroState.waking
         if activity.backlog > 0 or arrived:
             self._active_at = now
             if self._state is ZeroState.asleep:
                 what = f"{activity.backlog} queued or running" if activity.backlog else "an arrival"
                 return self._decide(ZeroState.waking, f"woken by {what}: placing a worker")
         if self._state is not ZeroState.asleep and now - self._active_at >= self.policy.idle_s:
+            self._released = activity.ready
             return self._decide(ZeroState.asleep, f"idle {now - self._active_at:.0f} s (nothing queued, running or "
                                                   f"arriving; idle period {self.policy.idle_s:g} s): scaled to zero")
-        if self._state is ZeroState.waking and activity.ready:
+        if self._state is ZeroState.waking and fresh:
             self._state = ZeroState.awake
         if self._state is ZeroState.asleep:
             return self._decide(ZeroState.asleep, "scaled to zero: a job wakes it")

@@ -51,10 +51,16 @@ class PoolReading:
     online: LaneReading
     bulk: LaneReading
     beats: tuple[Heartbeat, ...]
+    workers: tuple[str, ...] = ()  # each beat's worker (consumer name), in the same order
 
     @property
     def ready(self) -> list[Heartbeat]:
         return [beat for beat in self.beats if beat.state == WorkerState.ready]
+
+    @property
+    def ready_workers(self) -> frozenset[str]:
+        return frozenset(name for name, beat in zip(self.workers, self.beats, strict=False)
+                         if beat.state == WorkerState.ready)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +101,10 @@ def read_pools(client: redis.Redis, versions: Iterable[VersionKey], *, now: floa
         beats = iter(pipe.execute() if any(names.values()) else [])
     readings = {}
     for key in versions:
-        found = [next(beats) for _ in names[key]]
+        found = [(name, next(beats)) for name in names[key]]
         readings[key] = PoolReading(online=lanes[key][0], bulk=lanes[key][1],
-                                    beats=tuple(Heartbeat.from_fields(raw) for raw in found if raw))
+                                    beats=tuple(Heartbeat.from_fields(raw) for _, raw in found if raw),
+                                    workers=tuple(name for name, raw in found if raw))
     return readings
 
 
@@ -199,7 +206,7 @@ class Autoscaler:
                 watch = self._watches.setdefault(key, IdleWatch(policy=self.idle))
                 zero = watch.observe(now, Activity(backlog=reading.online.queued + reading.bulk.queued,
                                                    arrived=reading.online.added + reading.bulk.added,
-                                                   ready=ready_processes))
+                                                   ready=reading.ready_workers))
                 zeros[key] = zero.state
                 if zero.state is not ZeroState.awake:
                     # Asleep: the idle period was the stabilization, no window of older

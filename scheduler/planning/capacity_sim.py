@@ -227,7 +227,9 @@ class _Simulation:
             ready = sum(1 for r in self.active() if r.ready_at <= now)
             floor = config.min_replicas
             if self.idle is not None:
-                zero = self.idle.observe(now, Activity(backlog=backlog, arrived=self.arrived, ready=ready))
+                serving = frozenset(str(i) for i, r in enumerate(self.replicas)
+                                    if r.ended_at is None and not r.draining and r.ready_at <= now)
+                zero = self.idle.observe(now, Activity(backlog=backlog, arrived=self.arrived, ready=serving))
                 if zero.state is not ZeroState.awake:
                     # As the scheduler: asleep holds none, waking one until it is ready.
                     self.stabilizer = Stabilizer(policy=self.scaling)

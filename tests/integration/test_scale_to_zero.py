@@ -23,6 +23,7 @@ from scheduler.supervisor import Supervisor
 from sluice.registry.store import Registry
 from sluice.settings import Settings
 from sluice.wire import keys, placements
+from sluice.wire.heartbeats import live_since
 from sluice.wire.placements import PlacementPlan
 from tests.support import FAST_SYNTHETIC, SYNTHETIC_SHA, unique, wait_job, wait_until
 
@@ -93,6 +94,10 @@ def placed(rds: redis.Redis, model: str) -> bool:
     return plan is not None and bool(plan.groups_of((model, "v1")))
 
 
+def live_workers(rds: redis.Redis, model: str) -> int:
+    return int(rds.zcount(keys.live_workers(model, "v1"), live_since(time.time()), "+inf"))
+
+
 def shown(admin: httpx.Client, model: str) -> dict[str, Any]:
     replicas: dict[str, Any] = admin.get(f"/v1/models/{model}").json()["versions"][0]["replicas"] or {}
     return replicas
@@ -130,6 +135,9 @@ def test_an_idle_min_zero_version_releases_its_worker_and_one_job_wakes_it(
     assert time.monotonic() - idle_from >= IDLE_S - 1.0, "released before its idle period"
     assert not placed(rds, model)
     wait_until(lambda: not scheduler.pids(), timeout_s=15, what="the released group's process gone")
+    # A job arriving while the released worker drains may still be read by it (no cold start then):
+    # this one comes once it has left.
+    wait_until(lambda: not live_workers(rds, model), timeout_s=15, what="the released worker gone")
     asleep = shown(admin, model)
     assert asleep["scale_to_zero"] == "asleep" and asleep["desired"] == 0 and not asleep["not_served"], asleep
 

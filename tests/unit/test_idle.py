@@ -16,6 +16,8 @@ from sluice.versions import VersionState
 from sluice.wire.heartbeats import Heartbeat, WorkerState
 
 IDLE_S = 300.0
+NONE: frozenset[str] = frozenset()
+W1 = frozenset({"w1"})
 
 
 def watch() -> IdleWatch:
@@ -23,55 +25,67 @@ def watch() -> IdleWatch:
 
 
 def test_a_version_with_nothing_queued_and_no_worker_starts_asleep() -> None:
-    decision = watch().observe(0.0, Activity(backlog=0, arrived=0, ready=0))
+    decision = watch().observe(0.0, Activity(backlog=0, arrived=0, ready=NONE))
     assert decision.state is ZeroState.asleep and decision.floor == 0
 
 
 def test_a_served_version_is_released_only_after_a_whole_idle_period() -> None:
     idle = watch()
-    assert idle.observe(0.0, Activity(backlog=0, arrived=5, ready=1)).state is ZeroState.awake
-    assert idle.observe(IDLE_S - 1, Activity(backlog=0, arrived=5, ready=1)).state is ZeroState.awake
-    released = idle.observe(IDLE_S, Activity(backlog=0, arrived=5, ready=1))
+    assert idle.observe(0.0, Activity(backlog=0, arrived=5, ready=W1)).state is ZeroState.awake
+    assert idle.observe(IDLE_S - 1, Activity(backlog=0, arrived=5, ready=W1)).state is ZeroState.awake
+    released = idle.observe(IDLE_S, Activity(backlog=0, arrived=5, ready=W1))
     assert released.state is ZeroState.asleep and released.floor == 0
     assert "idle 300 s" in released.reason
 
 
-@pytest.mark.parametrize("activity", [Activity(backlog=0, arrived=6, ready=1),  # an arrival, already run
-                                      Activity(backlog=2, arrived=5, ready=1)])  # a job still running
+@pytest.mark.parametrize("activity", [Activity(backlog=0, arrived=6, ready=W1),  # an arrival, already run
+                                      Activity(backlog=2, arrived=5, ready=W1)])  # a job still running
 def test_an_arrival_or_a_job_in_the_streams_restarts_the_idle_period(activity: Activity) -> None:
     idle = watch()
-    idle.observe(0.0, Activity(backlog=0, arrived=5, ready=1))
+    idle.observe(0.0, Activity(backlog=0, arrived=5, ready=W1))
     assert idle.observe(200.0, activity).state is ZeroState.awake
-    quiet = Activity(backlog=0, arrived=activity.arrived, ready=1)
+    quiet = Activity(backlog=0, arrived=activity.arrived, ready=W1)
     assert idle.observe(200.0 + IDLE_S - 1, quiet).state is ZeroState.awake
     assert idle.observe(200.0 + IDLE_S, quiet).state is ZeroState.asleep
 
 
 def test_one_job_wakes_an_asleep_version_which_is_awake_once_a_worker_is_ready() -> None:
     idle = watch()
-    idle.observe(0.0, Activity(backlog=0, arrived=3, ready=0))
-    assert idle.observe(10.0, Activity(backlog=0, arrived=3, ready=0)).state is ZeroState.asleep
-    woken = idle.observe(12.0, Activity(backlog=1, arrived=4, ready=0))
+    idle.observe(0.0, Activity(backlog=0, arrived=3, ready=NONE))
+    assert idle.observe(10.0, Activity(backlog=0, arrived=3, ready=NONE)).state is ZeroState.asleep
+    woken = idle.observe(12.0, Activity(backlog=1, arrived=4, ready=NONE))
     assert woken.state is ZeroState.waking and woken.floor == 1 and "woken by 1 queued" in woken.reason
     # Still starting: it stays waking, with its floor of one.
-    assert idle.observe(14.0, Activity(backlog=1, arrived=4, ready=0)).state is ZeroState.waking
-    assert idle.observe(16.0, Activity(backlog=0, arrived=4, ready=1)).state is ZeroState.awake
+    assert idle.observe(14.0, Activity(backlog=1, arrived=4, ready=NONE)).state is ZeroState.waking
+    assert idle.observe(16.0, Activity(backlog=0, arrived=4, ready=W1)).state is ZeroState.awake
     # Its idle period counts from the last activity (the job in the streams at 14 s).
-    assert idle.observe(14.0 + IDLE_S, Activity(backlog=0, arrived=4, ready=1)).state is ZeroState.asleep
+    assert idle.observe(14.0 + IDLE_S, Activity(backlog=0, arrived=4, ready=W1)).state is ZeroState.asleep
 
 
 def test_an_arrival_seen_only_as_the_counter_moving_wakes_it_too() -> None:
     """A job cancelled (or expired) between two looks leaves an empty stream; its arrival still counts."""
     idle = watch()
-    idle.observe(0.0, Activity(backlog=0, arrived=3, ready=0))
-    assert idle.observe(2.0, Activity(backlog=0, arrived=4, ready=0)).state is ZeroState.waking
+    idle.observe(0.0, Activity(backlog=0, arrived=3, ready=NONE))
+    assert idle.observe(2.0, Activity(backlog=0, arrived=4, ready=NONE)).state is ZeroState.waking
 
 
 def test_a_recreated_stream_counts_as_activity() -> None:
     idle = watch()
-    idle.observe(0.0, Activity(backlog=0, arrived=9, ready=1))
-    assert idle.observe(IDLE_S - 1, Activity(backlog=0, arrived=1, ready=1)).state is ZeroState.awake
-    assert idle.observe(IDLE_S + 1, Activity(backlog=0, arrived=1, ready=1)).state is ZeroState.awake
+    idle.observe(0.0, Activity(backlog=0, arrived=9, ready=W1))
+    assert idle.observe(IDLE_S - 1, Activity(backlog=0, arrived=1, ready=W1)).state is ZeroState.awake
+    assert idle.observe(IDLE_S + 1, Activity(backlog=0, arrived=1, ready=W1)).state is ZeroState.awake
+
+
+def test_a_released_worker_still_draining_is_not_the_one_a_wake_started() -> None:
+    idle = watch()
+    idle.observe(0.0, Activity(backlog=0, arrived=5, ready=W1))
+    assert idle.observe(IDLE_S, Activity(backlog=0, arrived=5, ready=W1)).state is ZeroState.asleep
+    # A job right after the release, while w1 drains and still reports ready.
+    assert idle.observe(IDLE_S + 1, Activity(backlog=1, arrived=6, ready=W1)).state is ZeroState.waking
+    assert idle.observe(IDLE_S + 2, Activity(backlog=1, arrived=6, ready=W1)).state is ZeroState.waking
+    assert idle.observe(IDLE_S + 3, Activity(backlog=1, arrived=6, ready=NONE)).state is ZeroState.waking
+    woken = frozenset({"w2"})
+    assert idle.observe(IDLE_S + 4, Activity(backlog=0, arrived=6, ready=woken)).state is ZeroState.awake
 
 
 def test_the_idle_period_must_be_positive() -> None:
@@ -93,7 +107,8 @@ def scaled(min_replicas: int) -> dict[tuple[str, str], ScaledVersion]:
 def reading(*, queued: int, added: int, ready: bool) -> dict[tuple[str, str], PoolReading]:
     beats = (Heartbeat(state=WorkerState.ready, items_per_s=50.0, batch_size=4, cold_start_s=1.0, processed=10,
                        pid=7, at=0.0, group="g1"),) if ready else ()
-    return {KEY: PoolReading(online=LaneReading(queued=queued, added=added), bulk=LaneReading(0, 0), beats=beats)}
+    return {KEY: PoolReading(online=LaneReading(queued=queued, added=added), bulk=LaneReading(0, 0), beats=beats,
+                             workers=("w1",) if ready else ())}
 
 
 def autoscaler(processes: int = 1) -> Autoscaler:
@@ -136,7 +151,8 @@ def test_while_its_first_worker_starts_a_waking_version_holds_one_process_whatev
     starting = Heartbeat(state=WorkerState.starting, items_per_s=0.0, batch_size=0, cold_start_s=0.0, processed=0,
                          pid=8, at=0.0, group="g1")
     for now in (2.0, 4.0, 6.0, 8.0):
-        readings = {KEY: replace(reading(queued=5000, added=5000, ready=False)[KEY], beats=(starting,))}
+        readings = {KEY: replace(reading(queued=5000, added=5000, ready=False)[KEY], beats=(starting,),
+                                 workers=("w9",))}
         decisions, placed = scaler.decide(scaled(0), readings, now=now)
         assert decisions[KEY].zero is ZeroState.waking and decisions[KEY].desired == 1
         assert placed.replicas(KEY) == 1
