@@ -2,7 +2,8 @@
 real `sluice worker --group` process, through REST: a `min_replicas` 0 version is woken by one job,
 which succeeds with `cold_start_ms`; idle for the idle period it releases its placement (its
 process drains) and shows `asleep`; a submission then is accepted, not refused, wakes it again and
-succeeds, and a job submitted while a worker serves it carries no `cold_start_ms`."""
+succeeds, and a job submitted while a worker serves it carries no `cold_start_ms`. The circuit
+breaker does not count a waking version's missing worker as a fault."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from sluice.settings import Settings
 from sluice.wire import keys, placements
 from sluice.wire.heartbeats import live_since
 from sluice.wire.placements import PlacementPlan
-from tests.support import FAST_SYNTHETIC, SYNTHETIC_SHA, unique, wait_job, wait_until
+from tests.support import FAST_SYNTHETIC, SYNTHETIC_SHA, ApiServer, unique, wait_job, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -144,3 +145,35 @@ def test_an_idle_min_zero_version_releases_its_worker_and_one_job_wakes_it(
     # Asleep is not `not_served`: the job is accepted, wakes the version, and runs.
     again = submit_and_wait(demo, model, "wake up again")
     assert again["status"] == "succeeded" and again["timings"]["cold_start_ms"] > 0, again
+
+
+def test_a_waking_version_is_not_cut_off_by_its_breaker_for_having_no_worker_yet(
+    settings: Settings, admin: httpx.Client, rds: redis.Redis,
+) -> None:
+    """The breaker's no-worker rule (here after 0.5 s) spares a version whose first worker is
+    starting, as the scheduler's decision says, and applies again once it says `awake`."""
+    from api.app import create_app
+
+    model = unique("waking")
+    assert admin.post("/v1/models", json={"name": model, "kind": "synthetic"}).status_code == 201
+    assert admin.post(f"/v1/models/{model}/versions", json={
+        "version": "v1", "artifact": f"synthetic:?{FAST_SYNTHETIC}", "sha256": SYNTHETIC_SHA, "state": "stable",
+        "min_replicas": 0}).status_code == 201
+    rds.hset(keys.replicas(model, "v1"), mapping={"desired": 1, "live": 0, "reason": "woken", "at": "0",
+                                                  "zero": "waking"})
+    rds.expire(keys.replicas(model, "v1"), 60)
+    server = ApiServer(app=create_app(settings=settings.model_copy(update={"breaker_no_worker_grace_s": 0.5})))
+    server.start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            def state() -> str:
+                breakers = client.get("/readyz").json().get("breakers", {})
+                return str(breakers.get(f"{model}/v1", {}).get("state", "unknown"))
+
+            wait_until(lambda: state() == "closed", timeout_s=10, what="the version's breaker judged")
+            time.sleep(2.5)
+            assert state() == "closed", "a waking version was cut off for having no worker yet"
+            rds.hset(keys.replicas(model, "v1"), "zero", "awake")
+            wait_until(lambda: state() == "open", timeout_s=10, what="the no-worker rule applying once awake")
+    finally:
+        server.stop()
