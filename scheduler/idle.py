@@ -63,10 +63,6 @@ class IdleWatch:
         self._state = ZeroState.asleep
         self._released: frozenset[str] = frozenset()  # ready when it went to sleep, or since
 
-    @property
-    def state(self) -> ZeroState:
-        return self._state
-
     def observe(self, now: float, activity: Activity) -> ZeroDecision:
         first = self._arrived is None
         # Any change of the counter is an arrival: one that went down means the stream was deleted
