@@ -25,6 +25,7 @@ from sluice.breaker import BreakerState, CircuitBreaker, Health
 from sluice.errors import BrokerError
 from sluice.metrics import BREAKER_OPEN
 from sluice.versions import PRIMARY_STATES
+from sluice.vocabulary import ZeroState
 from sluice.wire import heartbeats, keys, samples
 from sluice.wire.connections import translate_redis_errors
 
@@ -99,18 +100,18 @@ class BreakerBoard:
             for model, version in versions:
                 heartbeats.queue_live_count(pipe, model, version, now=now)
                 samples.queue_recent(pipe, model, version, count=RECENT_OUTCOMES)
-                pipe.hget(keys.replicas(model, version), "desired")
+                pipe.hmget(keys.replicas(model, version), "desired", "zero")
             replies: list[Any] = await pipe.execute()
         alive = set(versions)
         for gone in [k for k in self._breakers if k not in alive]:
             del self._breakers[gone]
         for index, (model, version) in enumerate(versions):
-            live, entries, desired = replies[3 * index: 3 * index + 3]
+            live, entries, (desired, zero) = replies[3 * index: 3 * index + 3]
             outcomes = [(sample.finished_at, sample.succeeded) for sample in samples.parse(entries)]
             breaker = self._breakers.setdefault((model, version), self.make_breaker())
             before = breaker.state
             after = breaker.observe(now, Health(live_workers=int(live), outcomes=outcomes,
-                                                scaled_to_zero=desired == b"0"))
+                                                scaled_to_zero=desired == b"0" or zero == ZeroState.waking.encode()))
             if after is not before:
                 log.warning("circuit breaker of %s/%s: %s -> %s (%s)", model, version, before.value,
                             after.value, breaker.reason or "recovered")

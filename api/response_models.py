@@ -22,7 +22,7 @@ from sluice.kinds import ModelKind
 from sluice.registry.tables import ROLLOUT_ACTIONS
 from sluice.retry import RetryOn
 from sluice.versions import Tier, VersionState
-from sluice.vocabulary import CLOSE_REASONS, BatchState, Lane, RolloutState
+from sluice.vocabulary import CLOSE_REASONS, BatchState, Lane, RolloutState, ZeroState
 from sluice.wire.jobs import JobStatus
 
 __all__ = [
@@ -63,7 +63,7 @@ _Absent = SkipJsonSchema[None]
 
 
 class Timings(BaseModel):
-    """Every key is always present; a time not reached yet is null."""
+    """Every key but `cold_start_ms` is always present; a time not reached yet is null."""
 
     enqueued_at: str = Field(json_schema_extra=_ISO)
     started_at: str | None = Field(json_schema_extra=_ISO)
@@ -71,6 +71,9 @@ class Timings(BaseModel):
     queue_wait_ms: float | None
     model_ms: float | None
     total_ms: float | None
+    cold_start_ms: float | _Absent = Field(
+        default=None, description="Only for a job that woke its version from zero (`min_replicas` 0): how long "
+                                  "it waited for the version's first worker to start; part of `queue_wait_ms`")
 
 
 class BatchFacts(BaseModel):
@@ -276,6 +279,10 @@ class Replicas(BaseModel):
                                               description="The worker processes the version is placed on")
     not_served: str | None = Field(default=None, description="Why no worker can serve the version now "
                                    "(submissions get 503 `not_served`), or null")
+    scale_to_zero: str | None = Field(
+        default=None, json_schema_extra={"enum": [*(state.value for state in ZeroState), None]},
+        description="A version with `min_replicas` 0: `asleep` (idle, placed on no process; a submission is "
+                    "accepted and wakes it), `waking` (its first worker is starting) or `awake`; null otherwise")
 
 
 class RunningPrecision(BaseModel):

@@ -57,6 +57,11 @@ def _placement(replicas: dict[str, Any]) -> str:
     """Where the version runs and with whom: the blast radius of a process that fails."""
     if replicas.get("not_served"):
         return f"not served: {replicas['not_served']}"
+    zero = replicas.get("scale_to_zero")
+    if zero == "asleep":
+        return "scaled to zero (min_replicas 0, idle): placed on no process; the next job wakes it"
+    if zero == "waking":
+        return "waking from zero: its first worker is starting, jobs queue until it is ready"
     processes = replicas.get("processes") or []
     if not processes:
         return "placed on no process"

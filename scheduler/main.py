@@ -28,6 +28,7 @@ from typing import Protocol
 import redis
 
 from scheduler.autoscale import ScalingPolicy
+from scheduler.idle import IdlePolicy
 from scheduler.placement import Budget
 from scheduler.quality import run_aggregator
 from scheduler.retirement import retiring, watched
@@ -273,4 +274,4 @@ def autoscaler(settings: Settings) -> Autoscaler:
     policy = ScalingPolicy(headroom=settings.scale_headroom, drain_target_s=settings.scale_drain_target_s,
                            stabilization_s=settings.scale_down_stabilization_s,
                            max_step_down=settings.scale_max_step_down)
-    return Autoscaler(policy=policy, budget=budget(settings))
+    return Autoscaler(policy=policy, budget=budget(settings), idle=IdlePolicy(idle_s=settings.scale_to_zero_idle_s))

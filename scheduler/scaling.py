@@ -20,11 +20,12 @@ from typing import Any
 import redis
 
 from scheduler.autoscale import LaneLoad, PoolSignals, RateTracker, ScalingPolicy, Stabilizer, Tier, need
+from scheduler.idle import Activity, IdlePolicy, IdleWatch
 from scheduler.placement import Budget, GroupPlan, Placed, Placer, Want
 from sluice.metrics import DESIRED_REPLICAS, LIVE_REPLICAS, STREAM_LAG
 from sluice.routing import ModelInfo, RoutingSnapshot, VersionInfo
 from sluice.versions import VersionState
-from sluice.vocabulary import LANES
+from sluice.vocabulary import LANES, ZeroState
 from sluice.wire import keys, placements
 from sluice.wire.connections import translate_redis_errors
 from sluice.wire.heartbeats import Heartbeat, WorkerState, live_since
@@ -50,10 +51,16 @@ class PoolReading:
     online: LaneReading
     bulk: LaneReading
     beats: tuple[Heartbeat, ...]
+    workers: tuple[str, ...] = ()  # each beat's worker (consumer name), in the same order
 
     @property
     def ready(self) -> list[Heartbeat]:
         return [beat for beat in self.beats if beat.state == WorkerState.ready]
+
+    @property
+    def ready_workers(self) -> frozenset[str]:
+        return frozenset(name for name, beat in zip(self.workers, self.beats, strict=False)
+                         if beat.state == WorkerState.ready)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +68,7 @@ class ScaleDecision:
     replicas: int  # processes the version is placed on
     desired: int  # what the version needs (stabilized, clamped), before the budget
     reason: str
+    zero: ZeroState | None = None  # a version with min_replicas 0: asleep, waking or awake (scheduler/idle.py)
 
 
 def _field(info: Mapping[Any, Any], name: str) -> int:
@@ -93,9 +101,10 @@ def read_pools(client: redis.Redis, versions: Iterable[VersionKey], *, now: floa
         beats = iter(pipe.execute() if any(names.values()) else [])
     readings = {}
     for key in versions:
-        found = [next(beats) for _ in names[key]]
+        found = [(name, next(beats)) for name in names[key]]
         readings[key] = PoolReading(online=lanes[key][0], bulk=lanes[key][1],
-                                    beats=tuple(Heartbeat.from_fields(raw) for raw in found if raw))
+                                    beats=tuple(Heartbeat.from_fields(raw) for _, raw in found if raw),
+                                    workers=tuple(name for name, raw in found if raw))
     return readings
 
 
@@ -161,9 +170,12 @@ class Autoscaler:
     (scheduler/placement.py): the need is a count of processes to be placed on, and every version
     with a floor is placed whatever the budget."""
 
-    def __init__(self, *, policy: ScalingPolicy, budget: Budget, estimate_bytes: int = DEFAULT_RESIDENT_BYTES) -> None:
+    def __init__(self, *, policy: ScalingPolicy, budget: Budget, estimate_bytes: int = DEFAULT_RESIDENT_BYTES,
+                 idle: IdlePolicy | None = None) -> None:
         self.policy = policy
         self.budget = budget
+        self.idle = idle or IdlePolicy()
+        self._watches: dict[VersionKey, IdleWatch] = {}  # the versions with min_replicas 0
         self.estimate_bytes = estimate_bytes
         self.placer = Placer()
         self._trackers: dict[tuple[VersionKey, str], RateTracker] = {}
@@ -178,7 +190,8 @@ class Autoscaler:
 
     def decide(self, versions: Mapping[VersionKey, ScaledVersion], readings: Mapping[VersionKey, PoolReading], *,
                now: float) -> tuple[dict[VersionKey, ScaleDecision], Placed]:
-        needs: dict[VersionKey, tuple[int, str]] = {}
+        needs: dict[VersionKey, tuple[int, str, int]] = {}  # desired, reason, floor
+        zeros: dict[VersionKey, ZeroState] = {}
         for key, scaled in versions.items():
             info, reading = scaled.info, readings[key]
             loads = {}
@@ -187,28 +200,47 @@ class Autoscaler:
                 rate = tracker.observe(now, lane_reading.added)
                 loads[lane] = LaneLoad(backlog=lane_reading.queued, arrival_rate=rate.rate, trend=rate.trend)
             ready = reading.ready
+            ready_processes = len({beat.group or beat.pid for beat in ready})
+            floor, woke = info.min_replicas, ""
+            if info.min_replicas == 0:
+                watch = self._watches.setdefault(key, IdleWatch(policy=self.idle))
+                zero = watch.observe(now, Activity(backlog=reading.online.queued + reading.bulk.queued,
+                                                   arrived=reading.online.added + reading.bulk.added,
+                                                   ready=reading.ready_workers))
+                zeros[key] = zero.state
+                if zero.state is not ZeroState.awake:
+                    # Asleep: the idle period was the stabilization, no window of older
+                    # recommendations holds a replica past it. Waking: one process until its worker
+                    # is ready; nothing is measured before, and the lag policy's "one more while work
+                    # waits" would add a process every tick of the cold start.
+                    self._stabilizers.pop(key, None)
+                    needs[key] = (zero.floor, zero.reason, zero.floor)
+                    continue
+                floor, woke = zero.floor, f"; {zero.reason}"
+            else:
+                self._watches.pop(key, None)
             measured = [beat.items_per_s for beat in ready if beat.items_per_s > 0]
             colds = [beat.cold_start_s for beat in reading.beats if beat.cold_start_s > 0]
             signals = PoolSignals(
                 online=loads["online"], bulk=loads["bulk"],
                 service_rate=sum(measured) / len(measured) if measured else None,
                 cold_start_s=max(colds) if colds else None, live=live_processes(reading),
-                ready=len({beat.group or beat.pid for beat in ready}),
-                min_replicas=info.min_replicas, max_replicas=info.max_replicas)
+                ready=ready_processes, min_replicas=floor, max_replicas=info.max_replicas)
             needed = need(signals, self.policy)
             stabilizer = self._stabilizers.setdefault(key, Stabilizer(policy=self.policy))
-            desired, held = stabilizer.apply(now, needed.replicas, self.desired.get(key, info.min_replicas))
-            needs[key] = (desired, needed.reason + held)
+            desired, held = stabilizer.apply(now, needed.replicas, self.desired.get(key, floor))
+            needs[key] = (desired, needed.reason + held + woke, floor)
         for gone in set(self.desired).difference(versions):
             del self.desired[gone]
             self._stabilizers.pop(gone, None)
+            self._watches.pop(gone, None)
             for lane in LANES:
                 self._trackers.pop((gone, lane), None)
         placed = self.placer.place(self._wants(versions, readings, needs), self.budget)
         for change in placed.changes:
             log.info("placement: %s", change)
         decisions = {}
-        for key, (desired, reason) in needs.items():
+        for key, (desired, reason, _) in needs.items():
             replicas = placed.replicas(key)
             if key in placed.not_served:
                 reason += f"; not placed: {placed.not_served[key]}"
@@ -217,17 +249,17 @@ class Autoscaler:
             if self.desired.get(key) != desired:
                 log.info("scale %s/%s to %d (was %s): %s", *key, desired, self.desired.get(key, "unset"), reason)
             self.desired[key] = desired
-            decisions[key] = ScaleDecision(replicas=replicas, desired=desired, reason=reason)
+            decisions[key] = ScaleDecision(replicas=replicas, desired=desired, reason=reason, zero=zeros.get(key))
         return decisions, placed
 
     def _wants(self, versions: Mapping[VersionKey, ScaledVersion], readings: Mapping[VersionKey, PoolReading],
-               needs: Mapping[VersionKey, tuple[int, str]]) -> dict[VersionKey, Want]:
+               needs: Mapping[VersionKey, tuple[int, str, int]]) -> dict[VersionKey, Want]:
         weights = {key: weights_identity(scaled) for key, scaled in versions.items()}
         measured: dict[str, int] = {}
         for key, identity in weights.items():
             for beat in readings[key].beats:
                 measured[identity] = max(measured.get(identity, 0), beat.resident_bytes)
-        return {key: Want(tier=scaled.tier, floor=min(scaled.info.min_replicas, needs[key][0]),
+        return {key: Want(tier=scaled.tier, floor=min(needs[key][2], needs[key][0]),
                           replicas=needs[key][0], weights=weights[key],
                           resident_bytes=measured.get(weights[key]) or self.estimate_bytes,
                           config=worker_config(scaled.info), serving=scaled.info.state != VersionState.shadow)
@@ -248,7 +280,8 @@ def publish(client: redis.Redis, decisions: Mapping[VersionKey, ScaleDecision],
         for lane, lane_reading in (("online", reading.online), ("bulk", reading.bulk)):
             STREAM_LAG.labels(*key, lane).set(lane_reading.queued)
         pipe.hset(keys.replicas(*key), mapping={"desired": decision.replicas, "live": running,
-                                                "reason": decision.reason, "at": repr(time.time())})
+                                                "reason": decision.reason, "at": repr(time.time()),
+                                                "zero": decision.zero.value if decision.zero else ""})
         pipe.expire(keys.replicas(*key), DECISION_TTL_S)
     with translate_redis_errors():
         pipe.execute()

@@ -28,8 +28,9 @@ class BreakerState(StrEnum):
 class Health:
     live_workers: int
     outcomes: Sequence[tuple[float, bool]]  # (finished_at, succeeded), any order
-    # The scheduler gave the version no workers on purpose (a batch-tier model waiting for slots):
-    # its jobs queue until it has some, so no worker is not a fault to refuse submissions for.
+    # The scheduler gave the version no workers on purpose (a batch-tier model waiting for slots, a
+    # `min_replicas` 0 version asleep or waking, its first worker starting): its jobs queue until
+    # it has some, so no worker is not a fault to refuse submissions for.
     scaled_to_zero: bool = False
 
 

@@ -117,6 +117,9 @@ class Settings(BaseSettings):
     scale_down_stabilization_s: float = Field(default=300.0, ge=0)
     scale_max_step_down: int = Field(default=1, ge=1)
     scale_interval_s: float = Field(default=2.0, gt=0)
+    # A version with `min_replicas` 0 (scheduler/idle.py) releases its placement after this long
+    # with nothing queued, running or arriving; the next job wakes it.
+    scale_to_zero_idle_s: float = Field(default=300.0, gt=0)
     # Placement (scheduler/placement.py): whether a latency-tier version may share a worker process
     # with a batch-tier one (unset: only when the budget gives a single process), the share of the
     # machine's memory one process may hold in loaded weights, and how long a retired version's

@@ -1,7 +1,8 @@
 """The platform's shared words: the states a batch or a rollout passes through, the lanes a job
-rides, why a micro-batch closed, what the claim script says of an entry, and the defaults a new
-version starts with. Each is spelled here once; the registry's columns, the API's fields, the
-workers and the CLI read it from here, so a new state or a changed default cannot drift apart.
+rides, where a version scaled to zero stands, why a micro-batch closed, what the claim script says
+of an entry, and the defaults a new version starts with. Each is spelled here once; the registry's
+columns, the API's fields, the workers and the CLI read it from here, so a new state or a changed
+default cannot drift apart.
 
 Job states (`sluice.wire.jobs.JobStatus`), version states and tiers (`sluice.versions`) and model
 kinds (`sluice.kinds`) already have one home each and stay there. StrEnum members compare equal
@@ -35,6 +36,16 @@ class RolloutState(StrEnum):
     promoted = "promoted"
     rolled_back = "rolled_back"
     aborted = "aborted"
+
+
+class ZeroState(StrEnum):
+    """Where a version with `min_replicas` 0 stands (scheduler/idle.py): placed on no process,
+    its first worker starting, or served. The scheduler publishes it; the API and the CLI show it,
+    the circuit breaker and the workers read it."""
+
+    asleep = "asleep"
+    waking = "waking"
+    awake = "awake"
 
 
 Lane = Literal["online", "bulk"]

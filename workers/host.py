@@ -36,7 +36,9 @@ from sluice.registry import catalog
 from sluice.registry.store import Registry
 from sluice.registry.tables import ModelVersion
 from sluice.settings import Settings
-from sluice.wire import placements
+from sluice.vocabulary import ZeroState
+from sluice.wire import keys, placements
+from sluice.wire.connections import translate_redis_errors
 from sluice.wire.heartbeats import WorkerState
 from sluice.wire.placements import VersionKey, version_name
 from workers.models.loading import Sources
@@ -187,6 +189,8 @@ class WorkerHost:
     # --- one version ---------------------------------------------------------------------------
 
     async def _serve(self, served: _Served) -> None:
+        # Asked before loading: the scheduler marks the version awake once this Worker is ready.
+        woke = await self._waking(served.key)
         loaded = await self._load(served)
         if loaded is None:
             return
@@ -202,7 +206,7 @@ class WorkerHost:
                 shutdown_grace_s=self.settings.shutdown_grace_s, cold_start_s=loaded.cold_start_s,
                 precision=choice.precision if choice else "", precision_speedup=choice.speedup if choice else None,
                 batch_timeout_s=self.settings.batch_timeout_s, slots=self.slots, tier=loaded.tier,
-                group=self.group, resident_bytes=loaded.model.resident_bytes,
+                group=self.group, resident_bytes=loaded.model.resident_bytes, woke=woke,
                 references=References(root=self.settings.batch_root, max_bytes=self.settings.max_object_bytes,
                                       max_text_chars=self.settings.max_text_chars),
             )
@@ -222,6 +226,16 @@ class WorkerHost:
                     with contextlib.suppress(KeyError):
                         gauge.remove(model, version)
                 clear_precision(model, version)
+
+    async def _waking(self, key: VersionKey) -> bool:
+        """Whether the scheduler placed the version here to wake it from zero (scheduler/idle.py):
+        the jobs queued before this Worker is ready then carry `cold_start_ms`. Unknown (Redis
+        away) counts as not: the timing is left out, the jobs run all the same."""
+        with contextlib.suppress(SluiceError):
+            with translate_redis_errors():
+                state = await self.redis.hget(keys.replicas(*key), "zero")
+            return state in (ZeroState.waking.value, ZeroState.waking.encode())
+        return False
 
     async def _load(self, served: _Served) -> _Loaded | None:
         """Verify, load (or share) and warm the version's model; None when it was stopped first.

@@ -61,8 +61,11 @@ def _json(value: dict[str, Any] | None) -> bytes:
 
 
 class ResultWriter:
-    def __init__(self, *, streams: StreamConsumer, result_ttl_s: int) -> None:
+    def __init__(self, *, streams: StreamConsumer, result_ttl_s: int, woke_at: float | None = None) -> None:
         self.streams = streams
+        # When this worker, the first of a version woken from zero, became ready: a job queued
+        # before then waited for it to start (its `cold_start_ms`).
+        self.woke_at = woke_at
         self.redis = streams.redis
         self.model = streams.model
         self.version = streams.version
@@ -113,11 +116,14 @@ class ResultWriter:
         copy = (self._shadow_copy(delivery, item.cost, finished)
                 if delivery.shadow and outcome.output is not None else None)
         # A shadow copy's state is nobody's to wait for: only primaries announce theirs.
+        cold = (round((self.woke_at - item.enqueued_at) * 1000, 3)
+                if self.woke_at is not None and item.enqueued_at < self.woke_at else None)
         return Finished(job_id=delivery.job_id, lane=delivery.lane, entry_id=item.id,
                         status=JobStatus.queued.value if retried else status.value,
                         output=output, error=_json(outcome.error), sample=sample,
                         announce=not delivery.shadow_of, copy=copy,
-                        written=outcome.written.encode() if outcome.written is not None else "")
+                        written=outcome.written.encode() if outcome.written is not None else "",
+                        cold_start_ms=cold)
 
     async def _primary_outputs(self, batch: Batch[Delivery], outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
         """The primary outputs that shadow copies in this batch are compared with."""

@@ -133,6 +133,7 @@ class Worker:
         slots: ExecutionSlots | None = None,
         tier: str = "latency",
         references: References | None = None,
+        woke: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.model = model
@@ -166,7 +167,9 @@ class Worker:
         self.streams = StreamConsumer(redis=redis, model=model, version=version, name=self.name,
                                       claim_after_s=claim_after_s, max_deliveries=max_deliveries,
                                       result_ttl_s=result_ttl_s)
-        self.results = ResultWriter(streams=self.streams, result_ttl_s=result_ttl_s)
+        # `woke`: this Worker is the one its version's wake from zero placed, ready from now.
+        self.results = ResultWriter(streams=self.streams, result_ttl_s=result_ttl_s,
+                                    woke_at=clock() if woke else None)
         self._ready: deque[Batch[Delivery]] = deque()  # drain batches, run before anything else
         self._held: dict[str, Lane] = {}  # entry id -> lane: read, not yet acknowledged nor released
         self._wake_runner = asyncio.Event()

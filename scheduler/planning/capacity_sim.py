@@ -6,7 +6,8 @@ urgent ready batch when free, at the `synthetic` handler's cost (fixed + per ite
 token seconds). Every `tick_s` a scaling policy decides how many replicas there should be:
 
 * ``lag``: `scheduler.autoscale` as the scheduler runs it (`need` from backlog, arrival rate and
-  trend, measured service rate and cold start; `Stabilizer`);
+  trend, measured service rate and cold start; `Stabilizer`), and with `min_replicas` 0 the
+  scheduler's `scheduler.idle.IdleWatch` (released after `idle_s` idle, woken by an arrival);
 * ``utilization``: what an HPA on CPU would do, every `hpa_period_s`: replicas x measured busy
   share over the last `hpa_window_s` / `target_utilization`, a 10 % tolerance, the same
   stabilization window for scale-down, the same bounds and cold start.
@@ -29,6 +30,7 @@ from typing import Any, Literal
 import numpy as np
 
 from scheduler.autoscale import LaneLoad, PoolSignals, RateTracker, ScalingPolicy, Stabilizer, need
+from scheduler.idle import Activity, IdlePolicy, IdleWatch, ZeroState
 from sluice.batcher import Item, MicroBatcher
 
 PolicyName = Literal["lag", "utilization"]
@@ -91,6 +93,7 @@ class SimConfig:
     hpa_period_s: float = 15.0
     hpa_window_s: float = 30.0
     target_utilization: float = 0.7
+    idle_s: float = 300.0  # min_replicas 0: released after this long idle (scheduler/idle.py)
     seed: int = 0
 
 
@@ -151,6 +154,7 @@ class _Simulation:
         self.changes = 0
         self.stabilizer = Stabilizer(policy=scaling)
         self.tracker = RateTracker()
+        self.idle = IdleWatch(policy=IdlePolicy(idle_s=config.idle_s)) if config.min_replicas == 0 else None
         self.arrived = 0
         self.in_service = 0
         self.busy_log: list[tuple[float, float]] = []  # (start, end) of every batch
@@ -219,12 +223,24 @@ class _Simulation:
         config = self.config
         if self.policy_name == "lag":
             rate = self.tracker.observe(now, self.arrived)
+            backlog = len(self.batcher) + self.in_service
+            ready = sum(1 for r in self.active() if r.ready_at <= now)
+            floor = config.min_replicas
+            if self.idle is not None:
+                serving = frozenset(str(i) for i, r in enumerate(self.replicas)
+                                    if r.ended_at is None and not r.draining and r.ready_at <= now)
+                zero = self.idle.observe(now, Activity(backlog=backlog, arrived=self.arrived, ready=serving))
+                if zero.state is not ZeroState.awake:
+                    # As the scheduler: asleep holds none, waking one until it is ready.
+                    self.stabilizer = Stabilizer(policy=self.scaling)
+                    self.scale_to(now, zero.floor)
+                    self.push(now + config.tick_s, "tick")
+                    return
+                floor = zero.floor
             signals = PoolSignals(
-                online=LaneLoad(backlog=len(self.batcher) + self.in_service, arrival_rate=rate.rate,
-                                trend=rate.trend),
+                online=LaneLoad(backlog=backlog, arrival_rate=rate.rate, trend=rate.trend),
                 bulk=LaneLoad(), service_rate=self.service_rate(), cold_start_s=self.cost.cold_start_s,
-                live=len(self.active()), ready=sum(1 for r in self.active() if r.ready_at <= now),
-                min_replicas=config.min_replicas, max_replicas=config.max_replicas)
+                live=len(self.active()), ready=ready, min_replicas=floor, max_replicas=config.max_replicas)
             target, _ = self.stabilizer.apply(now, need(signals, self.scaling).replicas, self.desired)
             self.scale_to(now, target)
             self.push(now + config.tick_s, "tick")

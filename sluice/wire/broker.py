@@ -242,7 +242,7 @@ class Broker:
     async def scaling_decisions(self, versions: list[tuple[str, str]]) -> dict[tuple[str, str], dict[str, Any]]:
         """The scheduler's last decision per (model, version) (`scheduler/scaling.py` writes them),
         where one was made in the last minute: `{"desired", "live", "reason", "processes",
-        "not_served"}`, the processes being the placement groups serving it and what each shares
+        "not_served", "scale_to_zero"}`, the processes being the placement groups serving it and what each shares
         with it (`sluice.wire.placements`). One round trip."""
         with translate_redis_errors():
             pipe = self.redis.pipeline(transaction=False)
@@ -258,6 +258,7 @@ class Broker:
                 groups = plan.groups_of(key) if plan else []
                 decisions[key] = {
                     "desired": int(data["desired"]), "live": int(data["live"]), "reason": data["reason"],
+                    "scale_to_zero": data.get("zero") or None,
                     "processes": [{"group": name, "tier": plan.groups[name].tier,
                                    "shares_with": plan.shares_with(key, name)} for name in groups] if plan else [],
                     "not_served": plan.not_served.get(version_name(key)) if plan else None}

@@ -109,6 +109,8 @@ class JobRecord:
     run_timeout_s: float | None = None
     retry: str | None = None
     attempt_errors: list[dict[str, Any]] = field(default_factory=list)
+    # Written by the worker that ran it, only when the job woke its version from zero.
+    cold_start_ms: float | None = None
 
     def to_redis(self) -> dict[str, str]:
         """Fields as written at submission; later fields are set by the transition scripts (a job
@@ -156,6 +158,8 @@ class JobRecord:
             fields["run_timeout_s"] = repr(self.run_timeout_s)
         if self.retry:
             fields["retry"] = self.retry
+        if self.cold_start_ms is not None:
+            fields["cold_start_ms"] = repr(self.cold_start_ms)
         return fields
 
     @classmethod
@@ -205,6 +209,7 @@ class JobRecord:
             run_timeout_s=num("run_timeout_s"),
             retry=data.get("retry") or None,
             attempt_errors=obj("attempt_errors") or [],
+            cold_start_ms=num("cold_start_ms"),
         )
 
     @property
@@ -255,6 +260,8 @@ class JobRecord:
         if self.attempt_errors:
             body["attempt_errors"] = [{"attempt": number, "error": each.get("error"), "at": _iso(each.get("at"))}
                                       for number, each in enumerate(self.attempt_errors, start=1)]
+        if self.cold_start_ms is not None:
+            body["timings"]["cold_start_ms"] = self.cold_start_ms
         if self.output is not None:
             body["output"] = self.output
         if self.error is not None:

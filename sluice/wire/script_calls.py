@@ -50,6 +50,7 @@ class Finished:
     announce: bool = True  # publish the final state (a shadow copy's is nobody's to wait for)
     copy: JobRecord | None = None  # a shadow copy, queued (`queue_copies`) only if this write wins
     written: str = ""  # the facts of an output written to the job's output_uri (sluice.references.Written)
+    cold_start_ms: float | None = None  # how long it waited for the worker its version woke from zero to start
 
 
 def _flat(fields: Mapping[str, str]) -> list[str]:
@@ -143,7 +144,8 @@ def finish_call(model: str, version: str, jobs: Sequence[Finished], *, faults: S
     for job in jobs:
         script_keys.append(keys.job(job.job_id))
         args += [job.job_id, _lane_number(job.lane), job.entry_id, job.status, job.output, job.error,
-                 "1" if job.announce else "", job.written, *_flat(job.sample.to_fields())]
+                 "1" if job.announce else "", job.written, "" if job.cold_start_ms is None else repr(job.cold_start_ms),
+                 *_flat(job.sample.to_fields())]
     for job_id, message in faults:
         script_keys.append(keys.job(job_id))
         args.append(scrub(message)[:500])

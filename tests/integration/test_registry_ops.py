@@ -84,7 +84,7 @@ def test_the_model_resource_shows_the_scheduler_s_decision_per_version(
     assert response.status_code == 200, response.text
     versions = {v["version"]: v for v in response.json()["versions"]}
     assert versions["v1"]["replicas"] == {"desired": 2, "live": 1, "reason": reason, "processes": [],
-                                          "not_served": None}
+                                          "not_served": None, "scale_to_zero": None}
     # No scheduler decided for v2 (or none in the last minute): nothing made up.
     assert versions["v2"]["replicas"] is None
     listed = next(m for m in demo.get("/v1/models").json()["models"] if m["name"] == model)

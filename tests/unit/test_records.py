@@ -160,6 +160,8 @@ VIEWED = {
         _submitted(deadline=1_700_000_060.5, run_timeout_s=0.5, retry="2:run_timeout", metadata={"k": "v"}),
         status="failed", error='{"code":"run_timeout","message":"late again"}').items()},
         "attempt_errors": '[{"error":{"code":"run_timeout","message":"late"},"at":1700000000.75}]'}),
+    # A job that woke its version from zero: the finish script adds its cold start to the timings.
+    "cold-start": {**_finished(_submitted(), status="succeeded", output="{}"), b"cold_start_ms": b"2350.5"},
 }
 
 
@@ -179,6 +181,12 @@ def test_a_job_view_answers_the_resource_of_the_stored_record(raw: dict[bytes, b
     assert json.dumps(json.loads(view.body())) == json.dumps(record.resource())
     assert (view.id, view.tenant, view.status, view.is_final) == (record.id, record.tenant, record.status,
                                                                   record.is_final)
+
+
+def test_cold_start_ms_is_in_the_timings_only_for_a_job_that_woke_its_version() -> None:
+    woke = json.loads(JobView.from_redis(VIEWED["cold-start"]).body())
+    assert woke["timings"]["cold_start_ms"] == 2350.5
+    assert "cold_start_ms" not in json.loads(JobView.from_redis(VIEWED["empty-output"]).body())["timings"]
 
 
 def test_a_job_view_answers_a_non_finite_output_number_as_null() -> None:

@@ -23,9 +23,9 @@
 -- ARGV[9]: close_reason
 -- ARGV[10]: the number of jobs
 -- ARGV[11..]: per job: its id, lane (1 online, 2 bulk), entry id, status, output or '', error or
---   '', '1' to announce it or '', the facts of an output written to its output_uri or '', then its
---   sample (its number of fields, then the fields); then one
---   message per faulted job
+--   '', '1' to announce it or '', the facts of an output written to its output_uri or '', its
+--   cold_start_ms or '' (it waited for a version woken from zero), then its sample (its number of
+--   fields, then the fields); then one message per faulted job
 --
 -- Returns: per job, 1 where this write made it final, else 0.
 --
@@ -60,9 +60,9 @@ end
 local won, acks = {}, {{}, {}}
 for j = 1, tonumber(ARGV[10]) do
   local job, id, lane, entry, status = KEYS[k], ARGV[a], tonumber(ARGV[a + 1]), ARGV[a + 2], ARGV[a + 3]
-  local output, err, announce, written = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], ARGV[a + 7]
-  local sample = a + 9
-  a = sample + 2 * tonumber(ARGV[a + 8])
+  local output, err, announce, written, cold = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6], ARGV[a + 7], ARGV[a + 8]
+  local sample = a + 10
+  a = sample + 2 * tonumber(ARGV[a + 9])
   local s = redis.call('HGET', job, 'status')
   won[j] = 0
   if s == 'running' and status == 'queued' and requeue(job, lane, entry, err) then
@@ -75,6 +75,7 @@ for j = 1, tonumber(ARGV[10]) do
     if output ~= '' then redis.call('HSET', job, 'output', output) end
     if err ~= '' then redis.call('HSET', job, 'error', err) end
     if written ~= '' then redis.call('HSET', job, 'output_written', written) end
+    if cold ~= '' then redis.call('HSET', job, 'cold_start_ms', cold) end
     local cache = redis.call('HMGET', job, 'cache_key', 'cache_ttl_s')
     if cache[1] and status == 'succeeded' and output ~= '' then
       redis.call('SET', cache[1], output, 'EX', cache[2])
