@@ -176,8 +176,8 @@ async def register_version(model: str, body: RegisterVersion, key: AdminKey, sta
                 max_wait_ms=body.batching.max_wait_ms, isolate_tenants=body.batching.isolate_tenants,
                 min_replicas=body.min_replicas, max_replicas=body.max_replicas, cache_ttl_s=body.cache_ttl_s,
                 max_queue_s=body.max_queue_s, run_timeout_s=body.run_timeout_s,
-                batch_timeout_s=state.settings.batch_timeout_s, handler=body.handler, input_schema=body.input_schema, output_schema=body.output_schema,
-                allow_pickle=body.allow_pickle,
+                batch_timeout_s=state.settings.batch_timeout_s, handler=body.handler, input_schema=body.input_schema,
+                output_schema=body.output_schema, allow_pickle=body.allow_pickle,
             )
             return catalog.version_resource(row)
 
@@ -230,7 +230,7 @@ async def update_version(model: str, version: str, body: UpdateVersion, key: Adm
                          state: StateDep) -> dict[str, Any]:
     batching = body.batching
     # Given as null, a default is cleared; left out, it is kept.
-    job_limits = {name: getattr(body, name) for name in ("max_queue_s", "run_timeout_s")
+    job_limits: dict[str, float | None] = {name: getattr(body, name) for name in ("max_queue_s", "run_timeout_s")
                   if name in body.model_fields_set}
 
     def write() -> dict[str, Any]:
