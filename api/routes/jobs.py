@@ -81,7 +81,6 @@ _LANES = ("`online`: load-shed, a 429 (with `retry_with`) when the predicted que
           "A single job defaults to `online`, a bulk submission to `bulk`.")
 
 
-
 def _iso_text(value: object) -> object:
     # One spelling of an instant: a number could be seconds or milliseconds, and naive text any zone.
     if not isinstance(value, str):

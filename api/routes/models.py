@@ -230,8 +230,8 @@ async def update_version(model: str, version: str, body: UpdateVersion, key: Adm
                          state: StateDep) -> dict[str, Any]:
     batching = body.batching
     # Given as null, a default is cleared; left out, it is kept.
-    job_limits: dict[str, float | None] = {name: getattr(body, name) for name in ("max_queue_s", "run_timeout_s")
-                  if name in body.model_fields_set}
+    job_limits: dict[str, float | None] = {
+        name: getattr(body, name) for name in ("max_queue_s", "run_timeout_s") if name in body.model_fields_set}
 
     def write() -> dict[str, Any]:
         with state.registry.session() as session:

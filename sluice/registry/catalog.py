@@ -157,7 +157,7 @@ def _check_job_limits(*, max_queue_s: float | None, run_timeout_s: float | None,
     if max_queue_s is not None and not 0 < max_queue_s <= MAX_QUEUE_S:
         raise InvalidInput(f"max_queue_s must be more than 0 and at most {MAX_QUEUE_S} (7 days), or null for none")
     if run_timeout_s is not None:
-        if not run_timeout_s > 0:
+        if run_timeout_s <= 0:
             raise InvalidInput("run_timeout_s must be more than 0, or null for none")
         if batch_timeout_s is not None and run_timeout_s > batch_timeout_s:
             raise InvalidInput(f"run_timeout_s must be at most {batch_timeout_s:g}, this server's per-batch "
