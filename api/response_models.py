@@ -304,6 +304,10 @@ class VersionResource(BaseModel):
     min_replicas: int
     max_replicas: int
     cache_ttl_s: int = Field(description="Seconds the response cache keeps an output; 0: no cache")
+    max_queue_s: float | None = Field(default=None, description="Seconds within which a job naming neither "
+                                      "`start_by` nor `timeout_s` must start, else it expires; null: none")
+    run_timeout_s: float | None = Field(default=None, description="The run limit of a job naming no "
+                                        "`run_timeout_s`; null: none")
     last_error: str | None = Field(description="Why the version's last load failed, if it did")
     handler: str | None = Field(default=None, description="Kind `handler`: the class serving the version")
     input_schema: dict[str, Any] | None = Field(default=None, description="The declared JSON Schema of one input")

@@ -44,6 +44,9 @@ class VersionInfo:
     handler: str | None = None  # kind `handler`: "package.module:Class"
     input_schema: str | None = None  # the declared JSON Schema of one input, canonical JSON
     retired_at: float | None = None  # unix time it was retired (its drain limit counts from it)
+    # Defaults for a job naming no limit of its own: seconds it may wait to start, and its run limit.
+    max_queue_s: float | None = None
+    run_timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ from sluice.logs import current_request_id
 from sluice.metrics import CACHE_LOOKUPS, JOBS_FINISHED, JOBS_REJECTED, JOBS_SUBMITTED
 from sluice.queue_standing import Standing
 from sluice.references import SHA256_PATTERN, InputRef, OutputRef, check_input, check_output, cost_hint
+from sluice.registry.catalog import MAX_QUEUE_S
 from sluice.registry.tenants import KeyInfo
 from sluice.retry import RETRY_ON, RetryOn, RetryPolicy
 from sluice.routing import VersionInfo, hash_unit, route, shadow_target
@@ -80,9 +81,6 @@ _LANES = ("`online`: load-shed, a 429 (with `retry_with`) when the predicted que
           "A single job defaults to `online`, a bulk submission to `bulk`.")
 
 
-MAX_QUEUE_S = 7 * 24 * 3600
-
-
 def _iso_text(value: object) -> object:
     # One spelling of an instant: a number could be seconds or milliseconds, and naive text any zone.
     if not isinstance(value, str):
@@ -110,7 +108,8 @@ class _JobOptions(BaseModel):
     callback_url: AnyHttpUrl | None = None
     timeout_s: float | None = Field(default=None, gt=0, le=MAX_QUEUE_S, description=(
         "Seconds from submission by which the job must start, else it is `expired` (code `expired`), "
-        "whether or not a worker serves the version"))
+        "whether or not a worker serves the version. With neither this nor `start_by`, the version's "
+        "`max_queue_s` applies, if it has one"))
     start_by: Annotated[AwareDatetime, BeforeValidator(_iso_text)] | None = Field(default=None, description=(
         "The instant by which the job must start, as ISO 8601 with its UTC offset (`2026-12-04T18:30:00Z`); "
         "like `timeout_s` but absolute, and with both the earlier wins. In the future, at most 7 days ahead. "
@@ -118,7 +117,8 @@ class _JobOptions(BaseModel):
     run_timeout_s: float | None = Field(default=None, gt=0, description=(
         "The longest one batch holding this job may run on the model; past it the job fails with code "
         "`run_timeout` (its pass runs on, its result discarded). At most the server's per-batch timeout "
-        "(`SLUICE_BATCH_TIMEOUT_S`, 120 s by default)"))
+        "(`SLUICE_BATCH_TIMEOUT_S`, 120 s by default). Without it, the version's `run_timeout_s` applies, "
+        "if it has one"))
     retry: Retry | None = Field(default=None, description="Re-queue the job after the failures listed, "
                                                           "up to `max_attempts` starts")
     metadata: dict[str, MetadataValue] | None = Field(default=None, max_length=32)
@@ -256,7 +256,8 @@ async def _queue(
     state: AppState, key: KeyInfo, model: str, options: SubmitJob | SubmitBulk, inputs: list[_Payload],
     claim: IdempotencyClaim | None, *, watch: bool,
 ) -> _Submitted:
-    deadline, run_timeout_s, retry = _limits(state, options, now=time.time())
+    submitted_at = time.time()
+    deadline, run_timeout_s, retry = _limits(state, options, now=submitted_at)
     snapshot = state.routing.current()
     info = snapshot.model(model)
     kind = ModelKind(info.kind)
@@ -273,6 +274,9 @@ async def _queue(
     decision = route(snapshot, model=model, tenant=key.tenant, routing_key=options.routing_key,
                      version=options.version, blocked=state.breakers.blocked(model), admin=key.is_admin)
     version = decision.version
+    deadline, run_timeout_s = version_defaults(version, deadline=deadline, run_timeout_s=run_timeout_s,
+                                               submitted_at=submitted_at,
+                                               batch_timeout_s=state.settings.batch_timeout_s)
     unserved = state.placement.not_served(model, version.version)
     if unserved is not None:
         JOBS_REJECTED.labels(model, NotServed.code).inc()
@@ -347,6 +351,18 @@ def _limits(state: AppState, options: SubmitJob | SubmitBulk, *, now: float) -> 
         retry = RetryPolicy(max_attempts=options.retry.max_attempts,
                             on=tuple(dict.fromkeys(options.retry.on))).encode()
     return (min(deadlines) if deadlines else None), options.run_timeout_s, retry
+
+
+def version_defaults(version: VersionInfo, *, deadline: float | None, run_timeout_s: float | None,
+                     submitted_at: float, batch_timeout_s: float) -> tuple[float | None, float | None]:
+    """A job's start deadline and run limit, the routed version's defaults filling what the request
+    left out: a request's own limit always wins, longer or shorter than the default."""
+    if deadline is None and version.max_queue_s is not None:
+        deadline = submitted_at + version.max_queue_s
+    if run_timeout_s is None and version.run_timeout_s is not None:
+        # The per-batch timeout may have been lowered since the default was set; it still bounds it.
+        run_timeout_s = min(version.run_timeout_s, batch_timeout_s)
+    return deadline, run_timeout_s
 
 
 def _served(state: AppState, model: str, shadow: str | None) -> str | None:

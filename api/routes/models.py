@@ -27,6 +27,7 @@ from api.response_models import (
 )
 from sluice.errors import InvalidInput, NotFound
 from sluice.registry import audit, catalog, quality, routing_table
+from sluice.registry.catalog import MAX_QUEUE_S
 from sluice.stats import MAX_SERIES_BUCKETS, check_series_window, series, summarise
 from sluice.versions import Tier, VersionState
 from sluice.wire import heartbeats
@@ -37,6 +38,14 @@ router = APIRouter(prefix="/v1/models", tags=["models"])
 _CACHE_TTL = ("Seconds the version's response cache keeps an output: a later submission by the same tenant "
               "of the same input is answered at once, `succeeded` with `cache_hit: true`, without a worker. "
               "0 (the default) caches nothing")
+
+_MAX_QUEUE = ("Seconds from submission within which a job of this version must start when it names neither "
+              "`start_by` nor `timeout_s`, else it is `expired`; more than 0, at most 7 days. A job's own "
+              "limit always wins. Null (the default): no default, such a job waits as long as it must")
+_RUN_TIMEOUT = ("The run limit (`run_timeout_s`) of a job of this version that names none: the longest one batch "
+                "holding it may run, else it fails `run_timeout`. More than 0, at most the server's per-batch "
+                "timeout (`SLUICE_BATCH_TIMEOUT_S`). A job's own limit always wins. Null (the default): none")
+_LIMIT_CHANGE = " On update, null clears it and leaving it out keeps it"
 
 _TIER = ("The model's availability tier: the scheduler meets every `latency` model's need for workers "
          "before a `batch` model gets more than nothing")
@@ -81,6 +90,8 @@ class RegisterVersion(BaseModel):
     min_replicas: int = Field(default=1, ge=0, le=64)
     max_replicas: int = Field(default=4, ge=1, le=256)
     cache_ttl_s: int = Field(default=0, ge=0, le=MAX_TTL_S, description=_CACHE_TTL)
+    max_queue_s: float | None = Field(default=None, gt=0, le=MAX_QUEUE_S, description=_MAX_QUEUE)
+    run_timeout_s: float | None = Field(default=None, gt=0, description=_RUN_TIMEOUT)
     handler: str | None = Field(default=None, max_length=200, description=_HANDLER)
     input_schema: dict[str, Any] | None = Field(default=None, description=_SCHEMA.format(what="one input"))
     output_schema: dict[str, Any] | None = Field(default=None, description=_SCHEMA.format(what="one output"))
@@ -94,6 +105,8 @@ class UpdateVersion(BaseModel):
     min_replicas: int | None = Field(default=None, ge=0, le=64)
     max_replicas: int | None = Field(default=None, ge=1, le=256)
     cache_ttl_s: int | None = Field(default=None, ge=0, le=MAX_TTL_S, description=_CACHE_TTL)
+    max_queue_s: float | None = Field(default=None, gt=0, le=MAX_QUEUE_S, description=_MAX_QUEUE + _LIMIT_CHANGE)
+    run_timeout_s: float | None = Field(default=None, gt=0, description=_RUN_TIMEOUT + _LIMIT_CHANGE)
     tier: Tier | None = Field(default=None, description=_TIER + " (set for the whole model)")
     allow_pickle: bool | None = Field(default=None, description=_ALLOW_PICKLE)
     reason: str | None = Field(default=None, max_length=500)
@@ -162,8 +175,9 @@ async def register_version(model: str, body: RegisterVersion, key: AdminKey, sta
                 actor=f"key:{key.key_id}", state=body.state, max_batch_size=body.batching.max_batch_size,
                 max_wait_ms=body.batching.max_wait_ms, isolate_tenants=body.batching.isolate_tenants,
                 min_replicas=body.min_replicas, max_replicas=body.max_replicas, cache_ttl_s=body.cache_ttl_s,
-                handler=body.handler, input_schema=body.input_schema, output_schema=body.output_schema,
-                allow_pickle=body.allow_pickle,
+                max_queue_s=body.max_queue_s, run_timeout_s=body.run_timeout_s,
+                batch_timeout_s=state.settings.batch_timeout_s, handler=body.handler, input_schema=body.input_schema,
+                output_schema=body.output_schema, allow_pickle=body.allow_pickle,
             )
             return catalog.version_resource(row)
 
@@ -215,6 +229,9 @@ def running_precision(beats: list[heartbeats.Heartbeat]) -> list[dict[str, Any]]
 async def update_version(model: str, version: str, body: UpdateVersion, key: AdminKey,
                          state: StateDep) -> dict[str, Any]:
     batching = body.batching
+    # Given as null, a default is cleared; left out, it is kept.
+    job_limits: dict[str, float | None] = {
+        name: getattr(body, name) for name in ("max_queue_s", "run_timeout_s") if name in body.model_fields_set}
 
     def write() -> dict[str, Any]:
         with state.registry.session() as session:
@@ -224,6 +241,7 @@ async def update_version(model: str, version: str, body: UpdateVersion, key: Adm
                 cache_ttl_s=body.cache_ttl_s, max_batch_size=batching.max_batch_size if batching else None,
                 max_wait_ms=batching.max_wait_ms if batching else None,
                 isolate_tenants=batching.isolate_tenants if batching else None, allow_pickle=body.allow_pickle,
+                job_limits=job_limits, batch_timeout_s=state.settings.batch_timeout_s,
             )
             if body.tier is not None:
                 catalog.set_tier(session, model=model, tier=body.tier, actor=f"key:{key.key_id}", reason=body.reason)

@@ -3,6 +3,7 @@ and updating them, and the resources the REST API answers for them."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,6 +23,9 @@ from sluice.registry.tables import (
 )
 from sluice.versions import Tier, VersionState
 from sluice.wire.response_cache import MAX_TTL_S
+
+# The furthest ahead a job's start deadline may be (api/routes/jobs.py), and so a version's default.
+MAX_QUEUE_S = 7 * 24 * 3600
 
 
 def create_model(session: Session, *, name: str, kind: str, actor: str, tier: str = Tier.latency) -> Model:
@@ -68,6 +72,9 @@ def register_version(
     min_replicas: int = 1,
     max_replicas: int = 4,
     cache_ttl_s: int = 0,
+    max_queue_s: float | None = None,
+    run_timeout_s: float | None = None,
+    batch_timeout_s: float | None = None,
     handler: str | None = None,
     input_schema: dict[str, Any] | None = None,
     output_schema: dict[str, Any] | None = None,
@@ -85,10 +92,12 @@ def register_version(
     if max_replicas < min_replicas:
         raise BadRequest("max_replicas must be >= min_replicas")
     _check_cache_ttl(cache_ttl_s)
+    _check_job_limits(max_queue_s=max_queue_s, run_timeout_s=run_timeout_s, batch_timeout_s=batch_timeout_s)
     row = ModelVersion(
         model=model, version=version, artifact=artifact, sha256=sha256.lower(), state=state,
         max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, isolate_tenants=isolate_tenants,
         min_replicas=min_replicas, max_replicas=max_replicas, cache_ttl_s=cache_ttl_s,
+        max_queue_s=max_queue_s, run_timeout_s=run_timeout_s,
         handler=handler, input_schema=input_schema, output_schema=output_schema, allow_pickle=allow_pickle,
     )
     session.add(row)
@@ -141,6 +150,20 @@ def _check_cache_ttl(cache_ttl_s: int) -> None:
         raise BadRequest(f"cache_ttl_s must be between 0 (no response cache) and {MAX_TTL_S}")
 
 
+def _check_job_limits(*, max_queue_s: float | None, run_timeout_s: float | None,
+                      batch_timeout_s: float | None) -> None:
+    """A version's defaults for its jobs' limits stay within what a job may ask for itself
+    (api/routes/jobs.py); `batch_timeout_s`: the server's per-batch timeout, None where unknown."""
+    if max_queue_s is not None and not 0 < max_queue_s <= MAX_QUEUE_S:
+        raise InvalidInput(f"max_queue_s must be more than 0 and at most {MAX_QUEUE_S} (7 days), or null for none")
+    if run_timeout_s is not None:
+        if run_timeout_s <= 0:
+            raise InvalidInput("run_timeout_s must be more than 0, or null for none")
+        if batch_timeout_s is not None and run_timeout_s > batch_timeout_s:
+            raise InvalidInput(f"run_timeout_s must be at most {batch_timeout_s:g}, this server's per-batch "
+                               "timeout (SLUICE_BATCH_TIMEOUT_S)")
+
+
 def get_version(session: Session, model: str, version: str) -> ModelVersion:
     row = session.get(ModelVersion, (model, version))
     if row is None:
@@ -174,6 +197,8 @@ def version_resource(row: ModelVersion) -> dict[str, Any]:
         "min_replicas": row.min_replicas,
         "max_replicas": row.max_replicas,
         "cache_ttl_s": row.cache_ttl_s,
+        "max_queue_s": row.max_queue_s,
+        "run_timeout_s": row.run_timeout_s,
         "last_error": row.last_error,
         "handler": row.handler,
         "input_schema": row.input_schema,
@@ -203,10 +228,13 @@ def update_version(
     session: Session, *, model: str, version: str, actor: str, reason: str | None, state: str | None = None,
     max_batch_size: int | None = None, max_wait_ms: float | None = None, isolate_tenants: bool | None = None,
     min_replicas: int | None = None, max_replicas: int | None = None, cache_ttl_s: int | None = None,
-    allow_pickle: bool | None = None,
+    allow_pickle: bool | None = None, job_limits: Mapping[str, float | None] | None = None,
+    batch_timeout_s: float | None = None,
 ) -> tuple[ModelVersion, AuditEntry]:
-    """Change a version's state, batching, replicas, response-cache TTL or pickle opt-in. Retiring
-    also takes its routing weight away. A new allow_pickle takes effect when a worker next loads it."""
+    """Change a version's state, batching, replicas, response-cache TTL, pickle opt-in or its jobs'
+    default limits (`job_limits`: `max_queue_s` and `run_timeout_s` as given, None clearing one).
+    Retiring also takes its routing weight away. A new allow_pickle takes effect when a worker next
+    loads it."""
     row = get_version(session, model, version)
     if allow_pickle is not None:
         _check_allow_pickle(ModelKind(row.model_row.kind), allow_pickle)
@@ -227,6 +255,12 @@ def update_version(
                         ("allow_pickle", allow_pickle)):
         if value is not None:
             setattr(row, name, value)
+    limits = job_limits or {}
+    _check_job_limits(max_queue_s=limits.get("max_queue_s"), run_timeout_s=limits.get("run_timeout_s"),
+                      batch_timeout_s=batch_timeout_s)
+    for name in ("max_queue_s", "run_timeout_s"):
+        if name in limits:
+            setattr(row, name, limits[name])
     if row.max_replicas < row.min_replicas:
         raise BadRequest("max_replicas must be >= min_replicas")
     _check_cache_ttl(row.cache_ttl_s)

@@ -82,6 +82,7 @@ def _version_info(row: ModelVersion) -> VersionInfo:
         max_replicas=row.max_replicas, latency_budget_ms=row.latency_budget_ms, cache_ttl_s=row.cache_ttl_s,
         handler=row.handler, input_schema=None if row.input_schema is None else schema_text(row.input_schema),
         retired_at=None if row.retired_at is None else row.retired_at.timestamp(),
+        max_queue_s=row.max_queue_s, run_timeout_s=row.run_timeout_s,
     )
 
 

@@ -110,6 +110,10 @@ class ModelVersion(Base):
     latency_budget_ms: Mapped[float] = mapped_column(Float, default=2000.0)
     # Seconds a result is answered again from the response cache; 0: no cache.
     cache_ttl_s: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Defaults for a job that names no limit of its own (api/routes/jobs.py): seconds from submission
+    # it may wait to start, and the longest one batch holding it may run. Null: none.
+    max_queue_s: Mapped[float | None] = mapped_column(Float)
+    run_timeout_s: Mapped[float | None] = mapped_column(Float)
     # Kind `handler`: the class serving the version ("package.module:Class", sluice.handler).
     handler: Mapped[str | None] = mapped_column(String(200))
     # JSON Schemas of one input and one output, where the kind does not fix them (handler,
@@ -134,6 +138,8 @@ class ModelVersion(Base):
         CheckConstraint("max_wait_ms >= 0", name="wait_non_negative"),
         CheckConstraint("min_replicas >= 0 AND max_replicas >= min_replicas", name="replica_range"),
         CheckConstraint("cache_ttl_s >= 0", name="cache_ttl_non_negative"),
+        CheckConstraint("max_queue_s > 0", name="max_queue_positive"),
+        CheckConstraint("run_timeout_s > 0", name="run_timeout_positive"),
     )
 
 

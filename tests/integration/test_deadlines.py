@@ -362,3 +362,140 @@ def test_another_tenant_reaches_none_of_a_job_s_limits(
     listed = other.get("/v1/jobs", params={"ids": job_id}).json()
     assert listed["not_found"] == [job_id] and listed["jobs"] == [], listed
     assert demo.get(f"/v1/jobs/{job_id}").json()["retry"]["on"] == ["worker_error"]
+
+
+# --- a version's defaults --------------------------------------------------------------------------------
+
+
+def _version(admin: httpx.Client, model: str, version: str = "v1") -> dict[str, Any]:
+    response = admin.get(f"/v1/models/{model}/versions/{version}")
+    assert response.status_code == 200, response.text
+    resource: dict[str, Any] = response.json()
+    return resource
+
+
+def test_an_admin_sets_a_version_s_job_limits_audited_and_null_clears_one(
+    admin: httpx.Client, demo: httpx.Client, anon: httpx.Client, register_synthetic: Callable[..., str],
+) -> None:
+    model = register_synthetic("vlimits")
+    assert {k: _version(admin, model)[k] for k in ("max_queue_s", "run_timeout_s")} == {
+        "max_queue_s": None, "run_timeout_s": None}
+    patched = admin.patch(f"/v1/models/{model}/versions/v1",
+                          json={"max_queue_s": 30, "run_timeout_s": 5, "reason": "defaults"})
+    assert patched.status_code == 200, patched.text
+    assert (patched.json()["max_queue_s"], patched.json()["run_timeout_s"]) == (30, 5)
+    # Left out, a default is kept; null clears it.
+    assert admin.patch(f"/v1/models/{model}/versions/v1", json={"cache_ttl_s": 0}).status_code == 200
+    cleared = admin.patch(f"/v1/models/{model}/versions/v1", json={"run_timeout_s": None, "reason": "no limit"})
+    assert cleared.status_code == 200, cleared.text
+    shown = _version(admin, model)
+    assert (shown["max_queue_s"], shown["run_timeout_s"]) == (30, None), shown
+    assert admin.get(f"/v1/models/{model}").json()["versions"][0]["max_queue_s"] == 30
+    entries = admin.get(f"/v1/models/{model}/audit").json()["entries"]
+    assert [e["action"] for e in entries[:3]] == ["version.update"] * 3
+    set_, cleared_entry = entries[2], entries[0]
+    assert set_["reason"] == "defaults" and set_["before"]["max_queue_s"] is None
+    assert (set_["after"]["max_queue_s"], set_["after"]["run_timeout_s"]) == (30, 5)
+    assert cleared_entry["reason"] == "no limit"
+    assert (cleared_entry["before"]["run_timeout_s"], cleared_entry["after"]["run_timeout_s"]) == (5, None)
+    assert cleared_entry["after"]["max_queue_s"] == 30
+
+    # A tenant key gets what it gets on any admin route, and changes nothing.
+    refused = demo.patch(f"/v1/models/{model}/versions/v1", json={"max_queue_s": 1})
+    other_admin_route = demo.patch(f"/v1/models/{model}/versions/v1", json={"state": "retired"})
+    assert refused.status_code == other_admin_route.status_code == 403, refused.text
+    assert refused.json()["error"]["code"] == other_admin_route.json()["error"]["code"]
+    assert demo.post(f"/v1/models/{model}/versions", json={
+        "version": "v9", "artifact": "synthetic:", "sha256": "0" * 64, "max_queue_s": 1}).status_code == 403
+    assert _version(admin, model)["max_queue_s"] == 30
+    assert len(admin.get(f"/v1/models/{model}/audit").json()["entries"]) == len(entries)
+
+    registered = admin.post(f"/v1/models/{model}/versions", json={
+        "version": "v2", "artifact": "synthetic:", "sha256": "0" * 64, "max_queue_s": 60, "run_timeout_s": 2.5})
+    assert registered.status_code == 201, registered.text
+    assert (registered.json()["max_queue_s"], registered.json()["run_timeout_s"]) == (60, 2.5)
+    assert (_version(admin, model, "v2")["max_queue_s"], _version(admin, model, "v2")["run_timeout_s"]) == (60, 2.5)
+
+    schemas = anon.get("/openapi.json").json()["components"]["schemas"]
+    for schema in ("RegisterVersion", "UpdateVersion", "VersionResource"):
+        for name in ("max_queue_s", "run_timeout_s"):
+            assert schemas[schema]["properties"][name].get("description"), (schema, name)
+
+
+@pytest.mark.parametrize("limits, says", [
+    ({"max_queue_s": 0}, "max_queue_s"),
+    ({"max_queue_s": -5}, "max_queue_s"),
+    ({"max_queue_s": 8 * 24 * 3600}, "max_queue_s"),
+    ({"max_queue_s": "soon"}, "max_queue_s"),
+    ({"run_timeout_s": 0}, "run_timeout_s"),
+    ({"run_timeout_s": 121}, "per-batch timeout"),
+], ids=["zero-queue", "negative-queue", "queue-over-7-days", "queue-not-a-number", "zero-run",
+        "run-over-batch-timeout"])
+def test_a_bad_version_limit_is_a_422_saying_which_and_changes_nothing(
+    admin: httpx.Client, register_synthetic: Callable[..., str], limits: dict[str, Any], says: str,
+) -> None:
+    model = register_synthetic("badvlimit")
+    entries = admin.get(f"/v1/models/{model}/audit").json()["entries"]
+    for response in (admin.patch(f"/v1/models/{model}/versions/v1", json=limits),
+                     admin.post(f"/v1/models/{model}/versions",
+                                json={"version": "v2", "artifact": "synthetic:", "sha256": "0" * 64, **limits})):
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert error["code"] in {"invalid_input", "invalid_request"} and says in error["message"], error
+    shown = _version(admin, model)
+    assert (shown["max_queue_s"], shown["run_timeout_s"]) == (None, None)
+    assert [v["version"] for v in admin.get(f"/v1/models/{model}").json()["versions"]] == ["v1"]
+    assert admin.get(f"/v1/models/{model}/audit").json()["entries"] == entries
+
+
+def test_a_job_naming_no_start_deadline_expires_at_its_version_s_max_queue_s(
+    api: ApiServer, admin: httpx.Client, demo: httpx.Client, register_synthetic: Callable[..., str],
+    sweeping: Scheduler,
+) -> None:
+    model = register_synthetic("vqueue")
+    assert admin.patch(f"/v1/models/{model}/versions/v1", json={"max_queue_s": 1}).status_code == 200
+    api.reload_routing()
+    sweeping.tick()
+    submitted_at = time.time()
+    response = demo.post(f"/v1/models/{model}/jobs", json={"input": {"text": "nobody serves me"}})
+    assert response.status_code == 202, response.text
+    shown = datetime.fromisoformat(response.json()["start_by"]).timestamp()
+    assert submitted_at - 0.002 <= shown - 1.0 <= time.time(), response.json()
+    job = demo.get(f"/v1/jobs/{response.json()['id']}", params={"wait": 5}).json()
+    seen_at = time.time()
+    assert job["status"] == "expired" and job["error"]["code"] == "expired", job
+    assert seen_at - submitted_at < 2.5, f"expired {seen_at - submitted_at:.2f} s after submission"
+
+
+def test_a_job_takes_its_version_s_defaults_and_its_own_limits_win(
+    api: ApiServer, admin: httpx.Client, demo: httpx.Client, register_synthetic: Callable[..., str],
+    rds: redis.Redis,
+) -> None:
+    model = register_synthetic("vdefaults")
+    assert admin.patch(f"/v1/models/{model}/versions/v1",
+                       json={"max_queue_s": 600, "run_timeout_s": 7}).status_code == 200
+    api.reload_routing()
+    now = time.time()
+    cases: list[tuple[dict[str, Any], float, float]] = [
+        ({}, now + 600, 7),
+        ({"timeout_s": 3600, "run_timeout_s": 60}, now + 3600, 60),
+        ({"start_by": _iso(now + 30), "run_timeout_s": 0.5}, now + 30, 0.5)]
+    for limits, start_by, run_timeout_s in cases:
+        response = demo.post(f"/v1/models/{model}/jobs", json={"input": {"text": "x"}, **limits})
+        assert response.status_code == 202, response.text
+        for job in (response.json(), demo.get(f"/v1/jobs/{response.json()['id']}").json()):
+            deadline = datetime.fromisoformat(job["start_by"]).timestamp()
+            assert abs(deadline - start_by) < 2.0 and job["run_timeout_s"] == run_timeout_s, (limits, job)
+        assert rds.zscore(keys.deadlines(model, "v1"), keys.job(job["id"])) == pytest.approx(deadline, abs=0.002)
+    bulk = demo.post(f"/v1/models/{model}/jobs:bulk", json={"inputs": [{"text": "a"}, {"text": "b"}]})
+    assert bulk.status_code == 202, bulk.text
+    for job_id in bulk.json()["ids"]:
+        job = demo.get(f"/v1/jobs/{job_id}").json()
+        assert abs(datetime.fromisoformat(job["start_by"]).timestamp() - (now + 600)) < 2.0, job
+        assert job["run_timeout_s"] == 7, job
+
+    assert admin.patch(f"/v1/models/{model}/versions/v1",
+                       json={"max_queue_s": None, "run_timeout_s": None}).status_code == 200
+    api.reload_routing()
+    plain = demo.post(f"/v1/models/{model}/jobs", json={"input": {"text": "x"}}).json()
+    assert not {"start_by", "run_timeout_s"} & set(plain), plain
