@@ -9,6 +9,7 @@ API replica) build on one copy.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import signal
@@ -60,6 +61,20 @@ FAST_SYNTHETIC = "fixed_s=0.001&per_item_s=0.0002&per_token_s=0.00001"
 MAX_BODY_BYTES = 128 * 1024
 MAX_TEXT_CHARS = 5_000
 MAX_BULK_ITEMS = 500
+
+
+def sse_events(response: httpx.Response) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """The (id, event, data) of each event of a `text/event-stream` answer, comments skipped."""
+    fields: dict[str, str] = {}
+    for line in response.iter_lines():
+        if line.startswith(":"):
+            continue
+        if line:
+            name, _, value = line.partition(": ")
+            fields[name] = value
+            continue
+        yield fields["id"], fields["event"], json.loads(fields["data"])
+        fields = {}
 
 
 def celery_broker_env() -> dict[str, str]:

@@ -16,6 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support import sse_events
+
 pytestmark = pytest.mark.slow
 
 Jobs = list[dict[str, Any]]
@@ -176,16 +178,7 @@ def test_events_stream_ends_with_the_final_state(demo: httpx.Client, slow_model:
     with demo.stream("GET", f"/v1/jobs/{job['id']}/events", timeout=20) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
-        fields: dict[str, str] = {}
-        for line in response.iter_lines():
-            if line.startswith(":"):
-                continue
-            if line:
-                name, _, value = line.partition(": ")
-                fields[name] = value
-                continue
-            events.append((fields["id"], fields["event"], json.loads(fields["data"])))
-            fields = {}
+        events.extend(sse_events(response))
     names = [name for _, name, _ in events]
     assert names[-1] == "succeeded", names
     assert len(names) >= 2, names  # a running job's stream shows a change before the end

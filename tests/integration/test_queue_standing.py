@@ -3,7 +3,6 @@ resource, in the many-job wait and as `position` events of the job's stream."""
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -14,6 +13,7 @@ import httpx
 import pytest
 
 from sluice.wire.heartbeats import BEAT_EVERY_S
+from tests.support import sse_events
 
 pytestmark = pytest.mark.slow
 
@@ -95,21 +95,12 @@ def test_an_event_stream_shows_a_queued_jobs_place_falling(
     positions: list[int] = []
     names: list[str] = []
     with demo.stream("GET", f"/v1/jobs/{ids[-1]}/events", timeout=60) as response:
-        fields: dict[str, str] = {}
-        for line in response.iter_lines():
-            if line.startswith(":"):
-                continue
-            if line:
-                name, _, value = line.partition(": ")
-                fields[name] = value
-                continue
-            names.append(fields["event"])
-            data = json.loads(fields["data"])
+        for _, name, data in sse_events(response):
+            names.append(name)
             if "queue_position" in data:
                 positions.append(data["queue_position"])
             if len(names) == 1:
                 start_worker(model)  # the stream is open: now let the queue move
-            fields = {}
     assert names[0] == "queued" and names[-1] == "succeeded", names
     assert "position" in names
     assert positions[0] == 59 and positions == sorted(positions, reverse=True) and len(set(positions)) >= 3
