@@ -94,6 +94,17 @@ def _part(batch: Batch[Delivery], items: Sequence[Item[Delivery]]) -> Batch[Deli
                  closed_at=batch.closed_at)
 
 
+def _stop_if_cancelled(exc: BrokerError | None = None) -> None:
+    """Raise CancelledError if the running task is being cancelled. redis-py can take the
+    cancellation of a command in flight for a lost connection: it answers a connection error, or
+    reconnects and sends the command again under its retry policy and answers that. A loop that
+    goes on after either would run past the worker's stop, and hold the event loop's shutdown for
+    ever: each loop asks after every Redis call."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError from exc
+
+
 def held_limit(*, prefetch: int, max_batch_size: int, items_per_s: float, claim_after_s: float) -> int:
     """How many entries a worker may hold (read and not yet acknowledged).
 
@@ -267,8 +278,10 @@ class Worker:
         while not self._stopping.is_set():
             try:
                 await self._read_once()
+                _stop_if_cancelled()
                 backoff.succeeded()
             except BrokerError as exc:
+                _stop_if_cancelled(exc)
                 if not backoff.failures:
                     log.warning("worker %s lost Redis, retrying with backoff: %s", self.name, exc)
                 await asyncio.sleep(backoff.failed())
@@ -513,7 +526,9 @@ class Worker:
                 held.setdefault(lane, []).append(entry_id)
             try:
                 lost = await self.streams.refresh(held)
+                _stop_if_cancelled()
             except BrokerError as exc:
+                _stop_if_cancelled(exc)
                 if not warned:
                     log.warning("worker %s could not refresh the entries it holds: %s", self.name, exc)
                 warned = True
@@ -544,11 +559,14 @@ class Worker:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            with contextlib.suppress(BrokerError):
+            try:
                 await self.streams.beat(Heartbeat(
                     state=self.state, items_per_s=self.items_per_s(), batch_size=self.last_batch_size,
                     cold_start_s=self.cold_start_s, processed=self.processed, pid=os.getpid(), at=self.clock(),
                     precision=self.precision, precision_speedup=self.precision_speedup, group=self.group,
                     resident_bytes=self.resident_bytes,
                 ))
+                _stop_if_cancelled()
+            except BrokerError as exc:
+                _stop_if_cancelled(exc)
             await asyncio.sleep(BEAT_EVERY_S)
