@@ -89,7 +89,8 @@ def fail_retired(client: redis.Redis, model: str, version: str, *, now: float) -
                               running_too=True, past_deadline=False)
             start = "(" + _text(page[-1][0])
     with translate_redis_errors():
-        client.delete(*(keys.stream(model, version, lane) for lane in LANES), keys.deadlines(model, version))
+        client.delete(*(keys.stream(model, version, lane) for lane in LANES), keys.deadlines(model, version),
+                      keys.queue_added(model, version), keys.queue_read(model, version))
     return failed
 
 

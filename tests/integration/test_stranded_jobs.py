@@ -73,6 +73,8 @@ def test_a_retired_version_drains_then_fails_what_is_left_with_version_retired(
     assert error["code"] == "version_retired" and f"{model}/v1" in error["message"], error
     assert not any(rds.zscore(keys.queued_jobs("demo"), job_id) for job_id in ids)
     assert rds.exists(keys.stream(model, "v1", "bulk")) == 0
+    # Its lanes' job numbers go with its streams (`sluice.queue_standing`).
+    assert rds.exists(keys.queue_added(model, "v1"), keys.queue_read(model, "v1")) == 0
     runner.tick()
     plan = placements.read(rds)
     assert plan is not None and not plan.groups_of((model, "v1")), "a drained retired version leaves the plan"
