@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MIN_PASS_COST_ROUNDS = 3
+
 __all__ = [
     "LOADERS",
     "POISON_TEXT",
@@ -161,7 +163,8 @@ def _encoder(model_dir: Path, dev: str, requested: str | None, artifact: str,
     encoder = selected.model
     if encoder.device.type == "cpu":
         # The planner's pass cost is this host's at this precision (`workers/models/pass_cost.py`).
-        measured = measure_pass_overhead(encoder, rounds=policy.rounds)
+        # At least 3 timings a shape: one, on a busy machine, can tip the fitted line over.
+        measured = measure_pass_overhead(encoder, rounds=max(MIN_PASS_COST_ROUNDS, policy.rounds))
         if measured is not None:
             log.info("forward pass overhead at %s: %d tokens' worth (was %d)", selected.choice.precision,
                      measured, encoder.pass_overhead_tokens)
