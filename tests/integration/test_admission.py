@@ -15,7 +15,6 @@ from typing import Any
 import httpx
 import pytest
 import redis
-import redis.asyncio as aioredis
 
 from api.admission import Admission
 from sluice.errors import TooManyRequests
@@ -27,7 +26,7 @@ from sluice.wire.entries import StreamEntry
 from sluice.wire.heartbeats import Heartbeat, WorkerState
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
-from sluice.wire.quota import Refusal, TenantLimits
+from sluice.wire.quota import TenantLimits
 from tests.support import MAX_BULK_ITEMS, ApiServer, claim_one, http_client, serving, unique, wait_until
 
 
@@ -216,56 +215,6 @@ def test_the_enqueue_script_writes_every_record_and_entry_as_their_codecs_say(rd
     assert [fields for _, fields in entries] == [StreamEntry.of(record).to_fields() for record in numbered]
     assert rds.zscore(keys.queue_added(model, "v1"), keys.stream(model, "v1", "bulk")) == len(records)
     assert set(rds.zrange(keys.queued_jobs(tenant), 0, -1)) >= {record.id for record in records}
-
-
-class _Counting(aioredis.Redis):
-    """A client that notes the name of every command it sends (a round trip each, unpipelined)."""
-
-    sent: list[str]
-
-    async def execute_command(self, *args: Any, **options: Any) -> Any:
-        self.sent.append(str(args[0]).upper())
-        return await super().execute_command(*args, **options)
-
-
-def test_on_one_server_a_submission_is_admitted_and_written_in_one_round_trip(rds: redis.Redis,
-                                                                             redis_url: str) -> None:
-    if connections.cluster_url(redis_url) is not None:
-        pytest.skip("a single server's one-step submission: a cluster runs admit and queue in their own slots")
-    model, tenant = unique("onestep"), unique("acme")
-    limits = TenantLimits(tenant=tenant, rate_per_s=100.0, burst=100, max_queued=1, max_answered=10)
-
-    def record(owner: str) -> JobRecord:
-        return JobRecord(id=new_job_id(model, "v1"), tenant=owner, model=model, version="v1", lane="online",
-                         status=JobStatus.queued, input={"text": "hello"}, cost=3, enqueued_at=time.time())
-
-    queued, refused = record(tenant), record(tenant)
-
-    async def submit() -> tuple[list[str], list[str], Refusal | None]:
-        client = _Counting.from_url(redis_url)
-        client.sent = []
-        try:
-            broker = Broker(redis=client, result_ttl_s=60)
-            # Another tenant's submission first: the server then knows the script.
-            other = unique("other")
-            await broker.enqueue([record(other)], limits=replace(limits, tenant=other))
-            client.sent.clear()
-            assert await broker.enqueue([queued], limits=limits) is None
-            accepted = list(client.sent)
-            client.sent.clear()
-            refusal = await broker.enqueue([refused], limits=limits)
-            return accepted, list(client.sent), refusal
-        finally:
-            await client.aclose()
-
-    accepted, over_quota, refusal = asyncio.run(submit())
-    assert accepted == ["EVALSHA"]
-    assert over_quota == ["EVALSHA"]
-    assert refusal is not None and refusal.reason == "quota"
-    assert rds.hgetall(keys.job(queued.id)) == {**queued.to_redis(), "seq": "2"}  # the lane's second job
-    assert not rds.exists(keys.job(refused.id))
-    stream = [fields["id"] for _, fields in rds.xrange(keys.stream(model, "v1", "online"))]
-    assert queued.id in stream and refused.id not in stream
 
 
 # --- over HTTP: lanes, the tenant's quota and its rate tokens -------------------------------------

@@ -4,7 +4,8 @@ Each round trip costs the worker a send, a wait and a parse; on small batches th
 CPU outside the model (bench/worker_cost.py). Claiming a read (with settling the entries that will
 not run) is two: the claim script in the version's slot, then the quota places freed in the
 tenants' slots. Storing a batch (outcomes, samples, events, faults, acks) is one, and one more
-when it queues shadow copies (another version's slot).
+when it queues shadow copies (another version's slot). On a single server a submission, admitted
+or refused, is one (`admit_queue.lua`).
 """
 
 from __future__ import annotations
@@ -12,14 +13,20 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from sluice.batcher import Batch, Item
 from sluice.wire import keys, scripts
+from sluice.wire.broker import Broker
 from sluice.wire.connections import cluster_url
+from sluice.wire.jobs import JobRecord, JobStatus
+from sluice.wire.keys import new_job_id
+from sluice.wire.quota import TenantLimits
 from sluice.wire.streams import StreamConsumer
 from tests.support import queue_in_redis, unique
 from workers.execution import Outcome
@@ -126,3 +133,29 @@ async def test_claiming_a_read_and_storing_its_batch_are_one_round_trip_each(cou
     pending = await counted.xpending_range(keys.stream(model, "v1", "online"), keys.GROUP, min="-", max="+", count=100)
     assert [p["message_id"].decode() for p in pending] == [batch.items[2].id]
     assert await counted.xlen(keys.stream(model, "v1", "online")) == 1
+
+
+async def test_on_one_server_a_submission_is_admitted_and_written_in_one_round_trip(
+    counted: aioredis.Redis, rds: redis.Redis
+) -> None:
+    model, tenant = unique("onestep"), unique("acme")
+    limits = TenantLimits(tenant=tenant, rate_per_s=100.0, burst=100, max_queued=1, max_answered=10)
+
+    def record(owner: str) -> JobRecord:
+        return JobRecord(id=new_job_id(model, "v1"), tenant=owner, model=model, version="v1", lane="online",
+                         status=JobStatus.queued, input={"text": "hello"}, cost=3, enqueued_at=time.time())
+
+    queued, refused = record(tenant), record(tenant)
+    broker = Broker(redis=counted, result_ttl_s=60)
+    # Another tenant's submission first: the server then knows the script.
+    other = unique("other")
+    await broker.enqueue([record(other)], limits=replace(limits, tenant=other))
+    accepted, sent = await round_trips(broker.enqueue([queued], limits=limits))
+    assert accepted is None and sent == 1
+    refusal, sent = await round_trips(broker.enqueue([refused], limits=limits))
+    assert sent == 1
+    assert refusal is not None and refusal.reason == "quota"
+    assert rds.hgetall(keys.job(queued.id)) == {**queued.to_redis(), "seq": "2"}  # the lane's second job
+    assert not rds.exists(keys.job(refused.id))
+    stream = [fields["id"] for _, fields in rds.xrange(keys.stream(model, "v1", "online"))]
+    assert queued.id in stream and refused.id not in stream
