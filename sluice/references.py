@@ -16,11 +16,12 @@ use, so a link made in the folder after submit cannot lead the worker out of it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Self
 
 from sluice.errors import PayloadTooLarge
 from sluice.tenant_files import FileRefused, resolve
@@ -33,8 +34,20 @@ WRITTEN_FIELD = "output_written"
 SHA256_PATTERN = r"^[0-9a-fA-F]{64}$"
 
 
+class _RecordField:
+    """A dataclass kept in one field of the job record, as compact JSON of its fields in order."""
+
+    def encode(self) -> str:
+        # Only dataclasses derive from it, which mypy cannot tell from the mixin itself.
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))  # type: ignore[call-overload]
+
+    @classmethod
+    def parse(cls, text: str | bytes | None) -> Self | None:
+        return cls(**json.loads(text)) if text else None
+
+
 @dataclass(frozen=True, slots=True)
-class InputRef:
+class InputRef(_RecordField):
     """An input object as checked at submit: the URI as the client spelled it, the real path, its
     size then, and the sha256 the client gave (lower case), if any."""
 
@@ -43,52 +56,21 @@ class InputRef:
     size: int
     sha256: str | None = None
 
-    def encode(self) -> str:
-        return json.dumps({"uri": self.uri, "path": self.path, "size": self.size, "sha256": self.sha256},
-                          separators=(",", ":"))
-
-    @classmethod
-    def parse(cls, text: str | bytes | None) -> InputRef | None:
-        if not text:
-            return None
-        data = json.loads(text)
-        return cls(uri=data["uri"], path=data["path"], size=int(data["size"]), sha256=data.get("sha256"))
-
 
 @dataclass(frozen=True, slots=True)
-class OutputRef:
+class OutputRef(_RecordField):
     """Where a job's output goes: the URI as the client spelled it, and the real path."""
 
     uri: str
     path: str
 
-    def encode(self) -> str:
-        return json.dumps({"uri": self.uri, "path": self.path}, separators=(",", ":"))
-
-    @classmethod
-    def parse(cls, text: str | bytes | None) -> OutputRef | None:
-        if not text:
-            return None
-        data = json.loads(text)
-        return cls(uri=data["uri"], path=data["path"])
-
 
 @dataclass(frozen=True, slots=True)
-class Written:
+class Written(_RecordField):
     """A written output object: its size and sha256, which the job resource shows."""
 
     size: int
     sha256: str
-
-    def encode(self) -> str:
-        return json.dumps({"size": self.size, "sha256": self.sha256}, separators=(",", ":"))
-
-    @classmethod
-    def parse(cls, text: str | bytes | None) -> Written | None:
-        if not text:
-            return None
-        data: dict[str, Any] = json.loads(text)
-        return cls(size=int(data["size"]), sha256=str(data["sha256"]))
 
 
 def check_input(uri: str, sha256: str | None, *, root: Path | None, tenant: str, admin: bool,
