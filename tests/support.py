@@ -116,6 +116,18 @@ class CeleryWorker:
         return self.log_path.read_text(errors="replace")
 
 
+def celery_worker_env(*, redis_url: str, database_url: str, home: Path, **settings: str) -> dict[str, str]:
+    """The environment of a test's Celery worker: this process's, less its own SLUICE_ settings, with
+    the session's stores and home, callbacks allowed to 127.0.0.0/8, and `settings` (SLUICE_ names)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    env.update({
+        "SLUICE_REDIS_URL": redis_url, "SLUICE_DATABASE_URL": database_url, "SLUICE_HOME": str(home),
+        "SLUICE_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.0/8", "PYTHONUNBUFFERED": "1", **celery_broker_env(),
+        **settings,
+    })
+    return env
+
+
 @contextmanager
 def celery_worker_process(env: dict[str, str], *, log_path: Path, name: str) -> Iterator[CeleryWorker]:
     """`celery -A workers.tasks worker --beat` on four threads, every queue, until its outbox relay is up."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import secrets
 import threading
 import time
@@ -41,7 +40,7 @@ from tests.support import (
     CeleryWorker,
     Receiver,
     WorkerProcess,
-    celery_broker_env,
+    celery_worker_env,
     celery_worker_process,
     claim_one,
     drive,
@@ -84,12 +83,7 @@ def hooks_api(settings: Settings, seeded: Seeded) -> Iterator[ApiServer]:
 @pytest.fixture(scope="module")
 def celery_worker(redis_url: str, database_url: str, home: Path, seeded: Seeded,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[CeleryWorker]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-    env.update({
-        "SLUICE_REDIS_URL": redis_url, "SLUICE_DATABASE_URL": database_url, "SLUICE_HOME": str(home),
-        "SLUICE_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.0/8", "SLUICE_WEBHOOK_SWEEP_S": "1",
-        "PYTHONUNBUFFERED": "1", **celery_broker_env(),
-    })
+    env = celery_worker_env(redis_url=redis_url, database_url=database_url, home=home, SLUICE_WEBHOOK_SWEEP_S="1")
     log_path = tmp_path_factory.mktemp("celery") / "celery.log"
     with celery_worker_process(env, log_path=log_path, name="deadlines") as worker:
         yield worker

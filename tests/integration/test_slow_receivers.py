@@ -11,7 +11,6 @@ webhook), and a real Celery worker process delivers them.
 from __future__ import annotations
 
 import itertools
-import os
 import secrets
 import select
 import socket
@@ -36,7 +35,7 @@ from tests.support import (
     ApiServer,
     CeleryWorker,
     Receiver,
-    celery_broker_env,
+    celery_worker_env,
     celery_worker_process,
     receiving,
     serving,
@@ -283,15 +282,12 @@ def hooks_api(settings: Settings, seeded: Seeded) -> Iterator[ApiServer]:
 def celery_worker(redis_url: str, database_url: str, home: Path, seeded: Seeded,
                   tmp_path: Path) -> Iterator[CeleryWorker]:
     """`celery -A workers.tasks worker` on every queue, with four threads, two of them a tenant's share."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-    env.update({
-        "SLUICE_REDIS_URL": redis_url, "SLUICE_DATABASE_URL": database_url, "SLUICE_HOME": str(home),
-        "SLUICE_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.0/8", "SLUICE_WEBHOOK_TIMEOUT_S": str(TIMEOUT_S),
-        "SLUICE_WEBHOOK_ATTEMPT_DEADLINE_S": str(DEADLINE_S), "SLUICE_WEBHOOK_CONCURRENCY": "4",
-        "SLUICE_WEBHOOK_TENANT_SHARE": "0.5", "SLUICE_WEBHOOK_BACKOFF_BASE_S": "0.5",
-        "SLUICE_WEBHOOK_BACKOFF_CAP_S": "1", "SLUICE_WEBHOOK_SWEEP_S": "1", "PYTHONUNBUFFERED": "1",
-        **celery_broker_env(),
-    })
+    env = celery_worker_env(
+        redis_url=redis_url, database_url=database_url, home=home,
+        SLUICE_WEBHOOK_TIMEOUT_S=str(TIMEOUT_S), SLUICE_WEBHOOK_ATTEMPT_DEADLINE_S=str(DEADLINE_S),
+        SLUICE_WEBHOOK_CONCURRENCY="4", SLUICE_WEBHOOK_TENANT_SHARE="0.5", SLUICE_WEBHOOK_BACKOFF_BASE_S="0.5",
+        SLUICE_WEBHOOK_BACKOFF_CAP_S="1", SLUICE_WEBHOOK_SWEEP_S="1",
+    )
     with celery_worker_process(env, log_path=tmp_path / "celery.log", name="slow") as worker:
         yield worker
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -41,7 +40,7 @@ from tests.support import (
     CeleryWorker,
     Received,
     Receiver,
-    celery_broker_env,
+    celery_worker_env,
     celery_worker_process,
     claim_one,
     finish_one_call,
@@ -111,14 +110,12 @@ def model(register_synthetic: Callable[..., str], hooks_api: ApiServer, redis_ur
 def celery_worker(redis_url: str, database_url: str, home: Path, seeded: Seeded,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[CeleryWorker]:
     """`celery -A workers.tasks worker --beat` with fast retries and a one-second sweep."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-    env.update({
-        "SLUICE_REDIS_URL": redis_url, "SLUICE_DATABASE_URL": database_url, "SLUICE_HOME": str(home),
-        "SLUICE_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.0/8", "SLUICE_WEBHOOK_MAX_ATTEMPTS": str(MAX_ATTEMPTS),
-        "SLUICE_WEBHOOK_BACKOFF_BASE_S": str(BACKOFF_BASE_S), "SLUICE_WEBHOOK_BACKOFF_CAP_S": str(BACKOFF_CAP_S),
-        "SLUICE_WEBHOOK_SWEEP_S": str(SWEEP_S), "SLUICE_WEBHOOK_TIMEOUT_S": "3",
-        "SLUICE_CLAIM_AFTER_S": str(CLAIM_AFTER_S), "PYTHONUNBUFFERED": "1", **celery_broker_env(),
-    })
+    env = celery_worker_env(
+        redis_url=redis_url, database_url=database_url, home=home,
+        SLUICE_WEBHOOK_MAX_ATTEMPTS=str(MAX_ATTEMPTS), SLUICE_WEBHOOK_BACKOFF_BASE_S=str(BACKOFF_BASE_S),
+        SLUICE_WEBHOOK_BACKOFF_CAP_S=str(BACKOFF_CAP_S), SLUICE_WEBHOOK_SWEEP_S=str(SWEEP_S),
+        SLUICE_WEBHOOK_TIMEOUT_S="3", SLUICE_CLAIM_AFTER_S=str(CLAIM_AFTER_S),
+    )
     log_path = tmp_path_factory.mktemp("celery") / "celery.log"
     with celery_worker_process(env, log_path=log_path, name="webhooks") as worker:
         yield worker
