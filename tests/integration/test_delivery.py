@@ -153,6 +153,14 @@ def signed_with(secret: str, request: Received, now: float) -> dict[str, bool]:
             "standard": receiver_verify(secret, standard, request.body, now=now)}
 
 
+def _new_tenant(registry: Registry, prefix: str) -> tuple[str, str]:
+    """A new tenant, and the webhook secret it was made with."""
+    tenant = unique(prefix)
+    with registry.session() as session:
+        row, _ = tenants.create_tenant(session, tenant_id=tenant, actor="test")
+        return tenant, row.webhook_secret
+
+
 BOTH = {"sluice": True, "standard": True}
 NEITHER = {"sluice": False, "standard": False}
 
@@ -161,10 +169,7 @@ def test_a_rotation_signs_with_both_secrets_until_its_overlap_ends(
     deliverer: Deliverer, receiver: Receiver, rds: redis.Redis, registry: Registry, clock: Clock,
     deliveries: list[str],
 ) -> None:
-    tenant = unique("rotating")
-    with registry.session() as session:
-        row, _ = tenants.create_tenant(session, tenant_id=tenant, actor="test")
-        old = row.webhook_secret
+    tenant, old = _new_tenant(registry, "rotating")
     with registry.session() as session:
         row, entry = tenants.rotate_webhook_secret(session, tenant_id=tenant, actor="test", overlap_s=60,
                                                    now=datetime.fromtimestamp(clock.now, UTC))
@@ -198,11 +203,8 @@ def test_a_rotation_without_overlap_stops_the_old_secret_at_once(
     deliverer: Deliverer, receiver: Receiver, rds: redis.Redis, registry: Registry, clock: Clock,
     deliveries: list[str],
 ) -> None:
-    tenant = unique("cut")
+    tenant, old = _new_tenant(registry, "cut")
     given = "a-secret-chosen-by-the-operator-0123"
-    with registry.session() as session:
-        row, _ = tenants.create_tenant(session, tenant_id=tenant, actor="test")
-        old = row.webhook_secret
     with registry.session() as session:
         row, _ = tenants.rotate_webhook_secret(session, tenant_id=tenant, actor="test", secret=given, overlap_s=0)
         assert row.webhook_secret == given
@@ -217,10 +219,7 @@ def test_one_tenants_secrets_never_sign_another_tenants_delivery(
     deliverer: Deliverer, receiver: Receiver, rds: redis.Redis, registry: Registry, clock: Clock,
     deliveries: list[str],
 ) -> None:
-    tenant = unique("other")
-    with registry.session() as session:
-        row, _ = tenants.create_tenant(session, tenant_id=tenant, actor="test")
-        theirs = row.webhook_secret
+    tenant, theirs = _new_tenant(registry, "other")
     with registry.session() as session:
         row, _ = tenants.rotate_webhook_secret(session, tenant_id=tenant, actor="test", overlap_s=3600)
         theirs_now = row.webhook_secret
