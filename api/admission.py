@@ -24,6 +24,7 @@ from functools import partial
 import redis.asyncio as aioredis
 
 from sluice.errors import StoredJobsLimit, TooManyRequests
+from sluice.fair_share import DEFAULT_PRIORITY
 from sluice.registry.tenants import KeyInfo
 from sluice.routing import VersionInfo
 from sluice.wire import heartbeats, keys
@@ -49,6 +50,12 @@ def shed_retry_after(*, backlog: int, service_rate: float, budget_s: float) -> f
     return predicted - budget_s
 
 
+# The share of the version's latency budget past which admission refuses a job of each priority: the
+# lowest first. Priority 0 may queue past the budget, because the backlog it is predicted from is
+# mostly of jobs it runs ahead of.
+SHED_AT = {0: 2.0, 1: 1.0, 2: 0.5}
+
+
 # Above this share of the budget, a cached load no longer admits on its own: the job waits for a
 # backlog read that began after it arrived. Below it, the cache (`load_cache_s`) serves, and what
 # other replicas admitted since it was read is unseen; each of them can admit at most this share
@@ -72,9 +79,12 @@ class _Load:
 
 class Admission:
     def __init__(self, *, redis: aioredis.Redis, broker: Broker, max_answered_jobs: int,
-                 cache_hit_token_cost: float = 1.0, load_cache_s: float = 0.25,
+                 cache_hit_token_cost: float = 1.0, load_cache_s: float = 0.25, fair_share: bool = True,
                  clock: Callable[[], float] = time.time) -> None:
         self.redis = redis
+        # Hold a backed-up lane's jobs per tenant and priority, for the workers to release in fair
+        # turns (sluice/fair_share.py); off, every job joins the stream in arrival order.
+        self.fair_share = fair_share
         self.broker = broker
         self.max_answered_jobs = max_answered_jobs
         self.cache_hit_token_cost = cache_hit_token_cost
@@ -96,11 +106,12 @@ class Admission:
         stored answers (`sluice.wire.quota`)."""
         lane, count = records[0].lane, sum(1 for record in records if not record.cache_hit)
         if count:
-            await self.shed(version, lane=lane, count=count)
+            await self.shed(version, lane=lane, count=count, priority=records[0].priority)
         refusal: Refusal | None = None
         queued = False
         try:
-            refusal = await self.broker.enqueue(records, idempotency=idempotency, limits=TenantLimits(
+            window = version.max_batch_size if self.fair_share else 0
+            refusal = await self.broker.enqueue(records, idempotency=idempotency, window=window, limits=TenantLimits(
                 tenant=key.tenant, rate_per_s=key.rate_limit_per_s, burst=key.rate_burst,
                 max_queued=key.max_queued, max_answered=self.max_answered_jobs,
                 hit_cost=self.cache_hit_token_cost))
@@ -110,11 +121,12 @@ class Admission:
         if refusal is not None:
             raise _refused(key, refusal, max_answered=self.max_answered_jobs)
 
-    async def shed(self, version: VersionInfo, *, lane: str, count: int) -> None:
-        """Raise TooManyRequests if `count` more jobs on `lane` would wait past the version's budget;
-        otherwise count them as admitted until `written` says what became of them."""
+    async def shed(self, version: VersionInfo, *, lane: str, count: int, priority: int = DEFAULT_PRIORITY) -> None:
+        """Raise TooManyRequests if `count` more jobs on `lane` would wait past their share of the
+        version's budget (`SHED_AT`: the lowest priority is refused first); otherwise count them as
+        admitted until `written` says what became of them."""
         if lane == "online":
-            await self._shed(version, count)
+            await self._shed(version, count, SHED_AT[priority])
 
     def written(self, version: VersionInfo, *, lane: str, count: int, queued: bool = True) -> None:
         """The jobs `shed` admitted are in the stream, or (`queued` False) never will be."""
@@ -172,8 +184,13 @@ class Admission:
         return load
 
     async def _backlog(self, model: str, version: str) -> int:
+        """The online lane's jobs in its stream and held (`keys.held_index`), in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xlen(keys.stream(model, version, "online"))
+        pipe.hget(keys.held_index(model, version, "online"), "*")
         with translate_redis_errors():
-            return int(await self.redis.xlen(keys.stream(model, version, "online")))
+            in_stream, held = await pipe.execute()
+        return int(in_stream) + int(held or 0)
 
     def _backlog_with(self, key: tuple[str, str], load: _Load, count: int) -> int:
         """The backlog `count` more jobs would join: the one read, this replica's admissions it
@@ -189,9 +206,9 @@ class Admission:
         return shed_retry_after(backlog=self._backlog_with(key, load, count), service_rate=load.service_rate,
                                 budget_s=budget_s)
 
-    async def _shed(self, version: VersionInfo, count: int) -> None:
+    async def _shed(self, version: VersionInfo, count: int, share: float) -> None:
         key = (version.model, version.version)
-        budget_s = version.latency_budget_ms / 1000.0
+        budget_s = share * version.latency_budget_ms / 1000.0
         arrived = self.clock()
         load = await self.load(*key)
         wait = self._wait(key, load, count, budget_s)

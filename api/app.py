@@ -76,7 +76,7 @@ def create_app(
         state = AppState(settings=settings, broker=broker, registry=reg, routing=routing, auth=auth, hub=hub,
                          admission=Admission(
                              redis=client, broker=broker, max_answered_jobs=settings.max_answered_jobs,
-                             cache_hit_token_cost=settings.cache_hit_token_cost),
+                             cache_hit_token_cost=settings.cache_hit_token_cost, fair_share=settings.fair_share),
                          breakers=breakers, placement=PlacementView(redis=client))
         app.state.sluice = state
         await routing.reload()

@@ -117,6 +117,9 @@ class JobResource(BaseModel):
     model: str
     version: str
     lane: Lane
+    priority: int = Field(default=1, ge=0, le=2, description=(
+        "Within its version and lane, 0 runs first, then 1 (the default), then 2; a job that has waited "
+        "the server's ageing bound (`SLUICE_PRIORITY_AGEING_S`, 10 s by default) runs as 0"))
     cache_hit: bool
     attempts: int = Field(description="How many times the job was started")
     timings: Timings

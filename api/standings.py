@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from api.deps import AppState
-from sluice.queue_standing import Standing, standing
+from sluice.queue_standing import Standing, held_standing, standing
 from sluice.wire.broker import LaneKey
 from sluice.wire.jobs import JobRecord, JobStatus, JobView
 
@@ -17,9 +17,13 @@ async def standings(state: AppState, jobs: Sequence[JobView | JobRecord]) -> dic
     """Per queued job, its standing; jobs that are not queued (or no longer, when their place is
     read), or were queued before jobs were numbered, have none."""
     queued = [job for job in jobs if job.status is JobStatus.queued and job.seq is not None]
-    if not queued:
+    held = [job for job in jobs if job.status is JobStatus.queued and job.seq is None]
+    if not queued and not held:
         return {}
-    lanes: set[LaneKey] = {job.lane_key for job in queued}
+    places, held_counts = await state.broker.held_places(held) if held else ({}, {})
+    # A held job stands behind its lane's unread entries too.
+    queued_lanes = {job.lane_key for job in queued} | {job.lane_key for job in held if job.id in places}
+    lanes: set[LaneKey] = queued_lanes
     # A bulk job waits behind its version's online lane too: bulk runs when online has nothing.
     wanted = lanes | {(model, version, "online") for model, version, _ in lanes}
     progress, still_queued = await state.broker.lane_progress(sorted(wanted), [job.id for job in queued])
@@ -36,4 +40,15 @@ async def standings(state: AppState, jobs: Sequence[JobView | JobRecord]) -> dic
                          service_rate=rates[(model, version)])
         if place is not None:
             found[job.id] = place
+    for job in held:
+        if job.id not in places:
+            continue  # released meanwhile: the next read numbers it
+        model, version, lane = job.lane_key
+        added, read = progress[job.lane_key]
+        added_online, read_online = progress[(model, version, "online")]
+        found[job.id] = held_standing(
+            unread=max(0, added - read), index=places[job.id], priority=job.priority, tenant=job.tenant,
+            share=job.share, held=held_counts[job.lane_key],
+            ahead_elsewhere=max(0, added_online - read_online) if lane != "online" else 0,
+            service_rate=rates[(model, version)])
     return found

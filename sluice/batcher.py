@@ -9,8 +9,8 @@ I/O. The caller passes ``now`` (seconds, same clock as ``Item.enqueued_at``), so
 the exact same code runs in the asyncio worker and in a discrete-event
 simulator, and tests can assert exact deadlines.
 
-Items are grouped by ``(priority, tenant, length bucket)`` (tenant is ``None``
-when tenants are not isolated). A group closes
+Items are grouped by ``(priority, job priority, tenant, length bucket)``
+(tenant is ``None`` when tenants are not isolated). A group closes
 
 * by **size** as soon as it holds ``max_batch_size`` items,
 * by **age** when its oldest item has waited ``max_wait_ms``,
@@ -27,6 +27,12 @@ Two ways to drive it:
   what the worker does: with a backlog every item is overdue the moment it is
   read, and closing groups as they are read would ship them one or two at a
   time; taken when the model is free they are as full as the held items allow.
+  Within the lane, ``take`` serves the most urgent *job* priority (0-2) among
+  the ready groups, a group whose oldest item has waited ``ageing_s`` counting
+  as the most urgent one ready; within that, the tenant whose turn it is (``turns``, deficit
+  round robin on model time, sluice/fair_share.py), then the oldest group.
+  Without tenant isolation a batch is filled fairly: the tenants of a group
+  take places in turn, in proportion to their shares.
 * ``poll(now)`` closes *every* ready group at once (eager; the simulator and
   the backlog replay compare it with ``take``).
 
@@ -60,12 +66,13 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, cast
 
 from typing_extensions import TypeVar
 
+from sluice.fair_share import DEFAULT_AGEING_S, DEFAULT_PRIORITY, DeficitRoundRobin, effective_priority
 from sluice.vocabulary import CloseReason
 
 __all__ = ["DEFAULT_BUCKET_BOUNDS", "Batch", "CloseReason", "Item", "MicroBatcher"]
@@ -89,6 +96,8 @@ class Item(Generic[P]):
     enqueued_at: float
     # Lower is more urgent: 0 for the online lane, 1 for bulk.
     priority: int = 0
+    # The job's own priority within its lane (0 first; sluice/fair_share.py).
+    job_priority: int = DEFAULT_PRIORITY
     # Payloads can be large tensors or bytes: keep them out of == and of logs.
     # An item built without one carries None (the cast: a default cannot be typed as P).
     payload: P = field(default=cast(P, None), compare=False, repr=False)
@@ -117,8 +126,8 @@ class Batch(Generic[P]):
         return max(item.cost for item in self.items)
 
 
-# (priority, tenant): items of different priorities never share a group, so never a batch.
-_TenantKey = tuple[int, str | None]
+# (priority, job priority, tenant): items of different priorities never share a group, so never a batch.
+_TenantKey = tuple[int, int, str | None]
 # The sequence number breaks enqueued_at ties in add order, so the tuples sort
 # by arrival and Item itself (which has no ordering) is never compared.
 _Entry = tuple[float, int, Item[P]]
@@ -133,6 +142,7 @@ class MicroBatcher(Generic[P]):
     """
 
     __slots__ = (
+        "_ageing_s",
         "_bounds",
         "_groups",
         "_isolate",
@@ -140,6 +150,7 @@ class MicroBatcher(Generic[P]):
         "_max_wait_s",
         "_next_seq",
         "_top_up_enabled",
+        "_turns",
         "_where",
     )
 
@@ -151,6 +162,8 @@ class MicroBatcher(Generic[P]):
         isolate_tenants: bool = True,
         bucket_bounds: Sequence[int] = DEFAULT_BUCKET_BOUNDS,
         top_up: bool = True,
+        ageing_s: float = DEFAULT_AGEING_S,
+        turns: DeficitRoundRobin[str] | None = None,
     ) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
             raise ValueError(f"max_batch_size must be an int, got {max_batch_size!r}")
@@ -172,6 +185,10 @@ class MicroBatcher(Generic[P]):
         self._isolate = isolate_tenants
         self._bounds = bounds
         self._top_up_enabled = top_up
+        self._ageing_s = ageing_s
+        # The lane's tenants' turns (charged by the caller with each batch's model time); None:
+        # the oldest ready group goes first, whoever's it is.
+        self._turns = turns
         # tenant -> bucket -> entries sorted by (enqueued_at, seq). Nested by
         # tenant so a top-up only looks at that tenant's few buckets. Empty
         # groups are deleted so per-call scans stay proportional to live groups.
@@ -206,7 +223,7 @@ class MicroBatcher(Generic[P]):
             raise ValueError(f"item {item.id!r} has negative cost {item.cost}")
         if not math.isfinite(item.enqueued_at):
             raise ValueError(f"item {item.id!r} has non-finite enqueued_at")
-        tenant = (item.priority, item.tenant if self._isolate else None)
+        tenant = (item.priority, item.job_priority, item.tenant if self._isolate else None)
         bucket = self.bucket_of(item.cost)
         entry: _Entry[P] = (item.enqueued_at, self._next_seq, item)
         self._next_seq += 1
@@ -232,34 +249,51 @@ class MicroBatcher(Generic[P]):
         batches.sort(key=lambda b: b.oldest_enqueued_at)
         return batches
 
-    def take(self, now: float, *, max_priority: int | None = None) -> Batch[P] | None:
+    def take(self, now: float, *, max_priority: int | None = None,
+             limit: Callable[[str], int | None] | None = None) -> Batch[P] | None:
         """The most urgent batch ready at ``now`` (by size or age), or None.
 
-        Most urgent = the ready group whose oldest item is oldest, the order
-        ``poll`` returns batches in; a group that is both full and overdue
+        Most urgent = of the most urgent lane held, the ready groups of the most
+        urgent job priority (after ageing), of the tenant whose turn it is, the
+        one whose oldest item is oldest; a group that is both full and overdue
         closes by size, as in ``poll``. Call it when the model is free.
         ``max_priority``: None unless a batch of at most this priority is ready.
+        ``limit``: while tenants contend (given only then), the most items a batch of a tenant's
+        may hold, or None: a heavy tenant's batch is kept short so that another's waits little
+        behind it; and every group is ready at once, since the model that frees has just run
+        another tenant's batch and no window would fill it further.
         """
-        best: tuple[tuple[float, int], _TenantKey, int, CloseReason] | None = None
         urgent = self._urgent_priority()
         if urgent is None or (max_priority is not None and urgent > max_priority):
             return None
+        ready: list[tuple[int, tuple[float, int], _TenantKey, int, CloseReason, int]] = []
         for tenant, buckets in self._groups.items():
             if tenant[0] != urgent:
                 continue
+            size = self._max_batch_size
+            if limit is not None and tenant[2] is not None:
+                size = max(1, min(limit(tenant[2]) or size, size))
             for bucket, group in buckets.items():
                 head = group[0]
-                if len(group) >= self._max_batch_size:
+                if len(group) >= size:
                     reason: CloseReason = "size"
-                elif head[0] + self._max_wait_s <= now:
+                elif head[0] + self._max_wait_s <= now or limit is not None:
                     reason = "age"
                 else:
                     continue
-                if best is None or head[:2] < best[0]:
-                    best = (head[:2], tenant, bucket, reason)
-        if best is None:
+                ready.append((tenant[1], head[:2], tenant, bucket, reason, size))
+        if not ready:
             return None
-        return self._close(best[1], best[2], best[3], now)
+        most_urgent = min(each[0] for each in ready)
+        ready = [(effective_priority(each[0], waited_s=now - each[1][0], ageing_s=self._ageing_s,
+                                     most_urgent=most_urgent), *each[1:]) for each in ready]
+        level = min(each[0] for each in ready)
+        ready = [each for each in ready if each[0] == level]
+        if self._turns is not None and self._isolate:
+            whose = self._turns.pick({cast(str, each[2][2]) for each in ready})
+            ready = [each for each in ready if each[2][2] == whose]
+        _, _, tenant, bucket, reason, size = min(ready, key=lambda each: each[1])
+        return self._close(tenant, bucket, reason, now, size=size)
 
     def next_deadline(self) -> float | None:
         """Earliest age deadline among held items, or None when empty.
@@ -325,14 +359,20 @@ class MicroBatcher(Generic[P]):
         return best
 
     def _close(
-        self, tenant: _TenantKey, bucket: int, reason: CloseReason, now: float
+        self, tenant: _TenantKey, bucket: int, reason: CloseReason, now: float, *, size: int | None = None
     ) -> Batch[P]:
+        size = size or self._max_batch_size
         group = self._groups[tenant][bucket]
-        taken = group[: self._max_batch_size]
-        del group[: self._max_batch_size]
+        if tenant[2] is None and self._turns is not None and len(group) > size:
+            ordered = self._fair_order(group)
+            taken = ordered[:size]
+            group[:] = sorted(ordered[size:])
+        else:
+            taken = group[:size]
+            del group[:size]
         if not group:
             self._drop_group(tenant, bucket)
-        room = self._max_batch_size - len(taken)
+        room = size - len(taken)
         if room and self._top_up_enabled:
             taken.extend(self._top_up(tenant, bucket, room))
         taken.sort()
@@ -342,9 +382,22 @@ class MicroBatcher(Generic[P]):
             items=tuple(entry[2] for entry in taken),
             close_reason=reason,
             bucket=bucket,
-            tenant=tenant[1],
+            tenant=tenant[2],
             closed_at=now,
         )
+
+    def _fair_order(self, group: list[_Entry[P]]) -> list[_Entry[P]]:
+        """A mixed-tenant group in the order its places are filled: the k-th oldest item of a
+        tenant at k / share, so each tenant fills places in proportion to its share."""
+        assert self._turns is not None
+        seen: dict[str, int] = {}
+        keyed = []
+        for entry in group:
+            tenant = entry[2].tenant
+            rank = seen[tenant] = seen.get(tenant, 0) + 1
+            keyed.append(((rank / self._turns.share(tenant), entry[:2]), entry))
+        keyed.sort(key=lambda pair: pair[0])
+        return [entry for _, entry in keyed]
 
     def _top_up(self, tenant: _TenantKey, bucket: int, room: int) -> list[_Entry[P]]:
         """Take up to ``room`` oldest items from this tenant's shorter buckets."""

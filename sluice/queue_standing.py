@@ -1,6 +1,7 @@
 """Where a queued job stands: how many jobs are ahead of it in its version's lane, and when it may
 start. Pure: the numbers come from the queue script's job numbers (`sluice.wire.keys.queue_added`,
-`queue_read`) and the version's measured service rate, so the simulator can use it unchanged.
+`queue_read`), the lane's held queues (`sluice.wire.keys.held_index`) and the version's measured
+service rate, so the simulator can use it unchanged.
 
 Both figures are estimates, and the API documents them so: a job ahead that is cancelled or
 expires before a worker reads it still counts until the reading passes it, and the start is the
@@ -9,6 +10,7 @@ jobs ahead over the rate the live workers measure.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -27,6 +29,26 @@ def standing(*, seq: int, read: int, ahead_elsewhere: int = 0, service_rate: flo
     if seq <= read:
         return None
     position = seq - read - 1
+    if service_rate <= 0:
+        return Standing(position, None)
+    return Standing(position, round((position + max(0, ahead_elsewhere) + 1) / service_rate, 3))
+
+
+def held_standing(*, unread: int, index: int, priority: int, tenant: str, share: float,
+                  held: Mapping[tuple[int, str], int], ahead_elsewhere: int = 0,
+                  service_rate: float) -> Standing:
+    """A job held in its tenant's queue of its priority (queue.lua), `index` jobs behind that
+    queue's first, in a lane whose stream has `unread` entries no worker has read. In front of it:
+    those entries, every job held at a more urgent priority, and of the other tenants at its own
+    priority as many as fair turns (sluice/fair_share.py) release before it, taking their shares
+    as 1. Ageing and jobs still to come are not foreseen."""
+    fair = 0.0
+    for (other_priority, other), count in held.items():
+        if other_priority < priority:
+            fair += count
+        elif other_priority == priority and other != tenant:
+            fair += min(count, (index + 1) / share)
+    position = unread + index + int(fair)
     if service_rate <= 0:
         return Standing(position, None)
     return Standing(position, round((position + max(0, ahead_elsewhere) + 1) / service_rate, 3))

@@ -93,6 +93,12 @@ class Settings(BaseSettings):
     # A batch still running after this many seconds fails its jobs (`handler_timeout`) and the
     # worker, whose model thread cannot be taken back, exits for a fresh one.
     batch_timeout_s: float = Field(default=120.0, gt=0)
+    # Tenants share a version's workers in fair turns (sluice/fair_share.py): a backed-up lane's jobs
+    # are held per tenant and priority and released in turns. Off, a lane is first come, first served.
+    fair_share: bool = True
+    # A queued job that has waited this long runs as the most urgent priority with work: the bound
+    # on how long priority 0 can hold back priority 2.
+    priority_ageing_s: float = Field(default=10.0, gt=0, le=3600)
     # The most `retry.max_attempts` a submission may ask for (sluice/retry.py).
     retry_max_attempts: int = Field(default=5, ge=1, le=100)
     # How often the scheduler's sweeper expires queued jobs past their deadline (`timeout_s`,

@@ -37,6 +37,7 @@ from tests.support import (
     WorkerProcess,
     fresh_database,
     http_client,
+    lane_jobs,
     make_settings,
     register_synthetic_model,
     serving,
@@ -339,8 +340,8 @@ def queue_state(rds: redis.Redis) -> Callable[[str, str], QueueState]:
             pipe.hmget(key, "model", "version")
         owned = sum(1 for fields in pipe.execute() if fields == [model, version])
         return QueueState(
-            online=int(rds.xlen(keys.stream(model, version, "online"))),
-            bulk=int(rds.xlen(keys.stream(model, version, "bulk"))),
+            online=int(lane_jobs(rds, model, version, "online")),
+            bulk=int(lane_jobs(rds, model, version, "bulk")),
             jobs=owned,
         )
 

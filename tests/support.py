@@ -40,6 +40,7 @@ from sluice.kinds import token_estimate
 from sluice.migrate import upgrade
 from sluice.registry.store import normalise_url
 from sluice.settings import Settings
+from sluice.vocabulary import Lane
 from sluice.wire import events, keys, scripts
 from sluice.wire.connections import connect_sync
 from sluice.wire.entries import Delivered, StreamEntry
@@ -82,6 +83,17 @@ def celery_broker_env() -> dict[str, str]:
     names (tests/test_cluster.py sets it: Celery cannot use the cluster), else nothing."""
     url = os.environ.get("SLUICE_TEST_CELERY_BROKER_URL")
     return {"SLUICE_CELERY_BROKER_URL": url} if url else {}
+
+
+def lane_jobs(rds: redis.Redis, model: str, version: str, lane: Lane) -> int:
+    """A lane's jobs not yet settled: its stream's entries and the jobs it holds (queue.lua)."""
+    held = rds.hget(keys.held_index(model, version, lane), "*")
+    return int(rds.xlen(keys.stream(model, version, lane))) + int(held or 0)  # type: ignore[arg-type]
+
+
+async def lane_jobs_async(redis: aioredis.Redis, model: str, version: str, lane: Lane) -> int:
+    held = await redis.hget(keys.held_index(model, version, lane), "*")  # type: ignore[misc]
+    return int(await redis.xlen(keys.stream(model, version, lane))) + int(held or 0)
 
 
 def wait_until(predicate: Callable[[], bool], *, timeout_s: float, what: str, interval_s: float = 0.05) -> None:

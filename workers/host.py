@@ -207,6 +207,7 @@ class WorkerHost:
                 precision=choice.precision if choice else "", precision_speedup=choice.speedup if choice else None,
                 batch_timeout_s=self.settings.batch_timeout_s, slots=self.slots, tier=loaded.tier,
                 group=self.group, resident_bytes=loaded.model.resident_bytes, woke=woke,
+                fair_share=self.settings.fair_share, ageing_s=self.settings.priority_ageing_s,
                 references=References(root=self.settings.batch_root, max_bytes=self.settings.max_object_bytes,
                                       max_text_chars=self.settings.max_text_chars),
             )

@@ -39,6 +39,7 @@ import redis.asyncio as aioredis
 from sluice.backoff import Backoff
 from sluice.batcher import DEFAULT_BUCKET_BOUNDS, Batch, Item, MicroBatcher
 from sluice.errors import BrokerError, HandlerHung, InferenceError, WorkerFailed
+from sluice.fair_share import DEFAULT_AGEING_S, Contention, DeficitRoundRobin, batch_limit, plan_release
 from sluice.retry import RetryPolicy
 from sluice.vocabulary import ClaimVerdict, Lane
 from sluice.wire.entries import Delivered
@@ -86,6 +87,12 @@ def consumer_name() -> str:
 LOOP_STOP_S = 2.0
 
 LANE_PRIORITY: dict[Lane, int] = {"online": 0, "bulk": 1}
+# A tenant's turn on the model, at share 1: shorter than one batch, so tenants alternate batch by
+# batch and a share of 2 earns a second batch per round.
+MODEL_QUANTUM_S = 0.02
+# A tenant's turn in the release of held jobs, at share 1, in tokens (`Item.cost`): one token, so
+# tenants alternate job by job, each job's tokens charged to its tenant.
+RELEASE_QUANTUM_TOKENS = 1
 
 
 def _part(batch: Batch[Delivery], items: Sequence[Item[Delivery]]) -> Batch[Delivery]:
@@ -145,6 +152,8 @@ class Worker:
         tier: str = "latency",
         references: References | None = None,
         woke: bool = False,
+        fair_share: bool = True,
+        ageing_s: float = DEFAULT_AGEING_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.model = model
@@ -172,9 +181,20 @@ class Worker:
         # topping up with shorter items raised padding 1.3-2.4x under a backlog (bench/README.md).
         # A handler that splits batches by length itself gets one bucket: length buckets would
         # only fragment what it is handed (a mean batch of 2.7 at saturation with MiniLM).
+        # Tenants take turns on the model (charged its seconds) and in the release of held jobs
+        # (charged their tokens); off, the oldest work goes first (sluice/fair_share.py).
+        self.ageing_s = ageing_s
+        self._turns: DeficitRoundRobin[str] | None = (
+            DeficitRoundRobin(quantum=MODEL_QUANTUM_S) if fair_share else None)
+        # While tenants contend, a heavy one's batches take about one batching window each.
+        self._contention = Contention(share=self._turns.share) if self._turns is not None else None
+        self._slice_s = max_wait_ms / 1000.0
+        self._release_turns: dict[Lane, DeficitRoundRobin[str]] = {
+            lane: DeficitRoundRobin(quantum=RELEASE_QUANTUM_TOKENS) for lane in LANE_PRIORITY}
         self.batcher: MicroBatcher[Delivery] = MicroBatcher(
             max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, isolate_tenants=isolate_tenants, top_up=top_up,
-            bucket_bounds=DEFAULT_BUCKET_BOUNDS if handler.length_buckets else ())
+            bucket_bounds=DEFAULT_BUCKET_BOUNDS if handler.length_buckets else (), ageing_s=ageing_s,
+            turns=self._turns)
         self.streams = StreamConsumer(redis=redis, model=model, version=version, name=self.name,
                                       claim_after_s=claim_after_s, max_deliveries=max_deliveries,
                                       result_ttl_s=result_ttl_s)
@@ -298,6 +318,8 @@ class Worker:
         bulk_room = min(self.max_batch_size, room - min(self.max_batch_size, limit // 2))
         entries: list[Delivered] = []
         if room > 0:
+            await self._release_held("online", room)
+            await self._release_held("bulk", bulk_room)
             entries = await self._reclaim(room) if self._claim_due() else []
             # After a read that came back short, an idle model's blocking read below answers at once
             # with whatever arrived since: the non-blocking reads would add two empty round trips
@@ -308,7 +330,9 @@ class Worker:
                     entries = await self._read(["bulk"], bulk_room, block_ms=None)
             # Only a worker whose model is idle blocks on the streams: a new arrival then goes to
             # a worker that can start it now, not into the prefetch of one whose model is busy.
-            if not entries and self._runner_idle:
+            # Nor while outcomes are being stored: their entries free room the moment the store
+            # ends, and a read blocked on the online lane alone would not see the bulk backlog.
+            if not entries and self._runner_idle and not self._writes:
                 if bulk_room > 0:
                     entries = await self._read(["online", "bulk"], bulk_room, block_ms=READ_BLOCK_MS)
                 else:
@@ -316,8 +340,20 @@ class Worker:
         if entries:
             await self._accept(entries)
             self._wake_runner.set()
-        elif room <= 0 or not self._runner_idle:
+        elif room <= 0 or not self._runner_idle or self._writes:
             await _wait(self._wake_reader, READ_BLOCK_MS / 1000)
+
+    async def _release_held(self, lane: Lane, room: int) -> None:
+        """While the lane holds jobs (queue.lua), move up to `room` of them into the stream in fair
+        turns, to be read next; the first release after the count rose learns the held queues."""
+        if room <= 0 or not self.streams.held_count[lane]:
+            return
+        if not self.streams.held_queues[lane]:
+            await self.streams.release(lane, [])
+        plan = plan_release(self.streams.held_queues[lane], want=room, now=self.clock(),
+                            turns=self._release_turns[lane], ageing_s=self.ageing_s)
+        await self.streams.release(lane, plan)
+        _stop_if_cancelled()
 
     async def _read(self, lanes: Sequence[Lane], count: int, *, block_ms: int | None) -> list[Delivered]:
         found = await self.streams.read(lanes, count=count, block_ms=block_ms)
@@ -351,13 +387,16 @@ class Worker:
                 item = Item(
                     id=delivered.entry_id, tenant=entry.tenant, cost=self._cost(claim.input, entry.cost),
                     enqueued_at=entry.enqueued_at,
-                    priority=LANE_PRIORITY[delivered.lane],
+                    priority=LANE_PRIORITY[delivered.lane], job_priority=entry.priority,
                     payload=Delivery(job_id=entry.job_id, lane=delivered.lane, input=claim.input,
                                      attempts=claim.attempts, shadow=entry.shadow, shadow_of=entry.shadow_of,
                                      arrived_at=now, request_id=entry.request_id, input_ref=claim.input_ref,
                                      output_ref=claim.output_ref, run_timeout_s=entry.run_timeout_s,
                                      retry=RetryPolicy.parse(entry.retry)),
                 )
+                if self._turns is not None and self._contention is not None:
+                    self._turns.note_share(entry.tenant, entry.share)
+                    self._contention.saw(entry.tenant, now)
                 self.batcher.add(item)
                 self._held[item.id] = delivered.lane
             elif claim.verdict == ClaimVerdict.expired:
@@ -392,8 +431,29 @@ class Worker:
                 started = self.clock()
                 left, outcomes, model_s = await self._run_pass(batch, started, turn)
                 turn.used(model_s)
+                self._charge(batch, model_s)
             if left:
                 self._store(_part(batch, left), outcomes, started, model_s)
+
+    def _charge(self, batch: Batch[Delivery], model_s: float) -> None:
+        """Charge the batch's model time to its tenant's turn, or to each tenant of a mixed batch
+        by its share of the batch's tokens."""
+        if self._turns is None or self._contention is None:
+            return
+        now = self.clock()
+        if batch.tenant is not None:
+            self._turns.charge(batch.tenant, model_s)
+            self._contention.used(batch.tenant, model_s, now)
+            return
+        tokens = sum(max(1, item.cost) for item in batch.items)
+        for item in batch.items:
+            self._turns.charge(item.tenant, model_s * max(1, item.cost) / tokens)
+            self._contention.used(item.tenant, model_s * max(1, item.cost) / tokens, now)
+
+    def _limit(self, now: float) -> Callable[[str], int | None] | None:
+        if self._contention is None:
+            return None
+        return batch_limit(self._contention, items_per_s=self.items_per_s(), slice_s=self._slice_s, now=now)
 
     async def _run_pass(self, batch: Batch[Delivery], started: float,
                         turn: Turn) -> tuple[list[Item[Delivery]], list[Outcome], float]:
@@ -446,14 +506,15 @@ class Worker:
         """The next batch to run: the batcher's most urgent, or its first forward pass when the
         handler splits batches itself (the other passes run next, before anything else but an
         online batch that is ready while they are bulk ones)."""
+        now = self.clock()
         if self._ready:
-            urgent = (self.batcher.take(self.clock(), max_priority=LANE_PRIORITY["online"])
+            urgent = (self.batcher.take(now, max_priority=LANE_PRIORITY["online"], limit=self._limit(now))
                       if self._ready[0].items[0].priority > LANE_PRIORITY["online"] else None)
             if urgent is None:
                 return self._ready.popleft()
             batch: Batch[Delivery] | None = urgent
         else:
-            batch = self.batcher.take(self.clock())
+            batch = self.batcher.take(now, limit=self._limit(now))
         if batch is None:
             return None
         first, *rest = self._passes(batch)

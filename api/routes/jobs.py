@@ -33,6 +33,7 @@ from sluice.errors import (
     ServiceUnavailable,
     TooManyRequests,
 )
+from sluice.fair_share import DEFAULT_PRIORITY
 from sluice.kinds import SCHEMA_KINDS, ModelKind, validate_input
 from sluice.logs import current_request_id
 from sluice.metrics import CACHE_LOOKUPS, JOBS_FINISHED, JOBS_REJECTED, JOBS_SUBMITTED
@@ -121,6 +122,10 @@ class _JobOptions(BaseModel):
         "if it has one"))
     retry: Retry | None = Field(default=None, description="Re-queue the job after the failures listed, "
                                                           "up to `max_attempts` starts")
+    priority: int = Field(default=DEFAULT_PRIORITY, ge=0, le=2, description=(
+        "Within the version and lane: 0 runs first, 1 (the default) next, 2 last; fair between tenants "
+        "within each. A job that has waited `SLUICE_PRIORITY_AGEING_S` (10 s by default) runs as 0, so the "
+        "lowest still progresses. Under load, admission refuses 2 first and 0 last"))
     metadata: dict[str, MetadataValue] | None = Field(default=None, max_length=32)
 
 
@@ -299,7 +304,7 @@ async def _queue(
             id=job_id, tenant=key.tenant, model=model, version=version.version,
             lane=options.lane, status=JobStatus.queued, input=canonical, cost=cost, enqueued_at=now,
             callback_url=callback_url,
-            deadline=deadline, run_timeout_s=run_timeout_s, retry=retry,
+            deadline=deadline, run_timeout_s=run_timeout_s, retry=retry, priority=options.priority, share=key.share,
             metadata=dict(options.metadata or {}),
             shadow=_served(state, model, shadow), request_id=request_id, input_ref=ref.input, output_ref=ref.output,
         ))

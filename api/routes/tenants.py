@@ -11,11 +11,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.deps import AdminKey, StateDep, announce_routing
 from api.field_types import Name
 from api.response_models import WebhookSecretRotation
+from sluice.fair_share import DEFAULT_SHARE
 from sluice.registry import audit, routing_table, tenants
 from sluice.webhooks import DEFAULT_SECRET_OVERLAP_S, MAX_SECRET_OVERLAP_S
 from sluice.wire import events
 
 router = APIRouter(prefix="/v1", tags=["tenants"])
+
+
+_SHARE = ("The tenant's weight when tenants share a version's workers: with work waiting, each tenant gets "
+          "model time in proportion to its share (1 by default); priority orders a tenant's own jobs, not tenants")
 
 
 class CreateTenant(BaseModel):
@@ -24,6 +29,13 @@ class CreateTenant(BaseModel):
     admin: bool = False
     rate_limit_per_s: float = Field(default=200.0, gt=0, le=1e6)
     max_queued: int = Field(default=100_000, ge=1, le=10**9)
+    share: float = Field(default=DEFAULT_SHARE, gt=0, le=1000, description=_SHARE)
+
+
+class UpdateTenant(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    share: float = Field(gt=0, le=1000, description=_SHARE)
+    reason: str | None = Field(default=None, max_length=500, description="Why, for the audit log")
 
 
 class IssueKey(BaseModel):
@@ -58,15 +70,31 @@ async def create_tenant(body: CreateTenant, key: AdminKey, state: StateDep) -> d
         with state.registry.session() as session:
             tenant, issued = tenants.create_tenant(
                 session, tenant_id=body.id, actor=f"key:{key.key_id}", is_admin=body.admin,
-                rate_limit_per_s=body.rate_limit_per_s, max_queued=body.max_queued,
+                rate_limit_per_s=body.rate_limit_per_s, max_queued=body.max_queued, share=body.share,
             )
             return {
                 "id": tenant.id,
+                "share": tenant.share,
                 "key": _key_body(issued, tenant.id, body.admin),
                 "webhook_secret": tenant.webhook_secret,
             }
 
     return await to_thread.run_sync(write)
+
+
+@router.patch("/tenants/{tenant}")
+async def update_tenant(tenant: str, body: UpdateTenant, key: AdminKey, state: StateDep) -> dict[str, Any]:
+    """Set a tenant's `share` (audited). Jobs submitted from then on carry it; this replica's key
+    cache is cleared at once, other replicas' within their cache's lifetime."""
+    def write() -> dict[str, Any]:
+        with state.registry.session() as session:
+            row = tenants.set_share(session, tenant_id=tenant, share=body.share, actor=f"key:{key.key_id}",
+                                    reason=body.reason)
+            return {"id": row.id, "share": row.share}
+
+    answer = await to_thread.run_sync(write)
+    state.auth.forget()
+    return answer
 
 
 @router.post("/tenants/{tenant}/keys", status_code=201)

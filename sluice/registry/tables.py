@@ -62,6 +62,8 @@ class Tenant(Base):
     rate_limit_per_s: Mapped[float] = mapped_column(Float, default=200.0)
     rate_burst: Mapped[int] = mapped_column(Integer, default=2000)
     max_queued: Mapped[int] = mapped_column(Integer, default=100_000)
+    # Its weight when tenants share a version's workers (sluice/fair_share.py).
+    share: Mapped[float] = mapped_column(Float, default=1.0, server_default="1.0")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 
 

@@ -13,6 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from sluice.errors import Conflict, NotFound
+from sluice.fair_share import DEFAULT_SHARE
 from sluice.registry import audit
 from sluice.registry.tables import (
     ApiKey,
@@ -32,6 +33,7 @@ class KeyInfo:
     rate_limit_per_s: float = 200.0
     rate_burst: int = 2000
     max_queued: int = 100_000
+    share: float = DEFAULT_SHARE
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +68,7 @@ def create_tenant(
     is_admin: bool = False,
     rate_limit_per_s: float = 200.0,
     max_queued: int = 100_000,
+    share: float = DEFAULT_SHARE,
 ) -> tuple[Tenant, IssuedKey]:
     if session.get(Tenant, tenant_id) is not None:
         raise Conflict(f"tenant '{tenant_id}' already exists")
@@ -75,6 +78,7 @@ def create_tenant(
         rate_limit_per_s=rate_limit_per_s,
         rate_burst=max(1, int(rate_limit_per_s * 10)),
         max_queued=max_queued,
+        share=share,
     )
     session.add(tenant)
     session.flush()
@@ -127,7 +131,7 @@ def lookup_key(session: Session, raw_key: str) -> KeyInfo | None:
     key, tenant = found
     return KeyInfo(key_id=key.id, tenant=key.tenant_id, is_admin=key.is_admin,
                    rate_limit_per_s=tenant.rate_limit_per_s, rate_burst=tenant.rate_burst,
-                   max_queued=tenant.max_queued)
+                   max_queued=tenant.max_queued, share=tenant.share)
 
 
 def tenant_secret(session: Session, tenant_id: str) -> str | None:
@@ -144,6 +148,20 @@ def webhook_secrets(session: Session, tenant_id: str) -> WebhookSecrets | None:
     until = tenant.webhook_secret_previous_until
     return WebhookSecrets(current=tenant.webhook_secret, previous=tenant.webhook_secret_previous,
                           previous_until=until.timestamp() if until is not None else None)
+
+
+def set_share(session: Session, *, tenant_id: str, share: float, actor: str, reason: str | None = None) -> Tenant:
+    """Change the tenant's weight in fair sharing; its keys' cached lookups carry the old one until
+    they expire (`api/deps.py`), and its jobs already queued keep theirs."""
+    tenant = session.get(Tenant, tenant_id, with_for_update=True)
+    if tenant is None:
+        raise NotFound(f"tenant '{tenant_id}' does not exist")
+    if tenant.share != share:
+        audit.record(session, actor=actor, action="tenant.share", model=None,
+                     before={"tenant": tenant_id, "share": tenant.share}, after={"tenant": tenant_id, "share": share},
+                     reason=reason)
+        tenant.share = share
+    return tenant
 
 
 def rotate_webhook_secret(session: Session, *, tenant_id: str, actor: str, secret: str | None = None,

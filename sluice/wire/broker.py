@@ -59,7 +59,7 @@ class Broker:
         self._withdraw = redis.register_script(scripts.WITHDRAW)
 
     async def enqueue(self, records: Sequence[JobRecord], *, limits: TenantLimits,
-                      idempotency: IdempotencyClaim | None = None) -> Refusal | None:
+                      idempotency: IdempotencyClaim | None = None, window: int = 0) -> Refusal | None:
         """Queue one submission's jobs if the tenant's quota, bound on stored answers and rate
         allow, and complete its Idempotency-Key; answer the refusal otherwise, with nothing written.
         Jobs answered from the response cache (`cache_hit`, in input order among the others) are
@@ -76,7 +76,7 @@ class Broker:
         marker, redis_key = (idempotency.marker, idempotency.redis_key) if idempotency else (None, None)
         admit_keys, admit_args = admit_call(records, limits=limits, now=time.time(), result_ttl_s=self.result_ttl_s,
                                             marker=marker, redis_key=redis_key, lease_s=self.idempotency_lease_s)
-        script_keys, args = queue_call(records, result_ttl_s=self.result_ttl_s)
+        script_keys, args = queue_call(records, result_ttl_s=self.result_ttl_s, window=window)
         with translate_redis_errors():
             if any(record.callback_url for record in records):
                 # Before the jobs: a relay must know the outbox before it can hold an entry.
@@ -238,6 +238,31 @@ class Broker:
         queued = {job_id for job_id, status in zip(job_ids, statuses, strict=True)
                   if reply_text(status) == JobStatus.queued.value}
         return progress, queued
+
+    async def held_places(self, jobs: Sequence[JobRecord | JobView]
+                          ) -> tuple[dict[str, int], dict[LaneKey, dict[tuple[int, str], int]]]:
+        """Of queued jobs not yet in their stream (held by queue.lua): how many jobs are ahead of
+        each in its own held queue, and per lane its held queues' counts. One round trip; a job
+        released meanwhile has no place here."""
+        lanes = list(dict.fromkeys(job.lane_key for job in jobs))
+        with translate_redis_errors():
+            pipe = self.redis.pipeline(transaction=False)
+            for job in jobs:
+                model, version, lane = job.lane_key
+                prefix = keys.held_queue_prefix(model, version, cast(Lane, lane))
+                pipe.lpos(f"{prefix}{job.priority}|{job.tenant}", keys.job(job.id))
+            for model, version, lane in lanes:
+                pipe.hgetall(keys.held_index(model, version, cast(Lane, lane)))
+            replies = await pipe.execute()
+        places = {job.id: int(place) for job, place in zip(jobs, replies, strict=False) if place is not None}
+        held: dict[LaneKey, dict[tuple[int, str], int]] = {}
+        for lane_key, counts in zip(lanes, replies[len(jobs):], strict=True):
+            held[lane_key] = {}
+            for name, count in counts.items():
+                priority, _, tenant = reply_text(name).partition("|")
+                if tenant:
+                    held[lane_key][(int(priority), tenant)] = int(count)
+        return places, held
 
     async def scaling_decisions(self, versions: list[tuple[str, str]]) -> dict[tuple[str, str], dict[str, Any]]:
         """The scheduler's last decision per (model, version) (`scheduler/scaling.py` writes them),

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from sluice.fair_share import DEFAULT_PRIORITY, DEFAULT_SHARE
 from sluice.vocabulary import Lane
 from sluice.wire.connections import reply_text
 from sluice.wire.jobs import JobRecord
@@ -27,12 +28,16 @@ class StreamEntry:
     # The job's own run limit and retry policy (`JobRecord`), which the worker applies.
     run_timeout_s: float | None = None
     retry: str | None = None
+    priority: int = DEFAULT_PRIORITY
+    # The tenant's weight in its lane's fair sharing (sluice/fair_share.py), as its key carried it.
+    share: float = DEFAULT_SHARE
 
     @classmethod
     def of(cls, record: JobRecord) -> StreamEntry:
         return cls(job_id=record.id, tenant=record.tenant, cost=record.cost, enqueued_at=record.enqueued_at,
                    shadow=record.shadow, shadow_of=record.shadow_of, request_id=record.request_id, seq=record.seq,
-                   run_timeout_s=record.run_timeout_s, retry=record.retry)
+                   run_timeout_s=record.run_timeout_s, retry=record.retry, priority=record.priority,
+                   share=record.share)
 
     def to_fields(self) -> dict[str, str]:
         fields = {"id": self.job_id, "tenant": self.tenant, "cost": str(self.cost), "t": repr(self.enqueued_at)}
@@ -48,6 +53,10 @@ class StreamEntry:
             fields["rt"] = repr(self.run_timeout_s)
         if self.retry:
             fields["ry"] = self.retry
+        if self.priority != DEFAULT_PRIORITY:
+            fields["pr"] = str(self.priority)
+        if self.share != DEFAULT_SHARE:
+            fields["ws"] = repr(self.share)
         return fields
 
     @classmethod
@@ -57,7 +66,9 @@ class StreamEntry:
                    shadow_of=reply_text(fields.get(b"so")) or None, request_id=reply_text(fields.get(b"rq")) or None,
                    seq=int(fields[b"sq"]) if b"sq" in fields else None,
                    run_timeout_s=float(fields[b"rt"]) if fields.get(b"rt") else None,
-                   retry=reply_text(fields.get(b"ry")) or None)
+                   retry=reply_text(fields.get(b"ry")) or None,
+                   priority=int(fields[b"pr"]) if b"pr" in fields else DEFAULT_PRIORITY,
+                   share=float(fields[b"ws"]) if b"ws" in fields else DEFAULT_SHARE)
 
 
 @dataclass(frozen=True, slots=True)

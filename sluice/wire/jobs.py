@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from sluice.fair_share import DEFAULT_PRIORITY, DEFAULT_SHARE
 from sluice.queue_standing import Standing
 from sluice.references import INPUT_REF_FIELD, OUTPUT_REF_FIELD, WRITTEN_FIELD, InputRef, OutputRef, Written
 from sluice.retry import RetryPolicy
@@ -111,6 +112,9 @@ class JobRecord:
     attempt_errors: list[dict[str, Any]] = field(default_factory=list)
     # Written by the worker that ran it, only when the job woke its version from zero.
     cold_start_ms: float | None = None
+    # Within its lane, 0 runs first; its tenant's weight in the lane's fair sharing (sluice/fair_share.py).
+    priority: int = DEFAULT_PRIORITY
+    share: float = DEFAULT_SHARE
 
     def to_redis(self) -> dict[str, str]:
         """Fields as written at submission; later fields are set by the transition scripts (a job
@@ -160,6 +164,10 @@ class JobRecord:
             fields["retry"] = self.retry
         if self.cold_start_ms is not None:
             fields["cold_start_ms"] = repr(self.cold_start_ms)
+        if self.priority != DEFAULT_PRIORITY:
+            fields["priority"] = str(self.priority)
+        if self.share != DEFAULT_SHARE:
+            fields["share"] = repr(self.share)
         return fields
 
     @classmethod
@@ -210,6 +218,8 @@ class JobRecord:
             retry=data.get("retry") or None,
             attempt_errors=obj("attempt_errors") or [],
             cold_start_ms=num("cold_start_ms"),
+            priority=int(data.get("priority") or DEFAULT_PRIORITY),
+            share=num("share") or DEFAULT_SHARE,
         )
 
     @property
@@ -230,6 +240,7 @@ class JobRecord:
             "model": self.model,
             "version": self.version,
             "lane": self.lane,
+            "priority": self.priority,
             "cache_hit": self.cache_hit,
             "attempts": self.attempts,
             "timings": {
@@ -341,6 +352,14 @@ class JobView:
     @property
     def lane_key(self) -> tuple[str, str, str]:
         return self.stored["model"], self.stored["version"], self.stored["lane"]
+
+    @property
+    def priority(self) -> int:
+        return int(self.stored.get("priority") or DEFAULT_PRIORITY)
+
+    @property
+    def share(self) -> float:
+        return float(self.stored.get("share") or DEFAULT_SHARE)
 
     def body(self, standing: Standing | None = None) -> bytes:
         data = dict(self.stored)

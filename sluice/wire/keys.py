@@ -101,6 +101,19 @@ def queue_read(model: str, version: str) -> str:
     return f"sluice:{tag(model, version)}:queue-read"
 
 
+def held_index(model: str, version: str, lane: Lane) -> str:
+    """Hash: a held queue's name (`priority|tenant`) -> how many of the lane's jobs it holds, and
+    `*` -> all of them. A job is held, rather than added to the stream, while the lane is backed
+    up (queue.lua), and released in fair turns by the workers (release.lua)."""
+    return f"sluice:{tag(model, version)}:held-index:{lane}"
+
+
+def held_queue_prefix(model: str, version: str, lane: Lane) -> str:
+    """The prefix of the lane's held queues: a list of job record keys per `priority|tenant`,
+    oldest first (the scripts append the queue's name)."""
+    return f"sluice:{tag(model, version)}:held:{lane}:"
+
+
 def deadlines(model: str, version: str) -> str:
     """Sorted set: job hash key -> its deadline, of the version's jobs queued with `timeout_s`, so
     the scheduler's sweeper expires them with no worker to read them (`sluice.wire.settling`)."""

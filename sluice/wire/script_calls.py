@@ -66,10 +66,11 @@ def _shared(rows: Sequence[Mapping[str, str]]) -> tuple[dict[str, str], list[dic
     return shared, [{name: value for name, value in row.items() if name not in shared} for row in rows]
 
 
-def queue_call(records: Sequence[JobRecord], *, result_ttl_s: int) -> tuple[list[str], list[str]]:
+def queue_call(records: Sequence[JobRecord], *, result_ttl_s: int, window: int = 0) -> tuple[list[str], list[str]]:
     """KEYS and ARGV of queue.lua for one submission: one tenant's jobs, for one lane of one
     version (so the stream and the outbox are the same for all), those answered from the response
-    cache (`cache_hit`) among them."""
+    cache (`cache_hit`) among them. `window`: hold jobs while that many entries wait unread (0:
+    never; see queue.lua)."""
     first = records[0]
     if any((r.tenant, r.model, r.version, r.lane) != (first.tenant, first.model, first.version, first.lane)
            for r in records):
@@ -78,8 +79,10 @@ def queue_call(records: Sequence[JobRecord], *, result_ttl_s: int) -> tuple[list
     hits = [record for record in records if record.cache_hit]
     script_keys = [keys.stream(first.model, first.version, first.lane),  # type: ignore[arg-type]
                    keys.outbox(first.model, first.version), keys.deadlines(first.model, first.version),
-                   keys.queue_added(first.model, first.version)]
-    args = [str(result_ttl_s), str(len(queued))]
+                   keys.queue_added(first.model, first.version),
+                   keys.held_index(first.model, first.version, first.lane)]  # type: ignore[arg-type]
+    args = [str(result_ttl_s), str(len(queued)), str(window),
+            keys.held_queue_prefix(first.model, first.version, first.lane)]  # type: ignore[arg-type]
     if queued:
         shared_record, own_records = _shared([record.to_redis() for record in queued])
         shared_entry, own_entries = _shared([StreamEntry.of(record).to_fields() for record in queued])

@@ -62,6 +62,7 @@ REFRESH = load("refresh.lua")
 CANCEL = load("cancel.lua")
 SETTLE = load("settle.lua")
 WITHDRAW = load("withdraw.lua")
+RELEASE = load("release.lua")
 # A tenant's admission (`sluice.wire.quota`) and its Idempotency-Keys (`sluice.wire.idempotency`).
 ADMIT = load("admit.lua")
 ADMIT_QUEUE = load("admit_queue.lua")

@@ -24,6 +24,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from sluice.errors import BrokerError
+from sluice.fair_share import HeldQueue
 from sluice.vocabulary import LANES, Lane
 from sluice.wire import events, heartbeats, keys, scripts
 from sluice.wire.connections import reply_text, translate_redis_errors
@@ -59,25 +60,30 @@ async def ensure_group(redis: aioredis.Redis, stream_name: str, group: str) -> N
 
 
 async def free_places(redis: aioredis.Redis, jobs: Sequence[tuple[str, str]], *,
-                      read: tuple[str, Mapping[str, int]] | None = None) -> None:
+                      read: tuple[str, Mapping[str, int]] | None = None,
+                      held: Sequence[str] = ()) -> list[int]:
     """Free the quota places of (tenant, job id) pairs whose jobs left `queued` (started,
     settled or cancelled): a tenant's places live in its own slot, not the job's, so this follows
     the script that moved the job, in a second round trip. Freeing a place twice, or one never
     taken, does nothing; a place this never frees (its process died in between) frees itself at
     its score (`sluice.wire.quota`). `read`: a version's `keys.queue_read` and, per lane stream,
-    the highest job number just read, noted in the same round trip."""
+    the highest job number just read, noted in the same round trip; `held`: lanes' held indexes
+    (`keys.held_index`), whose counts of held jobs it answers, in the same round trip."""
     by_tenant: dict[str, list[str]] = {}
     for tenant, job_id in jobs:
         if tenant != SHADOW_TENANT:
             by_tenant.setdefault(tenant, []).append(job_id)
-    if not by_tenant and not (read and read[1]):
-        return
+    if not by_tenant and not (read and read[1]) and not held:
+        return []
     pipe = redis.pipeline(transaction=False)
+    for index in held:
+        pipe.hget(index, "*")
     for tenant, job_ids in by_tenant.items():
         pipe.zrem(keys.queued_jobs(tenant), *job_ids)
     if read and read[1]:
         pipe.zadd(read[0], dict(read[1]), gt=True)
-    await pipe.execute()
+    replies = await pipe.execute()
+    return [int(count or 0) for count in replies[:len(held)]]
 
 
 def _highest_seq(streams: Mapping[Lane, str], delivered: Sequence[Delivered]) -> dict[str, int]:
@@ -127,6 +133,13 @@ class StreamConsumer:
         self._claim = redis.register_script(scripts.CLAIM)
         self._finish = redis.register_script(scripts.FINISH)
         self._refresh = redis.register_script(scripts.REFRESH)
+        self._release = redis.register_script(scripts.RELEASE)
+        self._held_keys = {lane: keys.held_index(model, version, lane) for lane in LANES}
+        # Per lane, how many jobs are held (queue.lua) as last seen, and its held queues as the
+        # last release saw them: the worker releases while there are some.
+        # Unknown at the start, so the first read asks.
+        self.held_count: dict[Lane, int] = dict.fromkeys(LANES, 1)
+        self.held_queues: dict[Lane, list[HeldQueue]] = {lane: [] for lane in LANES}
 
     async def ensure_groups(self) -> None:
         """Create the consumer group on both lanes (and the streams) if missing, and make the
@@ -171,9 +184,29 @@ class StreamConsumer:
         # the server whether it knows it (SCRIPT EXISTS), one more round trip every time.
         with translate_redis_errors():
             reply = await self._claim(keys=script_keys, args=args)
-            await free_places(self.redis, [(item.entry.tenant, item.entry.job_id) for item in delivered],
-                              read=(self._read_key, _highest_seq(self.streams, delivered)))
+            held = await free_places(self.redis, [(item.entry.tenant, item.entry.job_id) for item in delivered],
+                                     read=(self._read_key, _highest_seq(self.streams, delivered)),
+                                     held=list(self._held_keys.values()))
+        self.held_count.update(zip(self._held_keys, held, strict=True))
         return parse_claims(reply)
+
+    async def release(self, lane: Lane, plan: Sequence[tuple[HeldQueue, int]]) -> None:
+        """Move held jobs of `lane` into its stream as `plan` says (`sluice.fair_share.plan_release`),
+        and note what stays held (see release.lua)."""
+        args = [keys.held_queue_prefix(self.model, self.version, lane)]
+        for queue, count in plan:
+            args += [f"{queue.priority}|{queue.tenant}", str(count)]
+        with translate_redis_errors():
+            reply = await self._release(keys=[self.streams[lane], keys.queue_added(self.model, self.version),
+                                              self._held_keys[lane]], args=args)
+        queues = []
+        for i in range(0, len(reply), 5):
+            priority, _, tenant = reply_text(reply[i]).partition("|")
+            queues.append(HeldQueue(priority=int(priority), tenant=tenant, count=int(reply[i + 1]),
+                                    head_enqueued_at=float(reply[i + 2]), head_cost=int(reply[i + 3]),
+                                    share=float(reply[i + 4])))
+        self.held_queues[lane] = queues
+        self.held_count[lane] = sum(queue.count for queue in queues)
 
     async def finish(self, jobs: Sequence[Finished], *, faults: Sequence[tuple[str, str]], started: float,
                      finished: float, model_ms: float, batch_size: int, close_reason: str) -> list[bool]:

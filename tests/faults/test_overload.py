@@ -24,7 +24,7 @@ from sluice.registry.store import Registry
 from sluice.registry.tables import ModelVersion
 from sluice.wire import keys
 from sluice.wire.events import channel as events_channel
-from tests.support import spawn_worker
+from tests.support import lane_jobs, spawn_worker
 
 from ._support import wait_statuses
 
@@ -296,8 +296,8 @@ def test_tenant_quota_on_queued_jobs_answers_429_with_retry_after(
     assert refused.status_code == 429, refused.text
     _retry_after(refused)
     # The refused requests queued nothing.
-    assert rds.xlen(keys.stream(model, "v1", "online")) == 3
-    assert rds.xlen(keys.stream(model, "v1", "bulk")) == 0
+    assert lane_jobs(rds, model, "v1", "online") == 3
+    assert lane_jobs(rds, model, "v1", "bulk") == 0
 
     # Cancelling one frees its place.
     assert client.delete(f"/v1/jobs/{ids[0]}").status_code == 200

@@ -19,8 +19,15 @@ import pytest
 
 from launch.seed import Seeded
 from sluice.settings import Settings
-from sluice.wire import keys
-from tests.support import ApiServer, WorkerProcess, http_client, make_settings, register_synthetic_model, wait_job
+from tests.support import (
+    ApiServer,
+    WorkerProcess,
+    http_client,
+    lane_jobs,
+    make_settings,
+    register_synthetic_model,
+    wait_job,
+)
 
 from ._support import RedisServer
 
@@ -88,7 +95,7 @@ def test_every_accepted_job_survives_a_redis_restart(
         rds = private_redis.client()
         try:
             # The append-only file brought every accepted job back, record and stream entry.
-            backlog = rds.xlen(keys.stream(model, "v1", "online")) + rds.xlen(keys.stream(model, "v1", "bulk"))
+            backlog = lane_jobs(rds, model, "v1", "online") + lane_jobs(rds, model, "v1", "bulk")
             assert backlog == len(accepted), (backlog, len(accepted))
             api.wait_ready("ok", timeout_s=30)
 

@@ -31,7 +31,7 @@ from sqlalchemy import update
 from sluice.registry.store import Registry
 from sluice.registry.tables import ModelVersion, Tenant
 from sluice.wire import keys
-from tests.support import REPO, spawn_worker, stop_process, wait_until
+from tests.support import REPO, lane_jobs, spawn_worker, stop_process, wait_until
 
 from ._support import free_port, wait_statuses
 from .test_overload import (
@@ -314,4 +314,4 @@ def test_tenant_rate_limit_holds_across_replicas(
         if response.status_code == 429:
             assert "rate limit" in json.loads(response.text)["error"]["message"], response.text
             _retry_after(response)
-    assert rds.xlen(keys.stream(model, "v1", "online")) == RATE_BURST
+    assert lane_jobs(rds, model, "v1", "online") == RATE_BURST

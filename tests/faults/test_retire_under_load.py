@@ -28,7 +28,7 @@ from sluice.wire.heartbeats import live_since
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
 from sluice.wire.streams import queue_jobs
-from tests.support import SYNTHETIC_SHA, fresh_database
+from tests.support import SYNTHETIC_SHA, fresh_database, lane_jobs
 
 from ._support import local_scheduler, read_jobs
 
@@ -147,7 +147,7 @@ def test_retiring_a_version_with_1000_queued_jobs_ends_every_job_within_the_drai
         assert counts.get(("failed", "version_retired")), f"the worker ran all of them within the drain: {counts}"
         assert counts.get(("succeeded", None)), f"the drain ran nothing: {counts}"
         # Nothing is left in the version's streams for a worker that will never come.
-        assert all(client.xlen(keys.stream(model, VERSION, lane)) == 0 for lane in ("online", "bulk"))
+        assert all(lane_jobs(client, model, VERSION, lane) == 0 for lane in ("online", "bulk"))
     client.close()
     figure("all_final_after_retire_s", round(all_final_s, 2))
     figure("succeeded", counts.get(("succeeded", None), 0))

@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from sluice.kinds import ModelKind
 from sluice.wire import keys
 from sluice.wire.connections import connect
-from tests.support import drive, queue_in_redis, unique
+from tests.support import drive, lane_jobs_async, queue_in_redis, unique
 from workers.models.protocol import ModelHandler
 from workers.worker import Worker
 
@@ -123,4 +123,4 @@ async def test_entries_held_longer_than_the_claim_threshold_are_not_stolen(
     for job_id, given in zip(ids, inputs, strict=True):
         assert json.loads(records[job_id]["output"]) == {"echo": given}, records[job_id]
     # Nothing left behind: every entry acknowledged and deleted.
-    assert await aredis.xlen(keys.stream(model, "v1", "online")) == 0, summary
+    assert await lane_jobs_async(aredis, model, "v1", "online") == 0, summary

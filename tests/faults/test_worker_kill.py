@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from sluice.wire import keys
+from tests.support import lane_jobs
 
 from ._support import read_jobs, wait_statuses
 
@@ -92,6 +93,6 @@ def test_sigkill_mid_batch_loses_no_job(
     # One stored outcome per job: a job run twice would have left a second latency sample.
     assert samples == JOBS, f"outcomes stored {samples} times for {JOBS} jobs: {summary}"
     # Nothing left behind: every entry acknowledged and deleted from the stream.
-    assert rds.xlen(keys.stream(model, "v1", "bulk")) == 0, summary
+    assert lane_jobs(rds, model, "v1", "bulk") == 0, summary
     assert rds.xpending(keys.stream(model, "v1", "bulk"), keys.GROUP)["pending"] == 0, summary
     assert "took over" in worker_b.log(20_000), worker_b.log()

@@ -27,7 +27,7 @@ from sluice.wire.heartbeats import Heartbeat, WorkerState
 from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
 from sluice.wire.quota import TenantLimits
-from tests.support import MAX_BULK_ITEMS, ApiServer, claim_one, http_client, serving, unique, wait_until
+from tests.support import MAX_BULK_ITEMS, ApiServer, claim_one, http_client, lane_jobs, serving, unique, wait_until
 
 
 def _serving(*, items_per_s: float) -> Heartbeat:
@@ -256,8 +256,8 @@ def test_a_bulk_of_300_texts_on_an_idle_platform_is_accepted_on_the_bulk_lane(
 
     assert response.status_code == 202, response.text
     assert response.json()["count"] == 300
-    assert rds.xlen(keys.stream(model, "v1", "bulk")) == 300
-    assert rds.xlen(keys.stream(model, "v1", "online")) == 0
+    assert lane_jobs(rds, model, "v1", "bulk") == 300
+    assert lane_jobs(rds, model, "v1", "online") == 0
     assert client.get(f"/v1/jobs/{response.json()['ids'][0]}").json()["lane"] == "bulk"
 
 
@@ -278,7 +278,7 @@ def test_an_online_submission_over_the_budget_is_told_to_use_the_bulk_lane(
     assert error["code"] == "too_many_requests"
     assert error["retry_with"] == {"lane": "bulk"}
     assert "bulk lane" in error["message"]
-    assert rds.xlen(keys.stream(model, "v1", "online")) == 0
+    assert lane_jobs(rds, model, "v1", "online") == 0
 
 
 def test_the_schema_documents_the_lane_defaults_and_the_bulk_lane_hint(anon: httpx.Client) -> None:
@@ -311,7 +311,7 @@ def test_concurrent_submissions_at_the_quota_boundary_never_exceed_it(
     codes = asyncio.run(burst(40))
     assert sorted(set(codes)) == [202, 429], codes
     assert codes.count(202) == 10, codes
-    assert rds.xlen(keys.stream(model, "v1", "online")) == 10
+    assert lane_jobs(rds, model, "v1", "online") == 10
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from sluice.wire.samples import Sample
 from sluice.wire.script_calls import Finished
 from sluice.wire.streams import StreamConsumer
 from tests.redis_cluster import LocalCluster, running_cluster
-from tests.support import claim_one, finish_one_call, queue_in_redis, wait_until
+from tests.support import claim_one, finish_one_call, lane_jobs_async, queue_in_redis, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +99,7 @@ async def test_a_submission_is_admitted_written_claimed_and_finished_across_node
     more = [JobRecord(id=keys.new_job_id(model, "v1"), tenant=tenant, model=model, version="v1", lane="online",
                       status=JobStatus.queued, input={"text": "x"}, enqueued_at=now) for _ in range(2)]
     assert await broker.enqueue(more, limits=limits) == Refusal("quota", queued=3)
-    assert await client.xlen(keys.stream(model, "v1", "online")) == 3
+    assert await lane_jobs_async(client, model, "v1", "online") == 3
 
     delivered = await consumer.read(["online"], count=10, block_ms=None)
     claims = await consumer.claim(delivered, now=time.time())

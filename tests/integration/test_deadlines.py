@@ -45,6 +45,7 @@ from tests.support import (
     claim_one,
     drive,
     http_client,
+    lane_jobs,
     receiving,
     serving,
     wait_job,
@@ -187,7 +188,7 @@ def test_a_bad_limit_is_a_422_saying_which_and_queues_nothing(
         assert response.status_code == 422, response.text
         error = response.json()["error"]
         assert error["code"] in {"invalid_input", "invalid_request"} and says in error["message"], error
-    assert rds.xlen(keys.stream(model, "v1", "online")) == 0 and rds.xlen(keys.stream(model, "v1", "bulk")) == 0
+    assert lane_jobs(rds, model, "v1", "online") == 0 and lane_jobs(rds, model, "v1", "bulk") == 0
 
 
 def test_the_published_schema_documents_every_new_field(anon: httpx.Client) -> None:

@@ -24,7 +24,7 @@ from sluice.wire import events, keys
 from sluice.wire.connections import connect
 from sluice.wire.entries import DeadLetter
 from sluice.wire.streams import StreamConsumer
-from tests.support import drive, queue_in_redis, unique
+from tests.support import drive, lane_jobs_async, queue_in_redis, unique
 from workers.execution import Outcome
 from workers.models.protocol import ModelHandler
 from workers.results import Delivery, ResultWriter
@@ -119,7 +119,7 @@ async def test_a_second_store_of_a_finished_job_adds_no_sample_copy_or_event(are
     assert (first, second) == ([True], [False])
     assert json.loads(await aredis.hget(keys.job(job_id), "output")) == {"echo": "first"}  # type: ignore[misc]
     assert await aredis.xlen(keys.stats(model, "v1")) == 1
-    assert await aredis.xlen(keys.stream(model, "v2", "bulk")) == 1  # one shadow copy
+    assert await lane_jobs_async(aredis, model, "v2", "bulk") == 1  # one shadow copy
     assert announced == [events.JobChanged(id=job_id, status="succeeded")]
 
 
@@ -178,7 +178,7 @@ async def test_a_fault_is_retried_and_its_dead_letter_carries_the_real_error(are
     assert MARK not in marked["error"] and MARK not in marked["last_error"]
     # Only the four jobs that finished left a sample; the faulted runs stored no outcome.
     assert await aredis.xlen(keys.stats(model, "v1")) == 4
-    assert await aredis.xlen(keys.stream(model, "v1", "online")) == 0
+    assert await lane_jobs_async(aredis, model, "v1", "online") == 0
 
 
 class Echo(ModelHandler):

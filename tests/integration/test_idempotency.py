@@ -20,7 +20,7 @@ from api.routes.jobs import SubmitJob, _request_hash
 from sluice.settings import Settings
 from sluice.wire import connections, keys
 from sluice.wire.broker import Broker
-from tests.support import ApiServer, http_client, record_failures, serving, unique, wait_until
+from tests.support import ApiServer, http_client, lane_jobs, record_failures, serving, unique, wait_until
 
 SUBMIT = "/v1/models/{model}/jobs"
 
@@ -70,7 +70,7 @@ def test_a_key_left_in_progress_by_a_dead_api_is_claimable_again_within_seconds(
     job_id = answers[-1].json()["id"]
     replay = client.post(SUBMIT.format(model=model), json=body, headers={"Idempotency-Key": key})
     assert replay.status_code == 202 and replay.json()["id"] == job_id
-    assert rds.xlen(keys.stream(model, "v1", "online")) == 1
+    assert lane_jobs(rds, model, "v1", "online") == 1
 
 
 @pytest.fixture(scope="module")

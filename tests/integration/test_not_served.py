@@ -13,7 +13,7 @@ import redis
 
 from sluice.wire import keys, placements
 from sluice.wire.placements import PlacementPlan
-from tests.support import wait_until
+from tests.support import lane_jobs, wait_until
 
 
 @pytest.fixture
@@ -43,13 +43,13 @@ def test_a_version_no_worker_can_serve_answers_503_not_served_and_queues_nothing
     reason = "its artifact was refused: sha256 mismatch"
     plan({f"{model}/v1": reason})
     wait_until(lambda: submit(demo, model).status_code == 503, timeout_s=5, what="the API reading the plan")
-    queued = [rds.xlen(keys.stream(model, "v1", lane)) for lane in ("online", "bulk")]
+    queued = [lane_jobs(rds, model, "v1", lane) for lane in ("online", "bulk")]
     refused = submit(demo, model)
     assert refused.json()["error"]["code"] == "not_served" and reason in refused.json()["error"]["message"]
     assert refused.headers["Retry-After"] == "30"
     bulk = demo.post(f"/v1/models/{model}/jobs:bulk", json={"inputs": [{"text": "a"}, {"text": "b"}]})
     assert bulk.status_code == 503 and bulk.json()["error"]["code"] == "not_served"
-    assert [rds.xlen(keys.stream(model, "v1", lane)) for lane in ("online", "bulk")] == queued, "a refusal queued"
+    assert [lane_jobs(rds, model, "v1", lane) for lane in ("online", "bulk")] == queued, "a refusal queued"
     batch = demo.post("/v1/batches", json={"model": model, "inputs": [{"text": "a"}]})
     assert batch.status_code == 503 and batch.json()["error"]["code"] == "not_served", batch.text
     # Another version of the model, named by an admin, is served as usual.

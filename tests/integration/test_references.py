@@ -18,7 +18,7 @@ from sluice.settings import Settings
 from sluice.tenant_files import REFUSED
 from sluice.wire import keys
 from sluice_client import SluiceClient
-from tests.support import ApiServer, WorkerProcess, wait_job
+from tests.support import ApiServer, WorkerProcess, lane_jobs, wait_job
 
 pytestmark = pytest.mark.slow
 
@@ -197,7 +197,7 @@ def test_every_reference_a_tenant_may_not_read_gets_the_answer_a_missing_object_
     bulk = client.post(f"/v1/models/{model}/jobs:bulk",
                        json={"jobs": [{"input": {"text": "mine"}}, {"input_uri": secret.as_uri()}]})
     assert (bulk.status_code, bulk.json()) == baseline
-    assert rds.xlen(keys.stream(model, "v1", "online")) == 0 and rds.xlen(keys.stream(model, "v1", "bulk")) == 0
+    assert lane_jobs(rds, model, "v1", "online") == 0 and lane_jobs(rds, model, "v1", "bulk") == 0
 
     # The owner is told its own object is too large.
     too_large = owner[1].post(f"/v1/models/{model}/jobs", json={"input_uri": "in/huge.json"})

@@ -28,7 +28,7 @@ from sluice.wire.jobs import JobRecord, JobStatus
 from sluice.wire.keys import new_job_id
 from sluice.wire.quota import TenantLimits
 from sluice.wire.streams import StreamConsumer
-from tests.support import queue_in_redis, unique
+from tests.support import lane_jobs_async, queue_in_redis, unique
 from workers.execution import Outcome
 from workers.results import Delivery, ResultWriter
 
@@ -132,7 +132,7 @@ async def test_claiming_a_read_and_storing_its_batch_are_one_round_trip_each(cou
     # Only the faulted job's entry is still pending; the others (and the settled one) are gone.
     pending = await counted.xpending_range(keys.stream(model, "v1", "online"), keys.GROUP, min="-", max="+", count=100)
     assert [p["message_id"].decode() for p in pending] == [batch.items[2].id]
-    assert await counted.xlen(keys.stream(model, "v1", "online")) == 1
+    assert await lane_jobs_async(counted, model, "v1", "online") == 1
 
 
 async def test_on_one_server_a_submission_is_admitted_and_written_in_one_round_trip(

@@ -11,8 +11,7 @@ import pytest
 import redis
 
 from sluice.settings import Settings
-from sluice.wire import keys
-from tests.support import ApiServer, http_client, record_failures, serving, unique, wait_until
+from tests.support import ApiServer, http_client, lane_jobs, record_failures, serving, unique, wait_until
 
 # --- shadow and staged versions serve only admins ----------------------------------------------------
 
@@ -39,7 +38,7 @@ def test_a_tenant_naming_a_staged_or_shadow_version_gets_403_not_servable(
     assert response.status_code == 403, response.text
     assert response.json()["error"]["code"] == "not_servable"
     assert f"'{version}'" in response.json()["error"]["message"]
-    assert rds.xlen(keys.stream(model, version, "online")) == 0
+    assert lane_jobs(rds, model, version, "online") == 0
 
 
 def test_a_tenant_pinned_to_a_staged_version_gets_403_not_servable(

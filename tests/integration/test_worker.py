@@ -19,7 +19,7 @@ import redis
 
 from sluice.wire import keys
 from sluice.wire.connections import is_cluster
-from tests.support import wait_until
+from tests.support import lane_jobs, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +123,7 @@ def test_sigterm_drains_what_the_worker_read_and_leaves_nothing_pending(
     assert set(by_status) == {"succeeded", "queued"}, by_status
     assert by_status["queued"] >= 20, by_status
     assert pending(model, "v1") == 0
-    assert rds.xlen(keys.stream(model, "v1", "bulk")) == by_status["queued"]
+    assert lane_jobs(rds, model, "v1", "bulk") == by_status["queued"]
     for job in jobs:
         if job["status"] == "succeeded":
             assert 1 <= job["batch"]["size"] <= 4

@@ -14,6 +14,7 @@
 -- the scripts run apart.
 --!include lib/admit_jobs.lua
 --!include lib/queue_webhook.lua
+--!include lib/add_entry.lua
 --!include lib/queue_jobs.lua
 local n, m = tonumber(ARGV[1]), tonumber(ARGV[2])
 local verdict = admit(1, 3, 2 + m)

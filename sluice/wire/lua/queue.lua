@@ -7,12 +7,17 @@
 -- KEYS[3]: the version's deadline index (a job with a deadline is entered under it)
 -- KEYS[4]: the version's count of jobs written per lane (`sluice.wire.keys.queue_added`): each
 --   queued job takes the next number, `seq` in its record and `sq` in its entry
--- KEYS[5..]: one job hash per queued job, then one per job answered from the response cache
+-- KEYS[5]: the lane's held index (`sluice.wire.keys.held_index`)
+-- KEYS[6..]: one job hash per queued job, then one per job answered from the response cache
 -- Every key is of the version's slot (`sluice.wire.keys`), so the script runs on a Redis Cluster.
 --
 -- ARGV[1]: result_ttl_s
 -- ARGV[2]: the number of queued jobs
--- ARGV[3..]: the record fields every queued job shares (their number, then name, value pairs),
+-- ARGV[3]: the window: a job is held (in its tenant's queue of its priority) rather than added to
+--   the stream while the lane holds jobs, or while the stream has this many entries not yet read;
+--   0: never held (fair sharing off)
+-- ARGV[4]: the prefix of the lane's held queues' keys (`sluice.wire.keys.held_queue`), of the slot
+-- ARGV[5..]: the record fields every queued job shares (their number, then name, value pairs),
 --   the entry fields every one shares (likewise); then per queued job the number of its own
 --   record fields and the fields, the number of its own entry fields and the fields; then per
 --   answered job its record (the number of fields, then the fields)
@@ -27,6 +32,7 @@
 -- has not been answered yet. The tenant's admission (quota, rate, Idempotency-Key) is checked and
 -- charged before, in its own slot (admit.lua).
 --!include lib/queue_webhook.lua
+--!include lib/add_entry.lua
 --!include lib/queue_jobs.lua
 queue_jobs(1, 1)
 return 1

@@ -4,32 +4,59 @@
 --
 -- KEYS: none of its own; queue.lua's, from KEYS[k] to the last.
 -- ARGV: none of its own; queue.lua's, from ARGV[a] to the last.
--- Calls queue_webhook (lib/queue_webhook.lua), which the script includes before it.
+-- Calls queue_webhook (lib/queue_webhook.lua) and add_entry (lib/add_entry.lua), which the script
+-- includes before it.
+
+-- The value of field `name` in a flat {name, value, ...} list, or nil.
+local function field_of(fields, name)
+  for f = 1, #fields, 2 do
+    if fields[f] == name then return fields[f + 1] end
+  end
+  return nil
+end
+
 local function queue_jobs(k, a)
   local ttl, count = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-  local stream, outbox, deadlines, added = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
-  local n = tonumber(ARGV[a + 2])
-  local record = {unpack(ARGV, a + 3, a + 2 + 2 * n)}
-  local i = a + 3 + 2 * n
+  local window, held_prefix = tonumber(ARGV[a + 2]), ARGV[a + 3]
+  local stream, outbox, deadlines, added, index = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
+  local n = tonumber(ARGV[a + 4])
+  local record = {unpack(ARGV, a + 5, a + 4 + 2 * n)}
+  local i = a + 5 + 2 * n
   local m = tonumber(ARGV[i])
   local entry = {unpack(ARGV, i + 1, i + 2 * m)}
   i = i + 1 + 2 * m
-  for j = k + 4, k + 3 + count do
+  -- Held while the lane holds some already, or the stream has `window` entries no worker has
+  -- read: the worker that reads them sees the held count and releases in turn (release.lua).
+  local holding = window > 0 and (tonumber(redis.call('HGET', index, '*') or '0') > 0)
+  for j = k + 5, k + 4 + count do
     local own = tonumber(ARGV[i])
-    local seq = redis.call('ZINCRBY', added, 1, stream)
-    redis.call('HSET', KEYS[j], 'seq', seq, unpack(ARGV, i + 1, i + 2 * own))
+    redis.call('HSET', KEYS[j], unpack(ARGV, i + 1, i + 2 * own))
     if n > 0 then redis.call('HSET', KEYS[j], unpack(record)) end
     redis.call('EXPIRE', KEYS[j], ttl)
     local deadline = redis.call('HGET', KEYS[j], 'deadline')
     if deadline then redis.call('ZADD', deadlines, deadline, KEYS[j]) end
     i = i + 1 + 2 * own
     own = tonumber(ARGV[i])
-    local fields = {'sq', seq, unpack(ARGV, i + 1, i + 2 * own)}
+    local fields = {unpack(ARGV, i + 1, i + 2 * own)}
     for _, part in ipairs(entry) do fields[#fields + 1] = part end
-    redis.call('XADD', stream, '*', unpack(fields))
     i = i + 1 + 2 * own
+    if window > 0 and not holding then
+      -- No group yet (no worker has started): nothing has been read.
+      local pending = redis.pcall('XPENDING', stream, 'workers')
+      pending = type(pending) == 'table' and pending[1] or 0
+      holding = redis.call('XLEN', stream) - pending >= window
+    end
+    if holding then
+      local queue = (field_of(fields, 'pr') or '1') .. '|' .. field_of(fields, 'tenant')
+      redis.call('HSET', KEYS[j], 'ef', cjson.encode(fields))
+      redis.call('RPUSH', held_prefix .. queue, KEYS[j])
+      redis.call('HINCRBY', index, queue, 1)
+      redis.call('HINCRBY', index, '*', 1)
+    else
+      add_entry(stream, added, KEYS[j], fields)
+    end
   end
-  for h = k + 4 + count, #KEYS do
+  for h = k + 5 + count, #KEYS do
     local own = tonumber(ARGV[i])
     redis.call('HSET', KEYS[h], unpack(ARGV, i + 1, i + 2 * own))
     redis.call('EXPIRE', KEYS[h], ttl)
