@@ -90,6 +90,10 @@ def test_the_latency_budget_is_a_bucket_of_the_histogram_and_the_registrys_defau
 def test_the_configuration_sluice_up_writes_loads_the_rule_files(tmp_path: Path) -> None:
     from launch.launcher import ALERT_RULES, Platform
 
-    config = yaml.safe_load(Platform(settings=Settings(home=tmp_path)).write_prometheus_config().read_text())
-    assert config["rule_files"] == [str(ALERT_RULES)]
+    path = Platform(settings=Settings(home=tmp_path)).write_prometheus_config()
+    assert yaml.safe_load(path.read_text())["rule_files"] == [str(ALERT_RULES)]
     assert sorted(ALERT_RULES.parent.glob(ALERT_RULES.name)) == RULE_FILES
+    # promtool reads the rule files a configuration names, and says how many rules it found.
+    done = subprocess.run([_promtool(), "check", "config", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SUCCESS: {len(_rules())} rules found" in done.stdout, done.stdout
