@@ -49,11 +49,18 @@ STOP_SLACK_S = 2.0
 # How often the Prometheus file-SD file is rewritten from the advertised endpoints.
 TARGETS_EVERY_S = 2.0
 
+# The alerting and SLO rules shipped with the checkout (deploy/prometheus/). Installed from a
+# wheel there is no such folder: the glob matches nothing, which Prometheus accepts.
+ALERT_RULES = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "*.rules.yml"
+
 # Scrapes whatever the targets file lists, re-read as `sluice up` rewrites it.
 PROMETHEUS_CONFIG = """\
 # Written by `sluice up`: prometheus --config.file=<this file>
 global:
   scrape_interval: 5s
+  evaluation_interval: 15s
+rule_files:
+  - {rules}
 scrape_configs:
   - job_name: sluice
     file_sd_configs:
@@ -240,10 +247,12 @@ class Platform:
                 log.warning("could not refresh %s: %s", self.scrape_targets_path, exc)
 
     def write_prometheus_config(self) -> Path:
-        """A Prometheus configuration over the file-SD file, for `prometheus --config.file=…`."""
+        """A Prometheus configuration over the file-SD file, with the alert rules, for
+        `prometheus --config.file=…`."""
         path = self.home / "prometheus" / "prometheus.yml"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(PROMETHEUS_CONFIG.format(targets=json.dumps(str(self.scrape_targets_path))))
+        path.write_text(PROMETHEUS_CONFIG.format(targets=json.dumps(str(self.scrape_targets_path)),
+                                                 rules=json.dumps(str(ALERT_RULES))))
         return path
 
     def write_scrape_targets(self) -> None:

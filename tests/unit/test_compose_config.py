@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -83,3 +84,12 @@ def test_prometheus_reads_the_apis_discovery_and_its_configuration_is_valid() ->
     done = subprocess.run([promtool, "check", "config", str(REPO / "docker" / "prometheus.yml")],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_prometheus_loads_the_alert_rules_compose_mounts(services: dict[str, Any]) -> None:
+    config = yaml.safe_load((REPO / "docker" / "prometheus.yml").read_text())
+    (rules,) = config["rule_files"]
+    mounts = [str(volume).split(":") for volume in services["prometheus"]["volumes"]]
+    (source,) = [source for source, target, *_ in mounts if target == str(Path(rules).parent)]
+    assert Path(source) == REPO / "deploy" / "prometheus"
+    assert list(Path(source).glob(Path(rules).name)), f"{rules} matches no file of {source}"

@@ -30,7 +30,9 @@ def _kustomization(folder: Path) -> dict[str, Any]:
 
 
 def _base_objects() -> list[dict[str, Any]]:
-    return [doc for entry in _kustomization(BASE)["resources"] for doc in _docs(BASE / entry)]
+    """The objects of the base's own files (a folder it includes is a kustomization of its own)."""
+    return [doc for entry in _kustomization(BASE)["resources"] if (BASE / entry).is_file()
+            for doc in _docs(BASE / entry)]
 
 
 def _by_component(kind: str = "Deployment") -> dict[str, list[dict[str, Any]]]:
@@ -68,7 +70,8 @@ def test_every_object_is_the_client_model_with_no_field_dropped(doc: dict[str, A
 
 def test_the_kustomizations_name_files_that_exist_and_patch_objects_of_the_base() -> None:
     base = _kustomization(BASE)
-    assert all((BASE / entry).is_file() for entry in base["resources"])
+    assert all((BASE / entry).is_file() or (BASE / entry / "kustomization.yaml").is_file()
+               for entry in base["resources"])
     overlay = _kustomization(OVERLAY)
     assert [(OVERLAY / entry).resolve() for entry in overlay["resources"]] == [BASE.resolve()]
     objects = _base_objects()
@@ -186,3 +189,16 @@ def test_flower_asks_for_basic_auth_from_the_secret() -> None:
     assert {"SLUICE_REDIS_URL", "SLUICE_DATABASE_URL", "SLUICE_BOOTSTRAP_ADMIN_KEY",
             "FLOWER_BASIC_AUTH"} <= secret["stringData"].keys()
     assert all("CHANGE-ME" in value for value in secret["stringData"].values())
+
+
+def test_the_base_ships_the_alert_rules_as_a_config_map_generated_from_the_rules_file() -> None:
+    """The rules have one source, deploy/prometheus/sluice.rules.yml: the base includes its folder,
+    whose kustomization makes the ConfigMap from that file under a fixed name a Prometheus mounts."""
+    rules = DEPLOY.parent / "prometheus"
+    assert (BASE / "../../prometheus").resolve() == rules.resolve()
+    assert "../../prometheus" in _kustomization(BASE)["resources"]
+    folder = _kustomization(rules)
+    assert folder["generatorOptions"] == {"disableNameSuffixHash": True}
+    (generator,) = folder["configMapGenerator"]
+    assert generator["name"] == "sluice-prometheus-rules"
+    assert generator["files"] == ["sluice.rules.yml"] and (rules / "sluice.rules.yml").is_file()
