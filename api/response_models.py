@@ -372,6 +372,13 @@ class AuditResource(BaseModel):
     reason: str | None
 
 
+class TenantShare(BaseModel):
+    """A tenant's weight in fair sharing after a change."""
+
+    id: str
+    share: float = Field(description="Its weight when tenants share a version's workers (1 by default)")
+
+
 class WebhookSecretRotation(BaseModel):
     """A tenant's webhook secret after a rotation, shown to the admin as at the tenant's creation."""
 

@@ -292,7 +292,8 @@ class MicroBatcher(Generic[P]):
         if self._turns is not None and self._isolate:
             whose = self._turns.pick({cast(str, each[2][2]) for each in ready})
             ready = [each for each in ready if each[2][2] == whose]
-        _, _, tenant, bucket, reason, size = min(ready, key=lambda each: each[1])
+        # A group aged into the level goes ahead of the ones native to it, then the oldest.
+        _, _, tenant, bucket, reason, size = min(ready, key=lambda each: (each[2][1] == level, each[1]))
         return self._close(tenant, bucket, reason, now, size=size)
 
     def next_deadline(self) -> float | None:

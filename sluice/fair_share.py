@@ -13,7 +13,8 @@ theirs, plus the one service that overdraws it), however deep their backlogs.
 
 Priority (0 first, 1 by default, 2 last) orders the classes: the most urgent class with work is
 served first, fairly between its tenants. A job whose wait has reached `ageing_s` counts as the
-most urgent priority with work, so no flood of urgent work holds a job back much past that bound;
+most urgent priority with work, and goes ahead of its tenant's jobs native to that priority, so no
+flood of urgent work, however old, holds a job back much past that bound;
 among jobs of one priority, ageing changes nothing (a flood's old jobs do not outrank another
 tenant's new ones: turns decide).
 """
@@ -191,7 +192,9 @@ def plan_release(queues: Sequence[HeldQueue], *, want: int, now: float, turns: D
         urgent = min(classes.values())
         candidates = sorted(key for key, cls in classes.items() if cls == urgent)
         tenant = turns.pick({key[1] for key in candidates})
-        key = next(key for key in candidates if key[1] == tenant)
+        # Of the tenant's queues in the class, one aged into it first, else the longest waiting.
+        key = min((key for key in candidates if key[1] == tenant),
+                  key=lambda k: (k[0] == urgent, by_key[k].head_enqueued_at))
         queue = by_key[key]
         turns.charge(queue.tenant, max(1, queue.head_cost))
         if plan and plan[-1][0] is queue:

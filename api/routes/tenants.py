@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.deps import AdminKey, StateDep, announce_routing
 from api.field_types import Name
-from api.response_models import WebhookSecretRotation
+from api.response_models import TenantShare, WebhookSecretRotation
 from sluice.fair_share import DEFAULT_SHARE
 from sluice.registry import audit, routing_table, tenants
 from sluice.webhooks import DEFAULT_SECRET_OVERLAP_S, MAX_SECRET_OVERLAP_S
@@ -82,7 +82,7 @@ async def create_tenant(body: CreateTenant, key: AdminKey, state: StateDep) -> d
     return await to_thread.run_sync(write)
 
 
-@router.patch("/tenants/{tenant}")
+@router.patch("/tenants/{tenant}", response_model=TenantShare)
 async def update_tenant(tenant: str, body: UpdateTenant, key: AdminKey, state: StateDep) -> dict[str, Any]:
     """Set a tenant's `share` (audited). Jobs submitted from then on carry it; this replica's key
     cache is cleared at once, other replicas' within their cache's lifetime."""

@@ -37,6 +37,7 @@ RESOURCE_ROUTES = {
     ("get", "/v1/models/{model}/rollouts/current", "200"): "RolloutResource",
     ("delete", "/v1/models/{model}/rollouts/current", "200"): "RolloutResource",
     ("post", "/v1/tenants/{tenant}/webhook-secret:rotate", "200"): "WebhookSecretRotation",
+    ("patch", "/v1/tenants/{tenant}", "200"): "TenantShare",
 }
 
 

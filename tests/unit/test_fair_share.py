@@ -81,6 +81,13 @@ def test_release_ages_a_starved_queue_to_the_front() -> None:
     assert (2, "b") in [(queue.priority, queue.tenant) for queue, _ in plan]
 
 
+def test_release_puts_an_aged_job_ahead_of_its_tenants_older_urgent_flood() -> None:
+    turns: DeficitRoundRobin[str] = DeficitRoundRobin(quantum=10)
+    queues = [_queue(0, "a", 500, at=90.0), _queue(2, "a", 1, at=95.0)]
+    assert [(q.priority, n) for q, n in plan_release(queues, want=1, now=94.0, turns=turns, ageing_s=10.0)] == [(0, 1)]
+    assert [(q.priority, n) for q, n in plan_release(queues, want=1, now=105.0, turns=turns, ageing_s=10.0)] == [(2, 1)]
+
+
 def test_release_weights_tenants_by_share() -> None:
     turns: DeficitRoundRobin[str] = DeficitRoundRobin(quantum=10)
     queues = [_queue(1, "a", 1000, share=2.0), _queue(1, "b", 1000)]
