@@ -200,6 +200,7 @@ def test_the_dashboard_draws_each_version_of_a_model_under_traffic(
         for version in ("v1", "v2"):
             page.wait_for_function(DRAWN, arg=[version, 2], timeout=30_000)
         check_the_page(page, errors, capsys, record_property)
+        page.context.close()  # before its API stops: a poll after that would log a failed load
 
     # The session's API has no price: the cost is unknown, not free.
     page = open_page(chromium, f"{api.url}/dashboard#model={model}", errors)
