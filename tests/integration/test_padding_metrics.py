@@ -11,6 +11,7 @@ arrival-order chunks whatever the machine's speed. Several minutes on 2 cores: b
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +62,7 @@ async def run_until_done(redis_url: str, model: str, version: str, handler: Any,
 def test_the_padding_on_metrics_matches_bench_inprocess(
     anon: httpx.Client, admin: httpx.Client, demo: httpx.Client, redis_url: str,
     register_synthetic: Callable[..., str], wait_jobs: Callable[..., list[dict[str, Any]]],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     from bench.inprocess import load_encoder, plan_padding
     from workers.models.minilm import DEFAULT_MAX_BATCH_TOKENS
@@ -88,5 +90,9 @@ def test_the_padding_on_metrics_matches_bench_inprocess(
         figures[version] = (padded / real, bench, stats["padding_ratio"])
         assert padded / real == pytest.approx(bench, rel=0.10), figures
         assert stats["padding_ratio"] == pytest.approx(padded / real, rel=1e-3), figures
+    with capsys.disabled():
+        for version, (worker, bench, stats) in figures.items():
+            sys.stdout.write(f"\npadding, {version}: /metrics {worker:.3f}, bench.inprocess {bench:.3f}, "
+                             f"/stats {stats}")
     # The skewed mix is what length-aware batching is for: far less padding than arrival order.
     assert figures["aware"][0] < figures["arrival"][0] / 2, figures
