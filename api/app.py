@@ -20,6 +20,7 @@ from api.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMidd
 from api.placement_view import PlacementView
 from api.routes import batches, dashboard, health, jobs, models, rollouts, schedules, tenants, waits
 from sluice.breaker import CircuitBreaker
+from sluice.metrics import PRICE_PER_CORE_HOUR, PRICE_PER_GPU_HOUR
 from sluice.registry.store import Registry
 from sluice.settings import Settings
 from sluice.wire import events
@@ -43,6 +44,9 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         own_redis = redis is None
         own_registry = registry is None
+        # Grafana's cost per 1,000 jobs multiplies the workers' core- and GPU-seconds by these.
+        PRICE_PER_CORE_HOUR.set(settings.price_per_core_hour)
+        PRICE_PER_GPU_HOUR.set(settings.price_per_gpu_hour)
         client = redis or connect(settings.require_redis_url())
         durable_ms = settings.durable_accept_timeout_ms if settings.durable_accept else None
         if durable_ms is not None:

@@ -469,6 +469,21 @@ class CloseReasons(BaseModel):
     drain: int
 
 
+class CostSummary(BaseModel):
+    """What the window's passes used and cost (sluice/cost.py): each pass is charged its model time
+    plus the idle slot time before it, times its slot's cores and GPUs."""
+
+    padded_tokens: int = Field(description="Tokens the model computed, each pass padded to its longest input")
+    real_tokens: int
+    padding_ratio: float | None = Field(description="padded_tokens / real_tokens; null without tokens")
+    idle_slot_s: float = Field(description="Idle model-slot seconds charged to this version's passes")
+    core_s: float
+    gpu_s: float
+    price_per_core_hour: float = Field(description="As configured; 0: unknown")
+    price_per_gpu_hour: float = Field(description="As configured; 0: unknown")
+    per_1k_jobs: float | None = Field(description="Cost of 1,000 jobs; null when a needed price is unknown")
+
+
 class QualitySummary(BaseModel):
     """Aggregates of the jobs' quality proxies; a key is absent when no sample carried its proxy."""
 
@@ -496,9 +511,15 @@ class StatsResource(BaseModel):
     total_ms: Percentiles
     batch_size: BatchSizes
     close_reasons: CloseReasons
+    fill_ms: Percentiles = Field(description="Time to fill: a batch's oldest arrival at the worker to its close, "
+                                             "per job")
+    cost: CostSummary
     quality: QualitySummary
     percentile_method: str
     p99_min_samples: int = Field(description="The samples a p99 needs; with fewer `count`, every p99 is null")
+    resident_bytes: int | None = Field(description="Resident memory one copy of the version's weights added to "
+                                                   "its worker process, the most over its live workers; null when "
+                                                   "none is live")
 
 
 class SeriesBucket(BaseModel):

@@ -93,6 +93,23 @@ def plan_batches(plan: str, texts: Sequence[str], lengths: Sequence[int], batch_
     raise ValueError(f"unknown plan {plan!r}")
 
 
+def plan_passes(encoder: Any, plan: str, batches: Sequence[Sequence[int]], lengths: Sequence[int]) -> list[list[int]]:
+    """The forward passes a plan's batches run as: each batch one pass, or for `chunked` the passes
+    the encoder plans of each (as the worker's handler does)."""
+    if plan != "chunked":
+        return [list(batch) for batch in batches]
+    return [[batch[i] for i in chunk] for batch in batches for chunk in encoder.passes([lengths[j] for j in batch])]
+
+
+def plan_padding(encoder: Any, texts: Sequence[str], plan: str, batch_size: int) -> float:
+    """The padding (padded / real tokens) a plan costs on these texts, untimed: the figure
+    `time_plan` reports, which the worker's `/metrics` is checked against
+    (tests/integration/test_padding_metrics.py)."""
+    lengths = encoder.token_lengths(texts)
+    batches = plan_batches(plan, texts, lengths, batch_size)
+    return padding_ratio(lengths, plan_passes(encoder, plan, batches, lengths))
+
+
 def time_plan(encoder: Any, texts: Sequence[str], plan: str, batch_size: int) -> dict[str, Any]:
     """Plan (the length look-up included in the timing) and run; answer texts/s and padding."""
     from workers.models.minilm import DEFAULT_MAX_BATCH_TOKENS
@@ -112,10 +129,7 @@ def time_plan(encoder: Any, texts: Sequence[str], plan: str, batch_size: int) ->
     own_cpu = time.process_time() - cpu0
     window.stop()
     real_lengths = lengths or encoder.token_lengths(texts)  # outside the timing when not needed
-    passes = batches
-    if plan == "chunked":
-        passes = [[batch[i] for i in chunk] for batch in batches
-                  for chunk in encoder.passes([real_lengths[j] for j in batch])]
+    passes = plan_passes(encoder, plan, batches, real_lengths)
     return {
         "plan": plan, "texts": len(texts), "batches": len(batches), "seconds": elapsed,
         "texts_per_s": len(texts) / elapsed, "padding_ratio": padding_ratio(real_lengths, passes),

@@ -15,6 +15,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from launch.api_client import KeyOption, UrlOption, api_client, api_errors
+
 if TYPE_CHECKING:
     from scheduler.planning.capacity_plan import PlanRow
     from scheduler.planning.frontier import Series
@@ -130,6 +132,13 @@ def plan(
     headroom: Annotated[float, typer.Option(min=0.0, help="Spare capacity over the peak (0.3: 30 %)")] = 0.3,
     series: Annotated[str, typer.Option(help="Which sweep of the frontier to plan from: real or sim")] = "real",
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON")] = False,
+    measured: Annotated[str | None, typer.Option(
+        "--measured", metavar="MODEL/VERSION",
+        help="Beside the plan, what the running version measured: its /stats cost figures (padding, core- and "
+             "GPU-seconds per job, cost per 1,000 jobs at the API's prices), through the API with an admin key")
+    ] = None,
+    window_s: Annotated[float, typer.Option("--window-s", min=1, help="--measured over this many seconds")] = 3600.0,
+    url: UrlOption = None, key: KeyOption = None,
 ) -> None:
     """Replicas and cost per device type for a peak rate: each replica at the frontier's best
     throughput within the p99 budget, replicas = ceil(peak x (1 + headroom) / that), and the cost per
@@ -149,10 +158,46 @@ def plan(
                             p99_budget_ms=p99_budget_ms, peak_rps=peak_rps, headroom=headroom) for spec in specs]
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    figures = _measured(measured, window_s=window_s, url=url, key=key) if measured else None
     if as_json:
         body = {"p99_budget_ms": p99_budget_ms, "peak_rps": peak_rps, "headroom": headroom, "series": series,
                 "frontier": str(frontier), "devices": [row.to_dict() for row in rows]}
+        if figures is not None:
+            body["measured"] = figures
         sys.stdout.write(json.dumps(body, indent=2) + "\n")
         return
-    _console().print(_plan_table(rows, budget=p99_budget_ms, peak=peak_rps, headroom=headroom))
+    console = _console()
+    console.print(_plan_table(rows, budget=p99_budget_ms, peak=peak_rps, headroom=headroom))
+    if figures is not None:
+        console.print(measured_line(figures))
+
+
+def _measured(name: str, *, window_s: float, url: str | None, key: str | None) -> dict[str, Any]:
+    model, _, version = name.partition("/")
+    if not model or not version:
+        raise typer.BadParameter("MODEL/VERSION", param_hint="--measured")
+    with api_errors(Console(stderr=True)), api_client(url, key) as client:
+        return measured_figures(client.stats(model, version, window_s=window_s))
+
+
+def measured_figures(stats: dict[str, Any]) -> dict[str, Any]:
+    """The cost figures of a version's `/stats` (sluice/cost.py), per job where the plan's are per request."""
+    cost, jobs = stats["cost"], stats["count"]
+    return {"model": stats["model"], "version": stats["version"], "window_s": stats["window_s"], "jobs": jobs,
+            "padding_ratio": cost["padding_ratio"], "idle_slot_s": cost["idle_slot_s"],
+            "core_s_per_job": cost["core_s"] / jobs if jobs else None,
+            "gpu_s_per_job": cost["gpu_s"] / jobs if jobs else None,
+            "cost_per_1k_jobs": cost["per_1k_jobs"], "cost_per_million_jobs":
+                None if cost["per_1k_jobs"] is None else cost["per_1k_jobs"] * 1000}
+
+
+def measured_line(figures: dict[str, Any]) -> str:
+    def shown(value: float | None, spec: str) -> str:
+        return "—" if value is None else format(value, spec)
+
+    return (f"measured {figures['model']}/{figures['version']}, {figures['jobs']} jobs in the last "
+            f"{figures['window_s']:g} s: padding {shown(figures['padding_ratio'], '.2f')}x, "
+            f"{shown(figures['core_s_per_job'], '.4g')} core-s and {shown(figures['gpu_s_per_job'], '.4g')} GPU-s "
+            f"per job ({figures['idle_slot_s']:g} s of idle slot included), per 1M jobs "
+            f"{shown(figures['cost_per_million_jobs'], '.3f')} at the API's prices")
 

@@ -172,6 +172,9 @@ class PassThroughHandler(ModelHandler):
     def cost_of(self, item: Mapping[str, Any]) -> int | None:
         return self.inner.cost_of(item)  # type: ignore[no-any-return]
 
+    def count_tokens(self, inputs: Sequence[Mapping[str, Any]]) -> tuple[int, int] | None:
+        return self.inner.count_tokens(inputs)  # type: ignore[no-any-return]
+
     def proxies(self, output: Mapping[str, Any]) -> dict[str, Any] | None:
         return self.inner.proxies(output)  # type: ignore[no-any-return]
 

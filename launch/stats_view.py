@@ -23,6 +23,10 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _figure(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def _cut(series: str, cut: str) -> Callable[[dict[str, Any]], str]:
     return lambda body: _ms(body[series][cut])
 
@@ -36,6 +40,11 @@ _ROWS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
       for cut in ("p50", "p95", "p99")],
     ("batch size mean", lambda body: f"{body['batch_size']['mean']:.2f}"),
     ("batches closed on", lambda body: ", ".join(f"{reason} {n}" for reason, n in body["close_reasons"].items())),
+    ("time to fill ms p50", _cut("fill_ms", "p50")),
+    ("padded / real tokens", lambda body: _figure(body["cost"]["padding_ratio"], ".2f")),
+    ("idle slot s", lambda body: f"{body['cost']['idle_slot_s']:.1f}"),
+    ("core-s / GPU-s", lambda body: f"{body['cost']['core_s']:.1f} / {body['cost']['gpu_s']:.1f}"),
+    ("cost per 1,000 jobs", lambda body: _figure(body["cost"]["per_1k_jobs"], ".4g")),
 ]
 
 

@@ -39,6 +39,23 @@ BATCH_CLOSED = Counter("sluice_batches_total", "Batches by close reason (size, a
                        ["model", "version", "lane", "reason"])
 PADDING_RATIO = Histogram("sluice_batch_padding_ratio", "Padded tokens / real tokens per batch",
                           ["model", "version", "lane"], buckets=(1, 1.1, 1.25, 1.5, 2, 3, 5, 10))
+# What a version costs (sluice/cost.py). The padding ratio is `padded / real` in PromQL; the cost
+# per 1,000 jobs is `(core_seconds x price per core-hour + gpu_seconds x price per GPU-hour) / 3600
+# / jobs x 1000`, the prices exported as gauges of their own (figures are never labels).
+PADDED_TOKENS = Counter("sluice_padded_tokens_total", "Tokens the model computed, each pass padded to its longest "
+                        "input", ["model", "version", "lane"])
+REAL_TOKENS = Counter("sluice_real_tokens_total", "Real (unpadded) tokens of the inputs the model ran",
+                      ["model", "version", "lane"])
+SLOT_IDLE = Counter("sluice_slot_idle_seconds_total", "Seconds a worker's model slot sat with no batch, charged to "
+                    "the version whose batch ended the idle spell", ["model", "version"])
+CORE_SECONDS = Counter("sluice_core_seconds_total", "Core-seconds charged to the version: (model time + idle slot "
+                       "time) x the slot's cores", ["model", "version"])
+GPU_SECONDS = Counter("sluice_gpu_seconds_total", "GPU-seconds charged to the version: (model time + idle slot "
+                      "time) x the slot's GPUs", ["model", "version"])
+RESIDENT_BYTES = Gauge("sluice_worker_resident_bytes", "Resident memory the version's weights added to its worker "
+                       "process (0 when it shares weights another version loaded)", ["model", "version"])
+PRICE_PER_CORE_HOUR = Gauge("sluice_price_per_core_hour", "The configured price of one core-hour (0: unknown)")
+PRICE_PER_GPU_HOUR = Gauge("sluice_price_per_gpu_hour", "The configured price of one GPU-hour (0: unknown)")
 WEBHOOK_ATTEMPTS = Counter("sluice_webhook_attempts_total",
                            "Webhook delivery attempts by outcome (delivered, retrying, failed, refused; "
                            "deferred: not made, its tenant over its share or rate)", ["outcome"])

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from sluice.cost import Prices
 from sluice.wire.connections import as_cluster_url, cluster_url
 
 
@@ -104,6 +105,10 @@ class Settings(BaseSettings):
     # How often the scheduler's sweeper expires queued jobs past their deadline (`timeout_s`,
     # `start_by`), between its scaling ticks: a job expires at most this late.
     deadline_sweep_s: float = Field(default=0.5, gt=0, le=60)
+    # What an hour of one core and of one GPU costs (one currency), for the cost per 1,000 jobs of
+    # `/stats`, the dashboard and Grafana (sluice/cost.py); 0 = unknown, shown as "—".
+    price_per_core_hour: float = Field(default=0.0, ge=0)
+    price_per_gpu_hour: float = Field(default=0.0, ge=0)
 
     # Artifacts (sluice/artifact_store.py). `sluice models register` publishes to `artifact_store`
     # (an fsspec URL: file://, s3://, gs://, ...; unset: HOME/artifacts); workers fetch remote
@@ -232,6 +237,10 @@ class Settings(BaseSettings):
         if self.batch_root is not None and self.batch_storage.is_relative_to(self.batch_root.resolve()):
             raise ValueError("SLUICE_BATCH_DIR must not lie inside SLUICE_BATCH_ROOT")
         return self
+
+    @property
+    def prices(self) -> Prices:
+        return Prices(per_core_hour=self.price_per_core_hour, per_gpu_hour=self.price_per_gpu_hour)
 
     @property
     def batch_storage(self) -> Path:

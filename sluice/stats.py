@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from sluice.cost import Prices, cost_per_1k_jobs, padding_ratio
 from sluice.quality import summarise_quality
 from sluice.vocabulary import CLOSE_REASONS
 from sluice.wire.samples import Sample
@@ -39,7 +40,7 @@ def _percentiles(values: list[float], *, p99_min: int = P99_MIN_SAMPLES) -> dict
             for key, value in percentiles(values, p99_min=p99_min).items()}
 
 
-def summarise(samples: list[Sample], *, window_s: float) -> dict[str, Any]:
+def summarise(samples: list[Sample], *, window_s: float, prices: Prices | None = None) -> dict[str, Any]:
     count = len(samples)
     errors = sum(1 for s in samples if s.status != "succeeded")
     span = (max(s.finished_at for s in samples) - min(s.finished_at for s in samples)) if count > 1 else 0.0
@@ -63,9 +64,31 @@ def summarise(samples: list[Sample], *, window_s: float) -> dict[str, Any]:
             "histogram": {str(size): round(n / size) for size, n in sorted(sizes.items())},
         },
         "close_reasons": {reason: round(batches.get(reason, 0.0)) for reason in CLOSE_REASONS},
+        "fill_ms": _percentiles([s.fill_ms for s in samples]),
+        "cost": summarise_cost(samples, prices or Prices()),
         "quality": summarise_quality(s.quality for s in samples),
         "percentile_method": "exact, linear interpolation (type 7)",
         "p99_min_samples": P99_MIN_SAMPLES,
+    }
+
+
+def summarise_cost(samples: Sequence[Sample], prices: Prices) -> dict[str, Any]:
+    """The window's passes, from their jobs' shares (sluice/cost.py): padded ÷ real tokens, the
+    idle slot seconds, core- and GPU-seconds charged, and what 1,000 jobs cost at `prices` (null:
+    a price that is needed is not configured, or nothing was measured)."""
+    padded = math.fsum(s.padded_tokens for s in samples)
+    real = math.fsum(s.real_tokens for s in samples)
+    core_s = math.fsum(s.core_s for s in samples)
+    gpu_s = math.fsum(s.gpu_s for s in samples)
+    ratio = padding_ratio(padded_tokens=padded, real_tokens=real)
+    per_1k = cost_per_1k_jobs(core_s=core_s, gpu_s=gpu_s, jobs=len(samples), prices=prices)
+    return {
+        "padded_tokens": round(padded), "real_tokens": round(real),
+        "padding_ratio": None if ratio is None else round(ratio, 4),
+        "idle_slot_s": round(math.fsum(s.idle_s for s in samples), 3),
+        "core_s": round(core_s, 3), "gpu_s": round(gpu_s, 3),
+        "price_per_core_hour": prices.per_core_hour, "price_per_gpu_hour": prices.per_gpu_hour,
+        "per_1k_jobs": None if per_1k is None else round(per_1k, 6),
     }
 
 

@@ -31,7 +31,14 @@ import redis.asyncio as aioredis
 
 from sluice.backoff import Backoff
 from sluice.errors import ArtifactError, SluiceError, WorkerFailed
-from sluice.metrics import COLD_START, PRECISION_SPEEDUP, WORKER_PRECISION, WORKER_STATE, clear_precision
+from sluice.metrics import (
+    COLD_START,
+    PRECISION_SPEEDUP,
+    RESIDENT_BYTES,
+    WORKER_PRECISION,
+    WORKER_STATE,
+    clear_precision,
+)
 from sluice.registry import catalog
 from sluice.registry.store import Registry
 from sluice.registry.tables import ModelVersion
@@ -91,6 +98,14 @@ class ArtifactRefusedAtStart(SluiceError):
     """A host started for fixed versions (`sluice worker --model --version`) could not load one."""
 
 
+def slot_resources(*, device: str, threads: int | None) -> tuple[float, float]:
+    """(cores, GPUs) of a worker process's model slot."""
+    import torch
+
+    on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return float(threads or torch.get_num_threads()), 1.0 if on_gpu else 0.0
+
+
 class WorkerHost:
     def __init__(self, *, redis: aioredis.Redis, registry: Registry, settings: Settings, models: LoadedModels,
                  slots: ExecutionSlots, group: str | None = None, fixed: Mapping[VersionKey, str] | None = None,
@@ -107,6 +122,9 @@ class WorkerHost:
         self.device = device
         self.threads = threads
         self.clock = clock
+        # What the process's model slot holds, charged per pass (sluice/cost.py): its torch threads
+        # (one core each) and the GPU when its models run on one.
+        self._cores, self._gpus = slot_resources(device=device, threads=threads)
         self.served: dict[VersionKey, list[_Served]] = {}
         self._stopping = asyncio.Event()
         self._refusals: dict[VersionKey, Backoff] = {}
@@ -208,6 +226,7 @@ class WorkerHost:
                 batch_timeout_s=self.settings.batch_timeout_s, slots=self.slots, tier=loaded.tier,
                 group=self.group, resident_bytes=loaded.model.resident_bytes, woke=woke,
                 fair_share=self.settings.fair_share, ageing_s=self.settings.priority_ageing_s,
+                cores=self._cores, gpus=self._gpus,
                 references=References(root=self.settings.batch_root, max_bytes=self.settings.max_object_bytes,
                                       max_text_chars=self.settings.max_text_chars),
             )
@@ -223,7 +242,7 @@ class WorkerHost:
         finally:
             self.models.release(loaded.model)
             if not any(s is not served and not s.stop.is_set() for s in self.served.get(served.key, [])):
-                for gauge in (WORKER_STATE, COLD_START, PRECISION_SPEEDUP):
+                for gauge in (WORKER_STATE, COLD_START, PRECISION_SPEEDUP, RESIDENT_BYTES):
                     with contextlib.suppress(KeyError):
                         gauge.remove(model, version)
                 clear_precision(model, version)
@@ -309,6 +328,7 @@ class WorkerHost:
 
     def _loaded_metrics(self, key: VersionKey, model: Loaded, cold_start_s: float) -> None:
         COLD_START.labels(*key).set(cold_start_s)
+        RESIDENT_BYTES.labels(*key).set(model.resident_bytes)
         choice = model.handler.precision
         if choice is not None:
             clear_precision(*key)

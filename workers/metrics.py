@@ -10,15 +10,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sluice.batcher import Batch
+from sluice.cost import PassUsage
 from sluice.metrics import (
     BATCH_CLOSED,
     BATCH_FILL,
     BATCH_SIZE,
+    CORE_SECONDS,
+    GPU_SECONDS,
     JOB_SECONDS,
     JOBS_FINISHED,
     MODEL_TIME,
+    PADDED_TOKENS,
     PADDING_RATIO,
     QUEUE_WAIT,
+    REAL_TOKENS,
+    SLOT_IDLE,
 )
 from sluice.vocabulary import CLOSE_REASONS, LANES, Lane
 from sluice.wire.jobs import JobStatus
@@ -35,6 +41,8 @@ class _LaneSeries:
         self.padding = PADDING_RATIO.labels(model, version, lane)
         self.queue_wait = QUEUE_WAIT.labels(model, version, lane)
         self.job_seconds = JOB_SECONDS.labels(model, version, lane)
+        self.padded_tokens = PADDED_TOKENS.labels(model, version, lane)
+        self.real_tokens = REAL_TOKENS.labels(model, version, lane)
 
 
 class BatchMetrics:
@@ -44,21 +52,31 @@ class BatchMetrics:
             for status in (JobStatus.succeeded, JobStatus.failed, JobStatus.expired)
         }
         self._lanes = {lane: _LaneSeries(model, version, lane) for lane in LANES}
+        self._idle = SLOT_IDLE.labels(model, version)
+        self._core_s = CORE_SECONDS.labels(model, version)
+        self._gpu_s = GPU_SECONDS.labels(model, version)
 
     def batch(
         self, batch: Batch[Delivery], outcomes: Sequence[Outcome], won: Sequence[bool], *, started: float,
-        model_s: float, finished: float,
+        model_s: float, finished: float, usage: PassUsage | None = None,
     ) -> None:
         """A stored batch (one forward pass). Per-job series count only the writes that made a job
-        final, as its sample does, so they agree with the stats resource."""
+        final, as its sample does, so they agree with the stats resource. Without `usage` (jobs
+        failed by their own timeout while their pass ran on) the pass is counted once, with the
+        jobs it stored last."""
         series = self._lanes[batch.items[0].payload.lane]
         size = len(batch.items)
         series.size.observe(size)
         series.closed[batch.close_reason].inc()
         series.model_time.observe(model_s)
         series.fill.observe(max(0.0, batch.closed_at - min(item.payload.arrived_at for item in batch.items)))
-        real = sum(max(1, item.cost) for item in batch.items)
-        series.padding.observe(batch.max_cost * size / real if real else 1.0)
+        if usage is not None:
+            series.padding.observe(usage.padded_tokens / usage.real_tokens if usage.real_tokens else 1.0)
+            series.padded_tokens.inc(usage.padded_tokens)
+            series.real_tokens.inc(usage.real_tokens)
+            self._idle.inc(usage.idle_s)
+            self._core_s.inc(usage.core_s)
+            self._gpu_s.inc(usage.gpu_s)
         failed = succeeded = 0
         for item, outcome, first in zip(batch.items, outcomes, won, strict=True):
             if not first:

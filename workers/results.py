@@ -15,11 +15,12 @@ before the batch is stored (one more round trip, for batches of a shadow version
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import orjson
 
 from sluice.batcher import Batch, Item
+from sluice.cost import PassUsage
 from sluice.metrics import SHADOW_COPIES
 from sluice.quality import agreement, proxies
 from sluice.references import InputRef, OutputRef
@@ -60,6 +61,25 @@ def _json(value: dict[str, Any] | None) -> bytes:
     return orjson.dumps(value) if value is not None else b""
 
 
+class _Share(TypedDict, total=False):
+    fill_ms: float
+    padded_tokens: float
+    real_tokens: float
+    core_s: float
+    gpu_s: float
+    idle_s: float
+
+
+def _share(batch: Batch[Delivery], usage: PassUsage | None) -> _Share:
+    """Each job's share of its pass, as `Sample` fields."""
+    size = len(batch.items)
+    fill_ms = round(max(0.0, batch.closed_at - min(item.payload.arrived_at for item in batch.items)) * 1000, 3)
+    if usage is None:
+        return {"fill_ms": fill_ms}
+    return {"fill_ms": fill_ms, "padded_tokens": usage.padded_tokens / size, "real_tokens": usage.real_tokens / size,
+            "core_s": usage.core_s / size, "gpu_s": usage.gpu_s / size, "idle_s": usage.idle_s / size}
+
+
 class ResultWriter:
     def __init__(self, *, streams: StreamConsumer, result_ttl_s: int, woke_at: float | None = None) -> None:
         self.streams = streams
@@ -73,12 +93,14 @@ class ResultWriter:
         self._copies = SHADOW_COPIES.labels(self.model, self.version)
 
     async def store(self, batch: Batch[Delivery], outcomes: list[Outcome], *, started: float, finished: float,
-                    model_ms: float) -> list[bool]:
-        """Store and acknowledge; answer, per item, whether this write made its job final."""
+                    model_ms: float, usage: PassUsage | None = None) -> list[bool]:
+        """Store and acknowledge; answer, per item, whether this write made its job final. `usage`:
+        what the pass used, shared equally by its jobs' samples (sluice/cost.py)."""
         size = len(batch.items)
         primaries = await self._primary_outputs(batch, outcomes)
+        share = _share(batch, usage)
         jobs = [self._finished(item, outcome, primaries, started=started, finished=finished, model_ms=model_ms,
-                               size=size, close_reason=batch.close_reason)
+                               size=size, close_reason=batch.close_reason, share=share)
                 for item, outcome in zip(batch.items, outcomes, strict=True) if outcome.fault is None]
         faults = [(item.payload.job_id, outcome.fault) for item, outcome in zip(batch.items, outcomes, strict=True)
                   if outcome.fault is not None]
@@ -92,7 +114,8 @@ class ResultWriter:
         return [item.id in won_entries for item in batch.items]
 
     def _finished(self, item: Item[Delivery], outcome: Outcome, primaries: dict[str, dict[str, Any]], *,
-                  started: float, finished: float, model_ms: float, size: int, close_reason: str) -> Finished:
+                  started: float, finished: float, model_ms: float, size: int, close_reason: str,
+                  share: _Share) -> Finished:
         delivery = item.payload
         status = JobStatus.succeeded if outcome.error is None else JobStatus.failed
         retried = (outcome.error is not None and delivery.retry is not None
@@ -111,7 +134,7 @@ class ResultWriter:
         sample = Sample(
             status=status.value, finished_at=finished, queue_wait_ms=round((started - item.enqueued_at) * 1000, 3),
             model_ms=model_ms, total_ms=round((finished - item.enqueued_at) * 1000, 3), batch_size=size,
-            close_reason=close_reason, quality=quality,
+            close_reason=close_reason, quality=quality, **share,
         )
         copy = (self._shadow_copy(delivery, item.cost, finished)
                 if delivery.shadow and outcome.output is not None else None)

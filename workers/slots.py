@@ -3,7 +3,8 @@
 `sluice.fair_turns.FairTurns` decides whose batch runs next; this wraps it for one asyncio loop:
 a Worker with a batch ready enters `turn(...)`, waits there until granted, runs the batch on the
 model and says how long it took. A waiter cancelled (a Worker stopping) gives its place or its
-slot back, so no slot leaks.
+slot back, so no slot leaks. A turn learns how long its slot had sat with no batch before it: the
+pass that ends an idle spell is charged with it (sluice/cost.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ TIER_RANK = {"latency": 0, "batch": 1}
 class Turn:
     def __init__(self) -> None:
         self.model_s = 0.0
+        # How long the slot this turn took had sat with no batch: the turn is charged with it.
+        self.idle_s = 0.0
 
     def used(self, model_s: float) -> None:
         self.model_s = model_s
@@ -33,6 +36,8 @@ class ExecutionSlots:
         self.clock = clock
         self._granted: dict[Hashable, asyncio.Future[None]] = {}
         self._tickets = count()
+        # When each free slot last went free (a stack: the turn granted next takes the latest).
+        self._free_since = [clock()] * slots
 
     @asynccontextmanager
     async def turn(self, *, version: Hashable, rank: Rank) -> AsyncIterator[Turn]:
@@ -42,11 +47,17 @@ class ExecutionSlots:
         self.turns.request(ticket, version=version, rank=rank, now=self.clock())
         self._dispatch()
         turn = Turn()
+        took = False
         try:
             await granted
+            if self._free_since:
+                turn.idle_s = max(0.0, self.clock() - self._free_since.pop())
+                took = True
             yield turn
         finally:
             self._granted.pop(ticket, None)
+            if took:
+                self._free_since.append(self.clock())
             if granted.done() and not granted.cancelled():
                 self.turns.release(ticket, model_s=turn.model_s, now=self.clock())
             else:

@@ -38,6 +38,7 @@ import redis.asyncio as aioredis
 
 from sluice.backoff import Backoff
 from sluice.batcher import DEFAULT_BUCKET_BOUNDS, Batch, Item, MicroBatcher
+from sluice.cost import PassUsage
 from sluice.errors import BrokerError, HandlerHung, InferenceError, WorkerFailed
 from sluice.fair_share import DEFAULT_AGEING_S, Contention, DeficitRoundRobin, batch_limit, plan_release
 from sluice.retry import RetryPolicy
@@ -53,6 +54,7 @@ from workers.models.protocol import ModelHandler
 from workers.references import References
 from workers.results import Delivery, ResultWriter
 from workers.slots import ExecutionSlots, Turn, rank
+from workers.usage import pass_usage
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +150,8 @@ class Worker:
         batch_timeout_s: float = 120.0,
         group: str = "",
         resident_bytes: int = 0,
+        cores: float = 1.0,
+        gpus: float = 0.0,
         slots: ExecutionSlots | None = None,
         tier: str = "latency",
         references: References | None = None,
@@ -171,6 +175,9 @@ class Worker:
         self._batch_log = BatchLog(model=model, version=version)
         self.group = group
         self.resident_bytes = resident_bytes
+        # What the model slot holds, for the core- and GPU-seconds charged to each pass (sluice/cost.py).
+        self.cores = cores
+        self.gpus = gpus
         # The process's model slots, shared with the other versions it serves (workers/slots.py).
         self.slots = slots or ExecutionSlots()
         self.tier = tier
@@ -433,7 +440,9 @@ class Worker:
                 turn.used(model_s)
                 self._charge(batch, model_s)
             if left:
-                self._store(_part(batch, left), outcomes, started, model_s)
+                usage = pass_usage(self.handler, batch.items, model_s=model_s, idle_s=turn.idle_s, cores=self.cores,
+                                   gpus=self.gpus)
+                self._store(_part(batch, left), outcomes, started, model_s, usage)
 
     def _charge(self, batch: Batch[Delivery], model_s: float) -> None:
         """Charge the batch's model time to its tenant's turn, or to each tenant of a mixed batch
@@ -496,9 +505,10 @@ class Worker:
             return left, [outcome for item, outcome in zip(batch.items, outcomes, strict=True)
                           if item.id in kept], model_s
 
-    def _store(self, batch: Batch[Delivery], outcomes: list[Outcome], started: float, model_s: float) -> None:
+    def _store(self, batch: Batch[Delivery], outcomes: list[Outcome], started: float, model_s: float,
+               usage: PassUsage | None = None) -> None:
         """Store a pass's outcomes in the background: the model goes on with the next batch."""
-        task = asyncio.create_task(self._complete(batch, outcomes, started, model_s))
+        task = asyncio.create_task(self._complete(batch, outcomes, started, model_s, usage))
         self._writes.add(task)
         task.add_done_callback(self._write_done)
 
@@ -535,7 +545,8 @@ class Worker:
         parts = [_part(batch, [batch.items[i] for i in sorted(part)]) for part in plan]
         return sorted(parts, key=lambda part: part.oldest_enqueued_at)
 
-    async def _complete(self, batch: Batch[Delivery], outcomes: list[Outcome], started: float, model_s: float) -> None:
+    async def _complete(self, batch: Batch[Delivery], outcomes: list[Outcome], started: float, model_s: float,
+                        usage: PassUsage | None = None) -> None:
         """Store every outcome, then acknowledge: a job is never acked before its outcome exists.
 
         A faulted item's entry is released unacknowledged: no longer refreshed, it goes idle and
@@ -548,7 +559,7 @@ class Worker:
         while True:
             try:
                 won = await self.results.store(batch, outcomes, started=started, finished=finished,
-                                               model_ms=model_ms)
+                                               model_ms=model_ms, usage=usage)
                 break
             except BrokerError as exc:
                 # Keep the results and retry: the model's work is not thrown away on a Redis blip.
@@ -561,7 +572,7 @@ class Worker:
         self.processed += size
         self.last_batch_size = size
         self._rate_window.append((size, model_s))
-        self._metrics.batch(batch, outcomes, won, started=started, model_s=model_s, finished=finished)
+        self._metrics.batch(batch, outcomes, won, started=started, model_s=model_s, finished=finished, usage=usage)
         self._log_batch(batch, outcomes, won, model_ms)
 
     def _log_batch(self, batch: Batch[Delivery], outcomes: list[Outcome], won: list[bool], model_ms: float) -> None:

@@ -275,7 +275,9 @@ async def version_stats(
     if version not in state.routing.current().model(model).versions:
         raise NotFound(f"model '{model}' has no version '{version}'")
     samples = await state.broker.samples(model, version, window_s=window_s)
-    return {"model": model, "version": version, **summarise(samples, window_s=window_s)}
+    beats = await heartbeats.live_heartbeats(state.broker.redis, model, version, now=time.time())
+    return {"model": model, "version": version, **summarise(samples, window_s=window_s, prices=state.settings.prices),
+            "resident_bytes": max((beat.resident_bytes for beat in beats), default=None)}
 
 
 @router.get("/{model}/versions/{version}/stats/series", response_model=StatsSeriesResource)

@@ -93,6 +93,21 @@
     return `${p > 0 && p < 1 ? p.toFixed(2) : num(p)} %`;
   }
   const orDash = (v) => (v === null || v === undefined ? "—" : String(v));
+  // A price: small figures keep two significant digits (0.0042), never rounded to 0.
+  function money(v) {
+    if (v === null || v === undefined || !Number.isFinite(v)) return "—";
+    return v > 0 && Math.abs(v) < 0.01 ? String(+v.toPrecision(2)) : num(v);
+  }
+  function bytes(v) {
+    if (v === null || v === undefined) return "—";
+    return v >= 2 ** 30 ? `${num(v / 2 ** 30)} GiB` : `${num(v / 2 ** 20)} MiB`;
+  }
+  // When a version's batching was last tuned: an ISO date or Unix seconds; absent, never.
+  function tunedAt(batching) {
+    const t = batching ? batching.tuned_at : null;
+    if (t === null || t === undefined || t === "") return "never";
+    return when(typeof t === "number" ? t * 1000 : t);
+  }
 
   // --- the API ---------------------------------------------------------------------------------
 
@@ -382,7 +397,8 @@
         el("span", { class: `state state-${version.state}` }, version.state),
         el("span", { class: "muted" }, `weight ${num(weight)}${total ? ` (${pct(weight / total)} of traffic)` : ""}`),
         el("span", { class: "muted" },
-          `batches of up to ${version.batching.max_batch_size}, closed after ${num(version.batching.max_wait_ms)} ms`)),
+          `batches of up to ${version.batching.max_batch_size}, closed after ${num(version.batching.max_wait_ms)} ms`),
+        el("span", { class: "muted", "data-field": "tuned_at" }, `last tuned ${tunedAt(version.batching)}`)),
       el("div", { class: "tiles" },
         tile("Lag online", lanes ? lanes.online.lag : null, seen.online, "lag-online"),
         tile("Lag bulk", lanes ? lanes.bulk.lag : null, seen.bulk, "lag-bulk"),
@@ -394,7 +410,18 @@
         tile("Throughput", stats ? `${num(stats.throughput_per_s)}/s` : null),
         tile("Error rate", stats ? pct(stats.error_rate) : null),
         tile("Queue wait p99", stats ? ms(stats.queue_wait_ms.p99) : null, null, null,
-          stats && stats.queue_wait_ms.p99 === null ? `needs ${stats.p99_min_samples} jobs in the window` : null)),
+          stats && stats.queue_wait_ms.p99 === null ? `needs ${stats.p99_min_samples} jobs in the window` : null),
+        tile("Cost / 1,000 jobs", stats ? money(stats.cost.per_1k_jobs) : null, null, "cost",
+          stats && stats.cost.per_1k_jobs === null
+            ? "needs a price per core-hour (and per GPU-hour on a GPU) and jobs in the window"
+            : "model time plus idle slot time, times cores and GPUs, at the configured prices"),
+        tile("Padding", stats && stats.cost.padding_ratio !== null ? `${num(stats.cost.padding_ratio)}×` : null,
+          null, "padding", "tokens computed (each pass padded to its longest input) / real tokens"),
+        tile("Time to fill p50", stats ? ms(stats.fill_ms.p50) : null, null, "fill",
+          "a batch's oldest arrival at the worker to its close"),
+        tile("Idle slot", stats ? `${num(stats.cost.idle_slot_s)} s` : null, null, "idle",
+          `model-slot seconds with no batch, ${win.label}`),
+        tile("Weights resident", stats ? bytes(stats.resident_bytes) : null, null, "resident")),
       el("div", { class: "charts" },
         lineChart({ id: "queue_wait", title: "Queue wait", unit: "ms", buckets, frame, format: ms,
           lines: PERCENTILES.map((p) => ({ ...p, get: (b) => b.queue_wait_ms[p.key] })) }),

@@ -35,6 +35,15 @@ class Sample:
     # Quality proxies of the job's output (sluice.quality.proxies), plus `agreement` on a
     # shadow version's samples.
     quality: dict[str, Any] = field(default_factory=dict)
+    # The job's share of its forward pass (sluice/cost.py): the pass's padded and real tokens and
+    # the core-, GPU- and idle slot seconds charged to it, each divided by the jobs in the pass, so
+    # a window's sum is the passes' total. `fill_ms`: its batch's oldest arrival to its close.
+    fill_ms: float = 0.0
+    padded_tokens: float = 0.0
+    real_tokens: float = 0.0
+    core_s: float = 0.0
+    gpu_s: float = 0.0
+    idle_s: float = 0.0
 
     @property
     def succeeded(self) -> bool:
@@ -47,6 +56,10 @@ class Sample:
         }
         if self.quality:
             fields["q"] = json.dumps(self.quality, separators=(",", ":"))
+        for key, value in (("f", self.fill_ms), ("pt", self.padded_tokens), ("rt", self.real_tokens),
+                           ("cs", self.core_s), ("gs", self.gpu_s), ("is", self.idle_s)):
+            if value:
+                fields[key] = repr(value)
         return fields
 
     @classmethod
@@ -55,6 +68,9 @@ class Sample:
             status=fields[b"s"].decode(), finished_at=float(fields[b"t"]), queue_wait_ms=float(fields[b"qw"]),
             model_ms=float(fields[b"m"]), total_ms=float(fields[b"tt"]), batch_size=int(fields[b"b"]),
             close_reason=fields[b"r"].decode(), quality=json.loads(fields[b"q"]) if b"q" in fields else {},
+            fill_ms=float(fields.get(b"f", 0.0)), padded_tokens=float(fields.get(b"pt", 0.0)),
+            real_tokens=float(fields.get(b"rt", 0.0)), core_s=float(fields.get(b"cs", 0.0)),
+            gpu_s=float(fields.get(b"gs", 0.0)), idle_s=float(fields.get(b"is", 0.0)),
         )
 
 

@@ -18,8 +18,9 @@ import pytest
 from playwright.sync_api import ConsoleMessage, Error, Page, sync_playwright
 
 from launch.seed import Seeded
+from sluice.settings import Settings
 from tests.integration.test_openapi import conforms
-from tests.support import REPO, ApiServer
+from tests.support import REPO, ApiServer, serving
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +150,8 @@ def submit_traffic(demo: httpx.Client, model: str, *, rounds: int, per_round: in
 
 
 def test_the_dashboard_draws_each_version_of_a_model_under_traffic(
-    chromium: Any, api: ApiServer, seeded: Seeded, admin: httpx.Client, demo: httpx.Client, spec: dict[str, Any],
+    chromium: Any, api: ApiServer, settings: Settings, seeded: Seeded, admin: httpx.Client, demo: httpx.Client,
+    spec: dict[str, Any],
     register_synthetic: Callable[..., str], start_worker: Callable[..., Any],
     wait_jobs: Callable[..., list[dict[str, Any]]], capsys: pytest.CaptureFixture[str],
     record_property: Callable[[str, object], None],
@@ -181,11 +183,43 @@ def test_the_dashboard_draws_each_version_of_a_model_under_traffic(
     assert {v["version"]: (v["live_workers"], v["lanes"]["online"]["lag"]) for v in queue.json()["versions"]} == {
         "v1": (1, 0), "v2": (1, 0)}
 
+    stats = admin.get(f"/v1/models/{model}/versions/v1/stats")
+    conforms(spec, "StatsResource", stats.json())
+    cost = stats.json()["cost"]
+    # The synthetic model has no tokenizer: its passes count the batcher's costs, padded.
+    assert cost["real_tokens"] > 0 and cost["padding_ratio"] >= 1.0 and cost["core_s"] > 0
+    assert cost["per_1k_jobs"] is None, "no price is configured on the session's API"
+    assert stats.json()["fill_ms"]["p50"] is not None
+
+    # The page is read from an API that knows a price per core-hour.
+    priced = settings.model_copy(update={"price_per_core_hour": 0.05})
     errors: list[str] = []
+    with serving(priced) as priced_api:
+        page = open_page(chromium, f"{priced_api.url}/dashboard#model={model}", errors)
+        sign_in(page, seeded.admin_key)
+        for version in ("v1", "v2"):
+            page.wait_for_function(DRAWN, arg=[version, 2], timeout=30_000)
+        check_the_page(page, errors, capsys, record_property)
+        page.context.close()  # before its API stops: a poll after that would log a failed load
+
+    # The session's API has no price: the cost is unknown, not free.
     page = open_page(chromium, f"{api.url}/dashboard#model={model}", errors)
     sign_in(page, seeded.admin_key)
-    for version in ("v1", "v2"):
-        page.wait_for_function(DRAWN, arg=[version, 2], timeout=30_000)
+    page.wait_for_function(DRAWN, arg=["v1", 2], timeout=30_000)
+    v1 = page.locator('section.version[data-version="v1"]')
+    assert v1.locator('[data-tile="cost"] .tile-value').text_content() == "—", "no price, no cost"
+    # A model that never had a rollout: none is shown, and nothing fails to load on the way.
+    quiet = register_synthetic("dash-quiet")
+    assert admin.get(f"/v1/models/{quiet}/rollouts").json() == {"items": []}
+    page.evaluate("name => { location.hash = 'model=' + encodeURIComponent(name); }", quiet)
+    page.wait_for_selector(f'div.model[data-model="{quiet}"] section.version[data-version="v1"]', timeout=15_000)
+    page.wait_for_timeout(3500)
+    assert page.locator("table.decisions tbody tr").count() == 0
+    assert not errors, errors
+
+
+def check_the_page(page: Page, errors: list[str], capsys: pytest.CaptureFixture[str],
+                   record_property: Callable[[str, object], None]) -> None:
     # The sparklines gather one point per poll: wait for a second poll.
     page.wait_for_function("""() => Number(document.querySelector(
         'section.version[data-version="v1"] [data-tile="lag-online"] svg.spark')?.dataset.points || 0) >= 2""",
@@ -207,6 +241,14 @@ def test_the_dashboard_draws_each_version_of_a_model_under_traffic(
     assert set(reasons) == {"size", "age", "drain"} and sum(reasons.values()) > 0
     assert v1.locator('[data-tile="lag-online"] .tile-value').text_content() == "0"
     assert v1.locator('[data-tile="live"] .tile-value').text_content() == "1"
+    # Cost per 1,000 jobs per version, at the priced API's price per core-hour; and the last tuning
+    # (the version JSON's `batching.tuned_at`), never for these versions.
+    for version in ("v1", "v2"):
+        panel = page.locator(f'section.version[data-version="{version}"]')
+        cost = panel.locator('[data-tile="cost"] .tile-value').text_content() or ""
+        assert float(cost) > 0, (version, cost)
+        assert (panel.locator('[data-tile="padding"] .tile-value').text_content() or "").endswith("×")
+        assert panel.locator('[data-field="tuned_at"]').text_content() == "last tuned never"
 
     weights = page.locator("table.weights")
     assert weights.locator('tr[data-version="v1"] td.weight').text_content() == "90"
@@ -231,15 +273,6 @@ def test_the_dashboard_draws_each_version_of_a_model_under_traffic(
     assert "jobs" in (tip.text_content() or "") and "p50" in (tip.text_content() or "")
     page.mouse.move(0, 0)
     page.wait_for_timeout(3500)
-    assert not errors, errors
-
-    # A model that never had a rollout: none is shown, and nothing fails to load on the way.
-    quiet = register_synthetic("dash-quiet")
-    assert admin.get(f"/v1/models/{quiet}/rollouts").json() == {"items": []}
-    page.evaluate("name => { location.hash = 'model=' + encodeURIComponent(name); }", quiet)
-    page.wait_for_selector(f'div.model[data-model="{quiet}"] section.version[data-version="v1"]', timeout=15_000)
-    page.wait_for_timeout(3500)
-    assert page.locator("table.decisions tbody tr").count() == 0
     assert not errors, errors
 
 

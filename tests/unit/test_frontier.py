@@ -4,7 +4,9 @@ ladder, the cost fit, the one-replica simulator, and `sluice plan`'s arithmetic 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -173,7 +175,7 @@ def test_an_idle_replica_waits_out_max_wait_and_charges_the_longest_job_for_ever
 def test_a_handler_that_plans_passes_runs_them_in_turn_the_oldest_job_first() -> None:
     jobs = [SimJob(at=i * 0.001, cost=t, tokens=t) for i, t in enumerate((200, 220, 10, 12))]
 
-    def by_length(lengths: list[int]) -> list[list[int]]:
+    def by_length(lengths: Sequence[int]) -> list[list[int]]:
         return [[p for p, n in enumerate(lengths) if n < 100], [p for p, n in enumerate(lengths) if n >= 100]]
 
     outcome = run_replica(jobs, max_batch_size=4, max_wait_ms=0.0, cost=CostModel(0.0, 0.0, 0.001),
@@ -249,3 +251,17 @@ def test_sluice_plan_prints_json_and_refuses_a_bad_device(tmp_path: Path) -> Non
     refused = runner.invoke(app, ["plan", "--frontier", str(path), "--p99-budget-ms", "200", "--peak-rps",
                                            "500", "--device", "cpu"])
     assert refused.exit_code == 2 and "NAME=PRICE" in refused.output
+
+
+def test_sluice_plan_reads_the_measured_cost_of_a_version_from_its_stats() -> None:
+    from launch.bench_cli import measured_figures, measured_line
+
+    stats: dict[str, Any] = {"model": "minilm", "version": "v1", "window_s": 3600.0, "count": 4000,
+                             "cost": {"padding_ratio": 1.18, "idle_slot_s": 12.0, "core_s": 200.0, "gpu_s": 0.0,
+                                      "per_1k_jobs": 0.0025}}
+    figures = measured_figures(stats)
+    assert figures["core_s_per_job"] == 0.05 and figures["cost_per_million_jobs"] == pytest.approx(2.5)
+    line = measured_line(figures)
+    assert "padding 1.18x" in line and "0.05 core-s" in line and "per 1M jobs 2.500" in line
+    unknown = measured_line(measured_figures({**stats, "count": 0, "cost": {**stats["cost"], "per_1k_jobs": None}}))
+    assert "per 1M jobs —" in unknown and "— core-s" in unknown

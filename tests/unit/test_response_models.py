@@ -14,8 +14,10 @@ import pytest
 from pydantic import BaseModel
 
 from api.response_models import JobResource, ModelResource, StatsResource
-from sluice.stats import Sample, summarise
+from sluice.cost import Prices
+from sluice.stats import summarise
 from sluice.wire.jobs import JobRecord, JobStatus
+from sluice.wire.samples import Sample
 
 
 def assert_identical(got: Any, want: Any, where: str = "$") -> None:
@@ -80,11 +82,13 @@ def test_a_queued_job_keeps_its_nulls_and_has_no_output() -> None:
             close_reason="age", quality={"size": 4})],
     [Sample(status="succeeded" if i % 3 else "failed", finished_at=100.0 + i, queue_wait_ms=float(i),
             model_ms=2.0, total_ms=3.0 + i, batch_size=1 + i % 2, close_reason=("size", "age", "drain")[i % 3],
-            quality={"top_p": 0.3 + i / 20, "label": f"l{i % 2}", "agreement": 1})
+            quality={"top_p": 0.3 + i / 20, "label": f"l{i % 2}", "agreement": 1}, fill_ms=1.5 + i,
+            padded_tokens=40.0, real_tokens=12.5, core_s=0.25, idle_s=0.125)
      for i in range(10)],
 ], ids=["empty", "one", "with-quality"])
 def test_a_stats_resource_passes_through_unchanged(samples: list[Sample]) -> None:
-    body = {"model": "m", "version": "v1", **summarise(samples, window_s=300.0)}
+    body = {"model": "m", "version": "v1", **summarise(samples, window_s=300.0, prices=Prices(per_core_hour=0.05)),
+            "resident_bytes": 90_000_000 if samples else None}
     assert_identical(round_trip(StatsResource, body), body)
 
 

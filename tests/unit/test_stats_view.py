@@ -14,7 +14,9 @@ def _body(count: int, p50: float, errors: int = 0) -> dict[str, Any]:
     return {"window_s": 300.0, "count": count, "errors": errors, "error_rate": errors / count,
             "throughput_per_s": count / 300, "queue_wait_ms": cut, "model_ms": cut, "total_ms": cut,
             "batch_size": {"mean": 4.0, "histogram": {"4": count // 4}},
-            "close_reasons": {"size": 3, "age": 1, "drain": 0}, "p99_min_samples": 300}
+            "close_reasons": {"size": 3, "age": 1, "drain": 0}, "p99_min_samples": 300, "fill_ms": cut,
+            "cost": {"padding_ratio": 1.25 if count >= 300 else None, "idle_slot_s": 2.0, "core_s": 12.5,
+                     "gpu_s": 0.0, "per_1k_jobs": 0.0125 if count >= 300 else None}}
 
 
 RESOURCE = {
@@ -46,4 +48,6 @@ def test_each_version_has_its_own_column() -> None:
     assert rows["queue wait ms p99"] == ["30.0", "-"]  # v2 has too few jobs for a p99
     assert rows["errors"] == ["0 (0.00%)", "6 (5.00%)"]
     assert rows["replicas live/desired"] == ["3/3", "1/2"]
+    assert rows["padded / real tokens"] == ["1.25", "-"] and rows["cost per 1,000 jobs"] == ["0.0125", "-"]
+    assert rows["time to fill ms p50"] == ["10.0", "40.0"]
     assert "p99 needs at least 300 jobs in the window (v2 had fewer)" in text

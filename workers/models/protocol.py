@@ -55,6 +55,12 @@ class ModelHandler(Protocol):
         text kinds); None leaves the API's estimate in place."""
         return None
 
+    def count_tokens(self, inputs: Sequence[Mapping[str, Any]]) -> tuple[int, int] | None:
+        """(padded, real) tokens the model computes running ``inputs`` as one call to ``run``, each
+        pass padded to its longest input; None where the kind has no tokens or the handler does not
+        count them (the worker then pads the batcher's costs)."""
+        return None
+
     def proxies(self, output: Mapping[str, Any]) -> dict[str, Any] | None:
         """The handler's own quality proxies of one output (a handler class's `quality`); None
         leaves the kind's own proxies in place."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from sluice.cost import pass_tokens
 from sluice.errors import InferenceError
 from sluice.kinds import ModelKind
 from workers.models.head import IntentHead
@@ -42,6 +43,12 @@ def texts_of(inputs: Sequence[Mapping[str, Any]]) -> list[str]:
     return texts
 
 
+def encoder_tokens(encoder: MiniLMEncoder, texts: list[str]) -> tuple[int, int]:
+    """(padded, real) tokens `encoder.encode(texts)` computes: its own passes, each padded."""
+    lengths = encoder.token_lengths(texts)
+    return pass_tokens(lengths, encoder.passes(lengths))
+
+
 def _encode(encoder: MiniLMEncoder, texts: list[str]) -> torch.Tensor:
     try:
         return encoder.encode(texts)
@@ -69,6 +76,9 @@ class EmbeddingHandler(ModelHandler):
 
     def passes(self, inputs: Sequence[Mapping[str, Any]]) -> list[list[int]]:
         return self.encoder.passes(self.encoder.token_lengths(texts_of(inputs)))
+
+    def count_tokens(self, inputs: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
+        return encoder_tokens(self.encoder, texts_of(inputs))
 
     def run(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         if not inputs:
@@ -105,6 +115,9 @@ class ClassifierHandler(ModelHandler):
 
     def passes(self, inputs: Sequence[Mapping[str, Any]]) -> list[list[int]]:
         return self.encoder.passes(self.encoder.token_lengths(texts_of(inputs)))
+
+    def count_tokens(self, inputs: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
+        return encoder_tokens(self.encoder, texts_of(inputs))
 
     def run(self, inputs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         if not inputs:
