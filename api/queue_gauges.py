@@ -20,7 +20,9 @@ from sluice.wire.heartbeats import live_since
 
 @dataclass(frozen=True, slots=True)
 class LaneQueue:
-    lag: int  # XLEN: queued and in flight (an entry leaves its stream once its outcome is stored)
+    # Queued and in flight: the stream's entries (one leaves once its outcome is stored) and the
+    # jobs held beside it (queue.lua).
+    lag: int
     pending: int  # delivered to a worker and not acknowledged
     oldest_age_s: float  # since the first entry was added; 0 when the stream is empty
 
@@ -48,6 +50,7 @@ async def read_queues(redis: aioredis.Redis, versions: list[tuple[str, str]], *,
             pipe.xlen(stream)
             pipe.xpending(stream, keys.GROUP)
             pipe.xrange(stream, count=1)
+            pipe.hget(keys.held_index(model, version, lane), "*")
         pipe.zcount(keys.live_workers(model, version), live_since(now), "+inf")
     with translate_redis_errors():
         # A stream no worker has read yet has no group: its XPENDING fails, and it has none pending.
@@ -56,8 +59,8 @@ async def read_queues(redis: aioredis.Redis, versions: list[tuple[str, str]], *,
     for model, version in versions:
         lanes = {}
         for lane in LANES:
-            length, pending, first = next(replies), next(replies), next(replies)
-            lanes[lane] = LaneQueue(lag=int(_number(length)),
+            length, pending, first, held = next(replies), next(replies), next(replies), next(replies)
+            lanes[lane] = LaneQueue(lag=int(_number(length)) + int(_number(held)),
                                     pending=int(pending["pending"]) if isinstance(pending, dict) else 0,
                                     oldest_age_s=_oldest_age(first, now))
         queues[(model, version)] = VersionQueue(lanes=lanes, live_workers=int(_number(next(replies))))
@@ -79,6 +82,9 @@ async def refresh_queue_gauges(redis: aioredis.Redis, snapshot: RoutingSnapshot,
 
 
 def _number(reply: object) -> float:
+    """A number Redis answered (an integer, or a hash field's text); 0 for nothing or an error."""
+    if isinstance(reply, bytes | str):
+        return float(reply)
     return float(reply) if isinstance(reply, int | float) else 0.0
 
 

@@ -42,8 +42,8 @@ DEFAULT_RESIDENT_BYTES = 256 * 2**20
 
 @dataclass(frozen=True, slots=True)
 class LaneReading:
-    queued: int  # entries in the stream: waiting or running
-    added: int  # entries ever added (XINFO STREAM entries-added)
+    queued: int  # jobs waiting or running: the stream's entries and the jobs held (queue.lua)
+    added: int  # entries ever added (XINFO STREAM entries-added); a held job counts once released
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,22 +76,30 @@ def _field(info: Mapping[Any, Any], name: str) -> int:
     return int(value or 0)
 
 
+def _held(reply: Any) -> int:
+    return 0 if isinstance(reply, Exception) or reply is None else int(reply)
+
+
 def read_pools(client: redis.Redis, versions: Iterable[VersionKey], *, now: float) -> dict[VersionKey, PoolReading]:
     versions = list(versions)
     pipe = client.pipeline(transaction=False)
     for model, version in versions:
         for lane in LANES:
             pipe.xinfo_stream(keys.stream(model, version, lane))
+        for lane in LANES:
+            pipe.hget(keys.held_index(model, version, lane), "*")
         pipe.zrangebyscore(keys.live_workers(model, version), live_since(now), "+inf")
     with translate_redis_errors():
         replies = pipe.execute(raise_on_error=False)
     lanes: dict[VersionKey, list[LaneReading]] = {}
     names: dict[VersionKey, list[str]] = {}
     for index, key in enumerate(versions):
-        online, bulk, workers = replies[3 * index: 3 * index + 3]
+        online, bulk, held_online, held_bulk, workers = replies[5 * index: 5 * index + 5]
         # A stream nobody has written to yet does not exist: an empty lane.
-        lanes[key] = [LaneReading(queued=_field(info, "length"), added=_field(info, "entries-added"))
-                      if isinstance(info, dict) else LaneReading(0, 0) for info in (online, bulk)]
+        lanes[key] = [LaneReading(queued=_field(info, "length") + _held(held),
+                                  added=_field(info, "entries-added"))
+                      if isinstance(info, dict) else LaneReading(_held(held), 0)
+                      for info, held in ((online, held_online), (bulk, held_bulk))]
         names[key] = [] if isinstance(workers, Exception) else [name.decode() for name in workers]
     pipe = client.pipeline(transaction=False)
     for key in versions:
