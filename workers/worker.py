@@ -40,7 +40,7 @@ from sluice.backoff import Backoff
 from sluice.batcher import DEFAULT_BUCKET_BOUNDS, Batch, Item, MicroBatcher
 from sluice.cost import PassUsage
 from sluice.errors import BrokerError, HandlerHung, InferenceError, WorkerFailed
-from sluice.fair_share import DEFAULT_AGEING_S, Contention, DeficitRoundRobin, batch_limit, plan_release
+from sluice.fair_share import DEFAULT_AGEING_S
 from sluice.retry import RetryPolicy
 from sluice.vocabulary import ClaimVerdict, Lane
 from sluice.wire.entries import Delivered
@@ -54,6 +54,7 @@ from workers.models.protocol import ModelHandler
 from workers.references import References
 from workers.results import Delivery, ResultWriter
 from workers.slots import ExecutionSlots, Turn, rank
+from workers.tenant_turns import TenantTurns
 from workers.usage import pass_usage
 
 log = logging.getLogger(__name__)
@@ -89,12 +90,6 @@ def consumer_name() -> str:
 LOOP_STOP_S = 2.0
 
 LANE_PRIORITY: dict[Lane, int] = {"online": 0, "bulk": 1}
-# A tenant's turn on the model, at share 1: shorter than one batch, so tenants alternate batch by
-# batch and a share of 2 earns a second batch per round.
-MODEL_QUANTUM_S = 0.02
-# A tenant's turn in the release of held jobs, at share 1, in tokens (`Item.cost`): one token, so
-# tenants alternate job by job, each job's tokens charged to its tenant.
-RELEASE_QUANTUM_TOKENS = 1
 
 
 def _part(batch: Batch[Delivery], items: Sequence[Item[Delivery]]) -> Batch[Delivery]:
@@ -184,24 +179,16 @@ class Worker:
         # Reads the inputs and writes the outputs of jobs by reference (workers/references.py).
         self.references = references or References(root=None)
         self.clock = clock
+        # Tenants take turns on the model and in the release of held jobs (sluice/fair_share.py).
+        self._turns = TenantTurns(slice_s=max_wait_ms / 1000.0, ageing_s=ageing_s, fair=fair_share)
         # Top-up is off by default: on one CPU thread a forward pass costs per padded token, and
         # topping up with shorter items raised padding 1.3-2.4x under a backlog (bench/README.md).
         # A handler that splits batches by length itself gets one bucket: length buckets would
         # only fragment what it is handed (a mean batch of 2.7 at saturation with MiniLM).
-        # Tenants take turns on the model (charged its seconds) and in the release of held jobs
-        # (charged their tokens); off, the oldest work goes first (sluice/fair_share.py).
-        self.ageing_s = ageing_s
-        self._turns: DeficitRoundRobin[str] | None = (
-            DeficitRoundRobin(quantum=MODEL_QUANTUM_S) if fair_share else None)
-        # While tenants contend, a heavy one's batches take about one batching window each.
-        self._contention = Contention(share=self._turns.share) if self._turns is not None else None
-        self._slice_s = max_wait_ms / 1000.0
-        self._release_turns: dict[Lane, DeficitRoundRobin[str]] = {
-            lane: DeficitRoundRobin(quantum=RELEASE_QUANTUM_TOKENS) for lane in LANE_PRIORITY}
         self.batcher: MicroBatcher[Delivery] = MicroBatcher(
             max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, isolate_tenants=isolate_tenants, top_up=top_up,
             bucket_bounds=DEFAULT_BUCKET_BOUNDS if handler.length_buckets else (), ageing_s=ageing_s,
-            turns=self._turns)
+            turns=self._turns.model if fair_share else None)
         self.streams = StreamConsumer(redis=redis, model=model, version=version, name=self.name,
                                       claim_after_s=claim_after_s, max_deliveries=max_deliveries,
                                       result_ttl_s=result_ttl_s)
@@ -357,8 +344,7 @@ class Worker:
             return
         if not self.streams.held_queues[lane]:
             await self.streams.release(lane, [])
-        plan = plan_release(self.streams.held_queues[lane], want=room, now=self.clock(),
-                            turns=self._release_turns[lane], ageing_s=self.ageing_s)
+        plan = self._turns.release(lane, self.streams.held_queues[lane], want=room, now=self.clock())
         await self.streams.release(lane, plan)
         _stop_if_cancelled()
 
@@ -401,9 +387,7 @@ class Worker:
                                      output_ref=claim.output_ref, run_timeout_s=entry.run_timeout_s,
                                      retry=RetryPolicy.parse(entry.retry)),
                 )
-                if self._turns is not None and self._contention is not None:
-                    self._turns.note_share(entry.tenant, entry.share)
-                    self._contention.saw(entry.tenant, now)
+                self._turns.saw(entry.tenant, entry.share, now)
                 self.batcher.add(item)
                 self._held[item.id] = delivered.lane
             elif claim.verdict == ClaimVerdict.expired:
@@ -438,31 +422,14 @@ class Worker:
                 started = self.clock()
                 left, outcomes, model_s = await self._run_pass(batch, started, turn)
                 turn.used(model_s)
-                self._charge(batch, model_s)
+                self._turns.charge(batch, model_s, self.clock())
             if left:
                 usage = pass_usage(self.handler, batch.items, model_s=model_s, idle_s=turn.idle_s, cores=self.cores,
                                    gpus=self.gpus)
                 self._store(_part(batch, left), outcomes, started, model_s, usage)
 
-    def _charge(self, batch: Batch[Delivery], model_s: float) -> None:
-        """Charge the batch's model time to its tenant's turn, or to each tenant of a mixed batch
-        by its share of the batch's tokens."""
-        if self._turns is None or self._contention is None:
-            return
-        now = self.clock()
-        if batch.tenant is not None:
-            self._turns.charge(batch.tenant, model_s)
-            self._contention.used(batch.tenant, model_s, now)
-            return
-        tokens = sum(max(1, item.cost) for item in batch.items)
-        for item in batch.items:
-            self._turns.charge(item.tenant, model_s * max(1, item.cost) / tokens)
-            self._contention.used(item.tenant, model_s * max(1, item.cost) / tokens, now)
-
     def _limit(self, now: float) -> Callable[[str], int | None] | None:
-        if self._contention is None:
-            return None
-        return batch_limit(self._contention, items_per_s=self.items_per_s(), slice_s=self._slice_s, now=now)
+        return self._turns.limit(now, items_per_s=self.items_per_s())
 
     async def _run_pass(self, batch: Batch[Delivery], started: float,
                         turn: Turn) -> tuple[list[Item[Delivery]], list[Outcome], float]:
