@@ -22,6 +22,7 @@ from api.routes import batches, dashboard, health, jobs, models, rollouts, sched
 from sluice.breaker import CircuitBreaker
 from sluice.registry.store import Registry
 from sluice.settings import Settings
+from sluice.tenant_objects import ObjectStore
 from sluice.wire import events
 from sluice.wire.broker import Broker
 from sluice.wire.connections import connect
@@ -77,7 +78,8 @@ def create_app(
                          admission=Admission(
                              redis=client, broker=broker, max_answered_jobs=settings.max_answered_jobs,
                              cache_hit_token_cost=settings.cache_hit_token_cost),
-                         breakers=breakers, placement=PlacementView(redis=client))
+                         breakers=breakers, placement=PlacementView(redis=client),
+                         objects=ObjectStore.from_settings(settings))
         app.state.sluice = state
         await routing.reload()
         tasks = [asyncio.create_task(hub.run(), name="events"),

@@ -36,6 +36,7 @@ from sluice.registry import catalog
 from sluice.registry.store import Registry
 from sluice.registry.tables import ModelVersion
 from sluice.settings import Settings
+from sluice.tenant_objects import ObjectStore
 from sluice.vocabulary import ZeroState
 from sluice.wire import keys, placements
 from sluice.wire.connections import translate_redis_errors
@@ -107,6 +108,8 @@ class WorkerHost:
         self.device = device
         self.threads = threads
         self.clock = clock
+        # One store for every version served: its client (connections, credentials) is made once.
+        self.objects = ObjectStore.from_settings(settings)
         self.served: dict[VersionKey, list[_Served]] = {}
         self._stopping = asyncio.Event()
         self._refusals: dict[VersionKey, Backoff] = {}
@@ -207,7 +210,8 @@ class WorkerHost:
                 precision=choice.precision if choice else "", precision_speedup=choice.speedup if choice else None,
                 batch_timeout_s=self.settings.batch_timeout_s, slots=self.slots, tier=loaded.tier,
                 group=self.group, resident_bytes=loaded.model.resident_bytes, woke=woke,
-                references=References(root=self.settings.batch_root, max_bytes=self.settings.max_object_bytes,
+                references=References(root=self.settings.batch_root, objects=self.objects,
+                                      max_bytes=self.settings.max_object_bytes,
                                       max_text_chars=self.settings.max_text_chars),
             )
             served.worker = worker
