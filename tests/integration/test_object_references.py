@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ import redis
 
 from sluice.settings import Settings
 from sluice.tenant_files import REFUSED
+from sluice.tenant_objects import ObjectStore, ObjectStoreUnavailable
 from sluice.wire import keys
 from tests.s3_server import S3Server, s3_server
 from tests.support import ApiServer, WorkerProcess, make_settings, serving, wait_job
@@ -177,3 +179,20 @@ def test_every_object_a_tenant_may_not_read_gets_the_answer_a_missing_object_get
     # The owner is told its own object is too large; nobody else learns its size.
     too_large = owner.post(f"/v1/models/{model}/jobs", json={"input_uri": "in/huge.json"})
     assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "payload_too_large"
+
+
+def test_a_store_that_does_not_answer_is_unavailable_not_a_refusal() -> None:
+    # A closed port: the transport's error, whatever botocore calls it, is a 503 with Retry-After.
+    store = ObjectStore(url="s3://bucket/sluice", storage_options={
+        "key": "testing", "secret": "testing", "retries": 1,
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{_closed_port()}", "region_name": "us-east-1"},
+        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}})
+    with pytest.raises(ObjectStoreUnavailable) as unavailable:
+        store.size(store.resolve("in/a.json", tenant="alice", admin=False))
+    assert unavailable.value.status == 503 and unavailable.value.headers["Retry-After"]
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

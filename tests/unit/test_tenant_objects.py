@@ -13,6 +13,7 @@ from pathlib import Path
 
 import fsspec
 import pytest
+from pydantic import SecretStr
 
 from sluice.errors import PayloadTooLarge
 from sluice.references import InputRef, OutputRef, Written, check_input, check_output
@@ -153,7 +154,8 @@ def test_a_worker_without_the_object_store_leaves_the_job_for_another(store: Obj
 
 
 def test_settings_take_the_store_and_keep_its_options_secret() -> None:
-    settings = Settings(object_root="s3://bucket/prefix", object_storage_options='{"secret": "s3cr3t-value"}')
+    settings = Settings(object_root="s3://bucket/prefix",
+                        object_storage_options=SecretStr('{"secret": "s3cr3t-value"}'))
     store = ObjectStore.from_settings(settings)
     assert store is not None and store.url == "s3://bucket/prefix" and store.protocol == "s3"
     assert "s3cr3t" not in repr(settings) and "s3cr3t" not in repr(store)
