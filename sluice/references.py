@@ -29,7 +29,7 @@ from typing import Self
 
 from sluice.errors import PayloadTooLarge
 from sluice.tenant_files import FileRefused, resolve
-from sluice.tenant_objects import ObjectStore
+from sluice.tenant_objects import ObjectStore, in_store
 
 # The record fields that hold a job's references, and the facts of a written output.
 INPUT_REF_FIELD = "input_ref"
@@ -83,7 +83,7 @@ def check_input(uri: str, sha256: str | None, *, root: Path | None, tenant: str,
                 max_bytes: int, objects: ObjectStore | None = None) -> InputRef:
     """The reference `uri` makes, if the key may read it, it is a regular file or an object and it
     holds at most `max_bytes` (413 otherwise, told only to a key that may read it). Never reads it."""
-    if _in_store(uri, root=root, objects=objects):
+    if in_store(uri, batch_root=root, objects=objects):
         assert objects is not None
         path = objects.resolve(uri, tenant=tenant, admin=admin)
         size = objects.size(path)
@@ -105,7 +105,7 @@ def check_output(uri: str, *, root: Path | None, tenant: str, admin: bool,
     """Where `uri` says to write an output, if the key may write there: a path in its folder that
     is a regular file or nothing yet (its folders are made when the output is written), or an
     object in its folder of the object store that is not a "folder"."""
-    if _in_store(uri, root=root, objects=objects):
+    if in_store(uri, batch_root=root, objects=objects):
         assert objects is not None
         url = objects.resolve(uri, tenant=tenant, admin=admin)
         objects.check_writable(url)
@@ -114,13 +114,6 @@ def check_output(uri: str, *, root: Path | None, tenant: str, admin: bool,
     if path.exists() and not path.is_file():
         raise FileRefused()
     return OutputRef(uri=uri, path=str(path))
-
-
-def _in_store(uri: str, *, root: Path | None, objects: ObjectStore | None) -> bool:
-    """Whether `uri` names an object of the object store rather than a file under the batch root.
-    Without a batch root every URI is the store's to refuse (a relative path names its folder), so
-    a `file://` one is refused as a missing object is, not as a platform without a batch root."""
-    return objects is not None and (root is None or objects.owns(uri))
 
 
 def cost_hint(ref: InputRef) -> int:

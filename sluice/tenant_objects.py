@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 from typing import IO, Any
 from urllib.parse import unquote, urlparse
 
-from sluice.errors import ServiceUnavailable
+from sluice.errors import PayloadTooLarge, ServiceUnavailable
 from sluice.settings import Settings
 from sluice.tenant_files import TENANTS_DIR, FileRefused
 
@@ -36,6 +37,8 @@ class ObjectStoreUnavailable(ServiceUnavailable):
         super().__init__("the object store did not answer; try again later", headers={"Retry-After": "5"})
 
 
+_COPY_CHUNK = 8 << 20
+
 # What a store answers for an object that is not there or not the caller's to see; anything else
 # it raises (botocore's, aiohttp's and fsspec's own trees included) is the store being down.
 _MISSING = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -45,6 +48,13 @@ def is_object_url(path: str) -> bool:
     """Whether a stored reference's path is an object's URL rather than a real local path (which is
     always absolute)."""
     return not path.startswith("/")
+
+
+def in_store(uri: str, *, batch_root: Path | None, objects: ObjectStore | None) -> bool:
+    """Whether `uri` names an object of the object store rather than a file under the batch root.
+    Without a batch root every URI is the store's to refuse (a relative path names its folder), so
+    a `file://` one is refused as a missing object is, not as a platform without a batch root."""
+    return objects is not None and (batch_root is None or objects.owns(uri))
 
 
 class ObjectStore:
@@ -135,6 +145,35 @@ class ObjectStore:
         except _MISSING:
             raise FileRefused() from None
         return handle
+
+    def copy_to(self, url: str, path: Path, *, max_bytes: int, limit_name: str) -> None:
+        """Stream the object at `url` into the local file `path` a chunk at a time (never whole in
+        memory), refused past `max_bytes` by its size before the first byte and while it is read."""
+        size = self.size(url)
+        if size > max_bytes:
+            raise PayloadTooLarge(f"the object at input_uri holds {size} bytes; the limit is {max_bytes} "
+                                  f"({limit_name})")
+        try:
+            source = self.open_read(url, block_size=_COPY_CHUNK)
+        except FileRefused:
+            raise
+        except Exception:  # the store's transport, whatever its library raises
+            raise ObjectStoreUnavailable() from None
+        copied = 0
+        with source, path.open("xb") as sink:
+            while True:
+                try:
+                    chunk = source.read(_COPY_CHUNK)
+                except _MISSING:
+                    raise FileRefused() from None
+                except Exception:
+                    raise ObjectStoreUnavailable() from None
+                if not chunk:
+                    return
+                copied += len(chunk)
+                if copied > max_bytes:
+                    raise PayloadTooLarge(f"the object at input_uri holds more than {max_bytes} bytes ({limit_name})")
+                sink.write(chunk)
 
     def write(self, url: str, data: bytes) -> None:
         """Put the object whole: a reader sees all of it or what was there before (an object store

@@ -21,6 +21,7 @@ from sluice.tenant_objects import ObjectStore, ObjectStoreUnavailable
 from sluice.wire import keys
 from tests.s3_server import S3Server, s3_server
 from tests.support import ApiServer, WorkerProcess, make_settings, serving, wait_job
+from workers.batches import BatchFeeder
 
 pytestmark = pytest.mark.slow
 
@@ -196,3 +197,26 @@ def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def test_a_batch_copies_its_input_from_s3_and_a_stranger_gets_the_missing_answer(
+    tenant_on: Callable[[str], Tenant], served: str, s3: S3Server, feeder: Callable[..., BatchFeeder],
+) -> None:
+    tenant, client = tenant_on("objbatch")
+    _, stranger = tenant_on("objbatchx")
+    url = s3.tenant_url(tenant, "in/rows.jsonl")
+    _put(s3, tenant, "in/rows.jsonl", "".join(json.dumps({"text": f"t{i}"}) + "\n" for i in range(40)).encode())
+    response = client.post("/v1/batches", json={"model": served, "input_uri": url})
+    assert response.status_code == 202, response.text
+    batch = response.json()
+    # Copied at creation: the object changed since does not change the batch.
+    _put(s3, tenant, "in/rows.jsonl", b'{"text": "changed"}\n')
+    assert feeder().run(batch["id"]) == "succeeded"
+    rows = [json.loads(line) for line in client.get(f"/v1/batches/{batch['id']}/output").content.splitlines()]
+    assert [row["output"] for row in rows] == [{"echo": {"text": f"t{i}"}} for i in range(40)]
+
+    baseline = client.post("/v1/batches", json={"model": served, "input_uri": "in/missing.jsonl"})
+    assert baseline.status_code == 422 and baseline.json()["error"]["message"] == REFUSED
+    for uri in (url, f"../{tenant}/in/rows.jsonl"):
+        refused = stranger.post("/v1/batches", json={"model": served, "input_uri": uri})
+        assert (refused.status_code, refused.json()) == (baseline.status_code, baseline.json()), uri

@@ -165,3 +165,15 @@ def test_settings_take_the_store_and_keep_its_options_secret() -> None:
         with pytest.raises(ValueError) as refused:
             Settings(**bad)  # type: ignore[arg-type]
         assert "s3cr3t" not in str(refused.value)
+
+
+def test_a_copy_streams_the_object_to_a_local_file_within_its_limit(store: ObjectStore, tmp_path: Path) -> None:
+    url = _put(store, "alice", "in/rows.jsonl", b'{"text": "a"}\n' * 100)
+    store.copy_to(url, tmp_path / "copy.jsonl", max_bytes=LIMIT, limit_name="LIMIT")
+    assert (tmp_path / "copy.jsonl").read_bytes() == b'{"text": "a"}\n' * 100
+    big = _put(store, "alice", "in/big.jsonl", b"x" * (LIMIT + 1))
+    with pytest.raises(PayloadTooLarge, match=f"limit is {LIMIT} \\(LIMIT\\)"):
+        store.copy_to(big, tmp_path / "big.jsonl", max_bytes=LIMIT, limit_name="LIMIT")
+    with pytest.raises(FileRefused):
+        store.copy_to(f"{store.tenant_url('alice')}/in/gone.jsonl", tmp_path / "gone.jsonl", max_bytes=LIMIT,
+                      limit_name="LIMIT")
