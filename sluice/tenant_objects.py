@@ -19,15 +19,24 @@ before each look, so a size or an existence is never an old answer.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import unquote, urlparse
 
-from sluice.errors import PayloadTooLarge, ServiceUnavailable
+from sluice.errors import PayloadTooLarge, ServiceUnavailable, SluiceError
 from sluice.settings import Settings
 from sluice.tenant_files import TENANTS_DIR, FileRefused
+
+log = logging.getLogger(__name__)
+
+# How much of an object a copy reads at once.
+_COPY_CHUNK = 8 << 20
+# What a store answers for an object that is not there or not the caller's to see; anything else
+# it raises (botocore's, aiohttp's and fsspec's own trees included) is the store being down.
+_MISSING = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
 class ObjectStoreUnavailable(ServiceUnavailable):
@@ -37,11 +46,8 @@ class ObjectStoreUnavailable(ServiceUnavailable):
         super().__init__("the object store did not answer; try again later", headers={"Retry-After": "5"})
 
 
-_COPY_CHUNK = 8 << 20
-
-# What a store answers for an object that is not there or not the caller's to see; anything else
-# it raises (botocore's, aiohttp's and fsspec's own trees included) is the store being down.
-_MISSING = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+class NoObjectFilesystem(SluiceError):
+    """SLUICE_OBJECT_ROOT names a scheme this install has no fsspec filesystem for."""
 
 
 def is_object_url(path: str) -> bool:
@@ -76,7 +82,17 @@ class ObjectStore:
         """The platform's store, or None when it has no SLUICE_OBJECT_ROOT."""
         if settings.object_root is None:
             return None
-        return cls(url=settings.object_root, storage_options=settings.object_options)
+        store = cls(url=settings.object_root, storage_options=settings.object_options)
+        # Checked at start, not at the first job: a missing package is the operator's to fix.
+        try:
+            import fsspec
+
+            fsspec.get_filesystem_class(store.protocol)
+        except (ImportError, ValueError) as exc:
+            raise NoObjectFilesystem(f"SLUICE_OBJECT_ROOT is a {store.protocol}:// URL and this install has no "
+                                     f"fsspec filesystem for it ({exc}); for s3://, pip install 'sluice[objects]'"
+                                     ) from None
+        return store
 
     def __repr__(self) -> str:
         # The storage options hold credentials: never in a repr, a log or an error.
@@ -119,7 +135,9 @@ class ObjectStore:
                     import fsspec
 
                     self._fs = fsspec.filesystem(self.protocol, skip_instance_cache=True, **self._options)
-                except (ImportError, ValueError, TypeError):
+                except (ImportError, ValueError, TypeError) as exc:
+                    # The type only: the message may quote the options, which hold credentials.
+                    log.error("the object store %s cannot be opened: %s", self.url, type(exc).__name__)
                     raise ObjectStoreUnavailable() from None
             return self._fs
 

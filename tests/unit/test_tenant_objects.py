@@ -19,7 +19,7 @@ from sluice.errors import PayloadTooLarge
 from sluice.references import InputRef, OutputRef, Written, check_input, check_output
 from sluice.settings import Settings
 from sluice.tenant_files import REFUSED, FileRefused, NoBatchRoot
-from sluice.tenant_objects import ObjectStore, is_object_url
+from sluice.tenant_objects import NoObjectFilesystem, ObjectStore, is_object_url
 from tests.unit.test_references import LIMIT, Echo, _item
 from workers.references import NoObjectStore, References
 
@@ -160,6 +160,8 @@ def test_settings_take_the_store_and_keep_its_options_secret() -> None:
     assert store is not None and store.url == "s3://bucket/prefix" and store.protocol == "s3"
     assert "s3cr3t" not in repr(settings) and "s3cr3t" not in repr(store)
     assert ObjectStore.from_settings(Settings()) is None
+    with pytest.raises(NoObjectFilesystem, match="no-such-scheme://"):
+        ObjectStore.from_settings(Settings(object_root="no-such-scheme://bucket/prefix"))
     for bad in ({"object_root": "file:///srv/objects"}, {"object_root": "s3:///no-bucket"},
                 {"object_storage_options": '["s3cr3t-value"]'}, {"object_storage_options": "s3cr3t-value"}):
         with pytest.raises(ValueError) as refused:
