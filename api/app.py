@@ -23,6 +23,7 @@ from sluice.breaker import CircuitBreaker
 from sluice.metrics import PRICE_PER_CORE_HOUR, PRICE_PER_GPU_HOUR
 from sluice.registry.store import Registry
 from sluice.settings import Settings
+from sluice.tenant_objects import ObjectStore
 from sluice.wire import events
 from sluice.wire.broker import Broker
 from sluice.wire.connections import connect
@@ -81,7 +82,8 @@ def create_app(
                          admission=Admission(
                              redis=client, broker=broker, max_answered_jobs=settings.max_answered_jobs,
                              cache_hit_token_cost=settings.cache_hit_token_cost, fair_share=settings.fair_share),
-                         breakers=breakers, placement=PlacementView(redis=client))
+                         breakers=breakers, placement=PlacementView(redis=client),
+                         objects=ObjectStore.from_settings(settings))
         app.state.sluice = state
         await routing.reload()
         tasks = [asyncio.create_task(hub.run(), name="events"),

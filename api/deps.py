@@ -19,6 +19,7 @@ from sluice.errors import Forbidden, InvalidInput, Unauthenticated
 from sluice.registry.store import Registry
 from sluice.registry.tenants import KeyInfo
 from sluice.settings import Settings
+from sluice.tenant_objects import ObjectStore
 from sluice.webhooks import CallbackRefused, allowed_networks, check_callback_url
 from sluice.wire import events
 from sluice.wire.broker import Broker
@@ -35,6 +36,8 @@ class AppState:
     admission: Admission
     breakers: BreakerBoard
     placement: PlacementView
+    # SLUICE_OBJECT_ROOT's store, for jobs by reference; None without one.
+    objects: ObjectStore | None = None
     # Set by the first SIGTERM: /readyz answers 503, new jobs are refused, waits end early.
     draining: asyncio.Event = field(default_factory=asyncio.Event)
 

@@ -8,8 +8,10 @@ nothing reads the environment at import time. Each component takes keyword-only 
 from __future__ import annotations
 
 import ipaddress
+import json
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
+from urllib.parse import urlparse
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -19,7 +21,8 @@ from sluice.wire.connections import as_cluster_url, cluster_url
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="ignore")
+    # A refused value is never echoed: some hold credentials (keys, storage options, URLs).
+    model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="ignore", hide_input_in_errors=True)
 
     # Unset means "start the embedded store" under `home` (sluice up only).
     redis_url: str | None = None
@@ -203,6 +206,12 @@ class Settings(BaseSettings):
     # Payloads by reference (sluice/references.py): the most bytes of one object a job names by
     # `input_uri` (checked at submit and again when the worker reads it) or writes to `output_uri`.
     max_object_bytes: int = Field(default=64 * 1024**2, ge=1024)
+    # An object store for references (sluice/tenant_objects.py): an fsspec URL such as
+    # `s3://bucket/prefix` whose `tenants/<tenant>/` folders hold the tenants' objects (unset: none),
+    # and the filesystem's storage options as a JSON object (credentials, `client_kwargs`'
+    # `endpoint_url`; unset: the library's own, e.g. AWS_* variables), kept secret.
+    object_root: str | None = None
+    object_storage_options: SecretStr | None = None
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -223,6 +232,29 @@ class Settings(BaseSettings):
             ipaddress.ip_network(cidr, strict=False)
         return value
 
+    @field_validator("object_root")
+    @classmethod
+    def _object_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            parsed = urlparse(value)
+            if not parsed.scheme or parsed.scheme == "file" or not parsed.netloc or parsed.query or parsed.fragment:
+                raise ValueError("SLUICE_OBJECT_ROOT must be an fsspec URL with a bucket, e.g. s3://bucket/prefix "
+                                 "(file:// references live under SLUICE_BATCH_ROOT)")
+        return value
+
+    @field_validator("object_storage_options")
+    @classmethod
+    def _options_object(cls, value: SecretStr | None) -> SecretStr | None:
+        # The message never quotes the value: it holds credentials.
+        if value is not None:
+            try:
+                parsed = json.loads(value.get_secret_value())
+            except ValueError:
+                parsed = None
+            if not isinstance(parsed, dict):
+                raise ValueError("SLUICE_OBJECT_STORAGE_OPTIONS must be a JSON object")
+        return value
+
     @field_validator("bootstrap_admin_key")
     @classmethod
     def _strong_admin_key(cls, value: SecretStr | None) -> SecretStr | None:
@@ -241,6 +273,13 @@ class Settings(BaseSettings):
     @property
     def prices(self) -> Prices:
         return Prices(per_core_hour=self.price_per_core_hour, per_gpu_hour=self.price_per_gpu_hour)
+
+    @property
+    def object_options(self) -> dict[str, Any]:
+        if self.object_storage_options is None:
+            return {}
+        options: dict[str, Any] = json.loads(self.object_storage_options.get_secret_value())
+        return options
 
     @property
     def batch_storage(self) -> Path:

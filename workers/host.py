@@ -43,6 +43,7 @@ from sluice.registry import catalog
 from sluice.registry.store import Registry
 from sluice.registry.tables import ModelVersion
 from sluice.settings import Settings
+from sluice.tenant_objects import ObjectStore
 from sluice.vocabulary import ZeroState
 from sluice.wire import keys, placements
 from sluice.wire.connections import translate_redis_errors
@@ -125,6 +126,8 @@ class WorkerHost:
         # What the process's model slot holds, charged per pass (sluice/cost.py): its torch threads
         # (one core each) and the GPU when its models run on one.
         self._cores, self._gpus = slot_resources(device=device, threads=threads)
+        # One store for every version served: its client (connections, credentials) is made once.
+        self.objects = ObjectStore.from_settings(settings)
         self.served: dict[VersionKey, list[_Served]] = {}
         self._stopping = asyncio.Event()
         self._refusals: dict[VersionKey, Backoff] = {}
@@ -227,7 +230,8 @@ class WorkerHost:
                 group=self.group, resident_bytes=loaded.model.resident_bytes, woke=woke,
                 fair_share=self.settings.fair_share, ageing_s=self.settings.priority_ageing_s,
                 cores=self._cores, gpus=self._gpus,
-                references=References(root=self.settings.batch_root, max_bytes=self.settings.max_object_bytes,
+                references=References(root=self.settings.batch_root, objects=self.objects,
+                                      max_bytes=self.settings.max_object_bytes,
                                       max_text_chars=self.settings.max_text_chars),
             )
             served.worker = worker

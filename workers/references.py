@@ -17,7 +17,11 @@ fails for good with a code, since another delivery would find the same object.
 
 The one surprise: a handler that reads files itself (`takes_files`) is handed the object as
 `/proc/self/fd/N` of the descriptor that was checked and hashed, held open while its batch runs,
-so a link swapped in after the check cannot point it at another file.
+so a link swapped in after the check cannot point it at another file. An object in an object
+store (sluice/tenant_objects.py) is streamed into a local temporary file for such a handler, the
+copy hashed as it is written; any other handler gets the bytes in memory, as for a file. A
+missing object fails the job; a store that does not answer is the worker's fault (the job is
+delivered again).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
@@ -36,15 +41,18 @@ import orjson
 
 from sluice.batch_files import BatchFileError
 from sluice.batcher import Item
-from sluice.errors import InvalidInput
+from sluice.errors import InvalidInput, SluiceError
 from sluice.kinds import validate_input
 from sluice.references import InputRef, OutputRef, Written
-from sluice.tenant_files import REFUSED, recheck
+from sluice.tenant_files import REFUSED, FileRefused, recheck
+from sluice.tenant_objects import ObjectStore, is_object_url
 from workers.execution import Outcome, fault_message, run_isolating
 from workers.models.protocol import ModelHandler
 from workers.results import Delivery
 
 _CHUNK = 1 << 20
+# How far ahead an object store's object is fetched: a few requests per chunk read would cost more.
+_OBJECT_BLOCK = 8 * _CHUNK
 _PROC_FDS = Path("/proc/self/fd")
 
 
@@ -56,12 +64,26 @@ class _Refused(Exception):
         self.body = {"code": code, "message": message}
 
 
+class NoObjectStore(SluiceError):
+    """A job names an object store's object and this worker has no SLUICE_OBJECT_ROOT."""
+
+    def __init__(self) -> None:
+        super().__init__("a job names an object in an object store and this worker has no SLUICE_OBJECT_ROOT")
+
+
+def _local_copy() -> IO[bytes]:
+    """A local file for an object's copy, deleted when it is closed (with its batch)."""
+    return tempfile.NamedTemporaryFile(prefix="sluice-object-")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class References:
-    """The tenants' root (SLUICE_BATCH_ROOT), the limit of one object, and the text limit the API
-    applies to inline inputs, which a referenced input meets too."""
+    """The tenants' root (SLUICE_BATCH_ROOT), the object store (SLUICE_OBJECT_ROOT), the limit of
+    one object, and the text limit the API applies to inline inputs, which a referenced input meets
+    too."""
 
     root: Path | None
+    objects: ObjectStore | None = None
     max_bytes: int = 64 * 1024**2
     max_text_chars: int = 20_000
 
@@ -100,12 +122,17 @@ class References:
                                                      "with input_uri")
             return item.payload.input
         handle = held.enter_context(self._open(ref, item.tenant))
-        data, size, digest = self._read(handle, keep=not handler.takes_files)
+        # A handler that reads files gets an object store's object as a local copy, made as it is read.
+        remote = is_object_url(ref.path)
+        copy = held.enter_context(_local_copy()) if handler.takes_files and remote else None
+        data, size, digest = self._read(handle, keep=not handler.takes_files, remote=remote, copy=copy)
         if ref.sha256 is not None and digest != ref.sha256:
             raise _Refused("input_checksum_mismatch", f"the object at input_uri has sha256 {digest}, not the "
                                                       f"{ref.sha256} submitted")
         if handler.takes_files:
-            path = _PROC_FDS / str(handle.fileno()) if _PROC_FDS.is_dir() else Path(ref.path)
+            local = copy if copy is not None else handle
+            name = local.name if copy is not None else ref.path
+            path = _PROC_FDS / str(local.fileno()) if _PROC_FDS.is_dir() else Path(name)
             return {"path": str(path), "size": size, "sha256": digest}
         try:
             payload = orjson.loads(data)
@@ -118,15 +145,21 @@ class References:
         return canonical
 
     def _open(self, ref: InputRef, tenant: str) -> IO[bytes]:
+        if is_object_url(ref.path):
+            try:
+                return self._store().open_read(self._store().recheck(ref.path), block_size=_OBJECT_BLOCK)
+            except FileRefused:
+                raise _Refused("input_unavailable", REFUSED) from None
         try:
             path = recheck(Path(ref.path), root=self.root, tenant=tenant)
             return path.open("rb")
         except (BatchFileError, OSError):
             raise _Refused("input_unavailable", REFUSED) from None
 
-    def _read(self, handle: IO[bytes], *, keep: bool) -> tuple[bytes, int, str]:
+    def _read(self, handle: IO[bytes], *, keep: bool, remote: bool,
+              copy: IO[bytes] | None) -> tuple[bytes, int, str]:
         """The object's bytes (when `keep`), size and sha256, refused past the limit whatever the
-        size said at submit: the object may have grown since."""
+        size said at submit: the object may have grown since. Each chunk also goes to `copy`."""
         digest = hashlib.sha256()
         chunks: list[bytes] = []
         size = 0
@@ -139,9 +172,25 @@ class References:
                 digest.update(chunk)
                 if keep:
                     chunks.append(chunk)
-        except OSError:
+                if copy is not None:
+                    copy.write(chunk)
+        except (FileNotFoundError, PermissionError):
             raise _Refused("input_unavailable", REFUSED) from None
+        except OSError:
+            if remote:  # the store's transport or the local copy's disk: the worker's side
+                raise
+            raise _Refused("input_unavailable", REFUSED) from None
+        if copy is not None:
+            copy.flush()
+            copy.seek(0)
         return b"".join(chunks), size, digest.hexdigest()
+
+    def _store(self) -> ObjectStore:
+        if self.objects is None:
+            # A job by an object's URL on a worker without SLUICE_OBJECT_ROOT: a misconfigured worker,
+            # so the job is left for another one.
+            raise NoObjectStore()
+        return self.objects
 
     # --- outputs -----------------------------------------------------------------------------------
 
@@ -165,6 +214,12 @@ class References:
         """Write atomically: a reader of the object sees the whole output or what was there before.
         A partial file of its own per write, since a job taken over may be written twice at once."""
         refused = _Refused("output_unwritable", "the output could not be written to output_uri: " + REFUSED)
+        if is_object_url(ref.path):
+            try:
+                self._store().write(self._store().recheck(ref.path), data)
+            except FileRefused:
+                raise refused from None
+            return
         try:
             path = recheck(Path(ref.path), root=self.root, tenant=tenant)
         except BatchFileError:

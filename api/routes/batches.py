@@ -3,7 +3,8 @@ download its output in input order, cancel it. The Celery feeder (workers/batche
 
 The input is on disk before the 202: uploads are streamed to the batch store a chunk at a time
 (api/uploads.py), inline inputs are written there as JSONL, and an `input_uri` must name a file
-in the key's tenant folder under SLUICE_BATCH_ROOT (sluice/tenant_files.py). The batch is
+in the key's tenant folder under SLUICE_BATCH_ROOT (sluice/tenant_files.py), or an object in its
+folder of the object store (sluice/tenant_objects.py), which is copied there as an upload is. The batch is
 routed once, at creation, so all its rows run on one version."""
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from sluice.errors import InvalidInput, InvalidJson, NotFound, NotServed, Payloa
 from sluice.registry import batches as queries
 from sluice.registry.tenants import KeyInfo
 from sluice.routing import route
+from sluice.tenant_objects import ObjectStore, in_store
 
 router = APIRouter(prefix="/v1", tags=["batches"])
 
@@ -67,7 +69,9 @@ class CreateBatch(_BatchOptions):
                                                                              "[{\"text\": \"...\"}]")
     input_uri: FileUri | None = Field(default=None,
                                       description="A path relative to the tenant's batch folder, or a file:// URI "
-                                                  "inside it (an admin key: anywhere under SLUICE_BATCH_ROOT)")
+                                                  "inside it (an admin key: anywhere under SLUICE_BATCH_ROOT); or "
+                                                  "an object's URL in the tenant's folder of the object store, "
+                                                  "<SLUICE_OBJECT_ROOT>/tenants/<tenant>/, copied at creation")
 
 
 _CREATE_BODY = {
@@ -138,6 +142,9 @@ async def _from_json(request: Request, state: AppState, key: KeyInfo, folder: Pa
     if (options.inputs is None) == (options.input_uri is None):
         raise InvalidInput("give exactly one of 'inputs' and 'input_uri'")
     if options.input_uri is not None:
+        if in_store(options.input_uri, batch_root=state.settings.batch_root, objects=state.objects):
+            assert state.objects is not None
+            return await _from_object(state.objects, options, state, key, folder)
         path = tenant_files.resolve(options.input_uri, root=state.settings.batch_root, tenant=key.tenant,
                                     admin=key.is_admin, must_exist=True)
         return options, path, batch_files.format_of(path.name, options.format)
@@ -161,6 +168,24 @@ async def _from_json(request: Request, state: AppState, key: KeyInfo, folder: Pa
 
     await to_thread.run_sync(write)
     return options, path, "jsonl"
+
+
+async def _from_object(objects: ObjectStore, options: CreateBatch, state: AppState, key: KeyInfo, folder: Path
+                       ) -> tuple[CreateBatch, Path, Format]:
+    """An object store's object, copied into the batch store as an upload is: the feeder then reads
+    a local file, and a later change to the object does not change the batch."""
+    assert options.input_uri is not None
+    url = objects.resolve(options.input_uri, tenant=key.tenant, admin=key.is_admin)
+    fmt = batch_files.format_of(url.rsplit("/", 1)[-1], options.format)
+    path = folder / f"input.{fmt}"
+
+    def copy() -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        objects.copy_to(url, path, max_bytes=state.settings.max_batch_upload_bytes,
+                        limit_name="SLUICE_MAX_BATCH_UPLOAD_BYTES")
+
+    await to_thread.run_sync(copy)
+    return options, path, fmt
 
 
 async def _from_upload(request: Request, state: AppState, folder: Path) -> tuple[_BatchOptions, Path, Format]:

@@ -74,7 +74,8 @@ _SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
                                                  "`retry_with: {lane: bulk}`"},
     503: {"model": ErrorResource, "description": "No servable version, an open circuit breaker, draining, or "
                                                  "`not_served`: the version routed to cannot be served now "
-                                                 "(no placement possible, its artifact refused), with why"},
+                                                 "(no placement possible, its artifact refused), with why; "
+                                                 "or the object store did not answer"},
 }
 
 _LANES = ("`online`: load-shed, a 429 (with `retry_with`) when the predicted queue wait exceeds the version's "
@@ -131,13 +132,15 @@ class _JobOptions(BaseModel):
 
 _INPUT = "The model kind's input, e.g. {\"text\": \"...\"}; give it or `input_uri`"
 _INPUT_URI = ("Instead of `input`: an object holding the input (JSON), named by its path relative to the "
-              "tenant's folder under SLUICE_BATCH_ROOT or a file:// URI inside it. The API checks that it "
+              "tenant's folder under SLUICE_BATCH_ROOT or a file:// URI inside it, or by its URL in the tenant's "
+              "folder of the object store, `<SLUICE_OBJECT_ROOT>/tenants/<tenant>/` (a relative path names that "
+              "folder on a platform without SLUICE_BATCH_ROOT). The API checks that it "
               "exists and is within SLUICE_MAX_OBJECT_BYTES; the worker reads it when the job runs. A reference "
               "the key may not read gets the answer a missing object gets")
 _SHA256 = ("With `input_uri`: the object's sha256 (hex); the worker verifies it before running, and a mismatch "
            "fails the job (`input_checksum_mismatch`)")
-_OUTPUT_URI = ("Where the worker writes the job's output (JSON) instead of keeping it in the job: a path in the "
-               "tenant's folder, as `input_uri`; the job then shows `output_uri`, `output_size` and "
+_OUTPUT_URI = ("Where the worker writes the job's output (JSON) instead of keeping it in the job: a path or "
+               "an object in the tenant's folder, as `input_uri`; the job then shows `output_uri`, `output_size` and "
                "`output_sha256` instead of `output`")
 
 
@@ -376,7 +379,8 @@ def _served(state: AppState, model: str, shadow: str | None) -> str | None:
 
 
 async def _references(state: AppState, key: KeyInfo, model: str, inputs: list[_Payload]) -> list[_Refs]:
-    """Each job's references, checked (on a thread: the checks touch the file system)."""
+    """Each job's references, checked (on a thread: the checks touch the file system or the object
+    store)."""
     if all(item.input_uri is None and item.output_uri is None for item in inputs):
         return [_Refs()] * len(inputs)
     settings = state.settings
@@ -385,14 +389,15 @@ async def _references(state: AppState, key: KeyInfo, model: str, inputs: list[_P
         return [_Refs(
             input=None if item.input_uri is None else check_input(
                 item.input_uri, item.sha256, root=settings.batch_root, tenant=key.tenant, admin=key.is_admin,
-                max_bytes=settings.max_object_bytes),
+                max_bytes=settings.max_object_bytes, objects=state.objects),
             output=None if item.output_uri is None else check_output(
-                item.output_uri, root=settings.batch_root, tenant=key.tenant, admin=key.is_admin),
+                item.output_uri, root=settings.batch_root, tenant=key.tenant, admin=key.is_admin,
+                objects=state.objects),
         ) for item in inputs]
 
     try:
         return await to_thread.run_sync(check)
-    except (InvalidInput, PayloadTooLarge) as exc:
+    except (InvalidInput, PayloadTooLarge, ServiceUnavailable) as exc:
         JOBS_REJECTED.labels(model, exc.code).inc()
         raise
 

@@ -1,7 +1,8 @@
 """The proof that a job by reference does not pass through the API or Redis: a 200 MiB input, named
 by `input_uri` and verified by its sha256, runs through a `sluice api` process and a worker process
 (a handler that streams the object), while the API's resident memory and Redis' `used_memory` each
-grow by less than 10 MiB."""
+grow by less than 10 MiB. Once for a file under the batch root, and once (a soak test: the object
+goes up to and down from the server) for an object in a local S3 server (moto, through s3fs)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import httpx
 import pytest
@@ -25,6 +27,7 @@ from sluice.artifact_store import publish
 from sluice.settings import Settings
 from sluice.wire import keys
 from tests.own_models.counter import build_counter
+from tests.s3_server import S3Server, s3_server
 from tests.support import REPO, WorkerProcess, stop_process, unique, wait_job, wait_until
 
 # About 10 s on the 2-core machine: under the 20 s past which a test is a soak test.
@@ -48,20 +51,19 @@ def _rss_bytes(pid: int) -> int:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
-def _write_object(path: Path) -> tuple[str, int]:
+def _write_object(handle: IO[bytes]) -> tuple[str, int]:
     """200 MiB of text lines, written and hashed about a megabyte at a time; answer the sha256 and
     the number of lines."""
     digest = hashlib.sha256()
     line = b"a line of a log too large to send inline, numbered %08d\n"
     written = number = lines = 0
-    with path.open("wb") as handle:
-        while written < OBJECT_BYTES:
-            chunk = b"".join(line % (number + i) for i in range(16384))[:OBJECT_BYTES - written]
-            number += 16384
-            handle.write(chunk)
-            digest.update(chunk)
-            written += len(chunk)
-            lines += chunk.count(b"\n")
+    while written < OBJECT_BYTES:
+        chunk = b"".join(line % (number + i) for i in range(16384))[:OBJECT_BYTES - written]
+        number += 16384
+        handle.write(chunk)
+        digest.update(chunk)
+        written += len(chunk)
+        lines += chunk.count(b"\n")
     return digest.hexdigest(), lines
 
 
@@ -74,14 +76,41 @@ def env(redis_url: str, database_url: str, home: Path, settings: Settings) -> di
     return values
 
 
-@pytest.fixture
-def demo_folder(settings: Settings) -> Iterator[Path]:
-    """The demo tenant's folder, its 200 MiB object removed afterwards."""
+class Store:
+    """Where the test's objects go: the demo tenant's folder under the batch root, or in S3."""
+
+    def __init__(self, *, folder: Path, s3: S3Server | None) -> None:
+        self.folder = folder
+        self.s3 = s3
+
+    def uri(self, name: str) -> str:
+        return self.s3.tenant_url("demo", name) if self.s3 is not None else name
+
+    def open(self, name: str, mode: str) -> IO[bytes]:
+        if self.s3 is not None:
+            handle: IO[bytes] = self.s3.filesystem().open(self.uri(name), mode)
+            return handle
+        (self.folder / name).parent.mkdir(parents=True, exist_ok=True)
+        return (self.folder / name).open(mode)
+
+    def read(self, name: str) -> bytes:
+        with self.open(name, "rb") as handle:
+            return handle.read()
+
+
+@pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.soak)])
+def store(request: pytest.FixtureRequest, settings: Settings) -> Iterator[Store]:
+    """The demo tenant's folder (and, for S3, a server of the test's own), its 200 MiB object
+    removed afterwards."""
     assert settings.batch_root is not None
     folder = settings.batch_root / "tenants" / "demo"
     folder.mkdir(parents=True, exist_ok=True)
-    yield folder
-    (folder / "large.log").unlink(missing_ok=True)
+    if request.param == "file":
+        yield Store(folder=folder, s3=None)
+        (folder / "large.log").unlink(missing_ok=True)
+        return
+    with s3_server() as s3:
+        yield Store(folder=folder, s3=s3)
 
 
 @contextmanager
@@ -109,7 +138,7 @@ def api_process(env: dict[str, str], tmp_path: Path) -> Iterator[tuple[subproces
 
 
 def test_a_200_mib_input_by_reference_grows_neither_the_api_nor_redis(
-    admin: httpx.Client, seeded: Seeded, env: dict[str, str], tmp_path: Path, demo_folder: Path,
+    admin: httpx.Client, seeded: Seeded, env: dict[str, str], tmp_path: Path, store: Store,
     start_worker: Callable[..., WorkerProcess], rds: redis.Redis, figure: Callable[[str, object], None],
 ) -> None:
     model = unique("counter")
@@ -120,11 +149,16 @@ def test_a_200_mib_input_by_reference_grows_neither_the_api_nor_redis(
         "handler": COUNTER, "batching": {"max_batch_size": 1, "max_wait_ms": 1}})
     assert registered.status_code == 201, registered.text
     assert admin.put(f"/v1/models/{model}/routing", json={"weights": {"v1": 100}, "reason": "test"}).status_code == 200
-    worker = start_worker(model, env={name: env[name] for name in ("SLUICE_BATCH_ROOT", "SLUICE_MAX_OBJECT_BYTES")})
+    references = {name: env[name] for name in ("SLUICE_BATCH_ROOT", "SLUICE_MAX_OBJECT_BYTES")}
+    if store.s3 is not None:
+        references.update(store.s3.env)
+        env = {**env, **store.s3.env}
+    worker = start_worker(model, env=references)
 
-    folder = demo_folder
-    (folder / "small.log").write_bytes(b"one line\n")
-    digest, lines = _write_object(folder / "large.log")
+    with store.open("small.log", "wb") as handle:
+        handle.write(b"one line\n")
+    with store.open("large.log", "wb") as handle:
+        digest, lines = _write_object(handle)
     # Started once the model is registered, so it loads it with the rest of the routing table.
     with api_process(env, tmp_path) as (proc, base), httpx.Client(
             base_url=base, headers={"Authorization": f"Bearer {seeded.demo_key}"}, timeout=60) as demo:
@@ -134,19 +168,19 @@ def test_a_200_mib_input_by_reference_grows_neither_the_api_nor_redis(
             return wait_job(demo, str(response.json()["id"]), timeout_s=120)
 
         # Warmed first: the API's first job of a model builds what every later one reuses.
-        warm = run(input_uri="small.log", output_uri="out/small.json")
+        warm = run(input_uri=store.uri("small.log"), output_uri=store.uri("out/small.json"))
         assert warm["status"] == "succeeded", (warm, worker.log())
         rss_before, redis_before = _rss_bytes(proc.pid), int(rds.info("memory")["used_memory"])
 
-        job = run(input_uri="large.log", sha256=digest, output_uri="out/large.json")
+        job = run(input_uri=store.uri("large.log"), sha256=digest, output_uri=store.uri("out/large.json"))
 
         rss_after, redis_after = _rss_bytes(proc.pid), int(rds.info("memory")["used_memory"])
     figure("api_rss_growth_kib", (rss_after - rss_before) // 1024)
     figure("redis_used_memory_growth_kib", (redis_after - redis_before) // 1024)
     assert job["status"] == "succeeded", (job, worker.log())
-    counted = json.loads((folder / "out" / "large.json").read_bytes())
-    assert counted == {"bytes": OBJECT_BYTES, "lines": lines, "sha256": digest}
-    assert job["output_sha256"] == hashlib.sha256((folder / "out" / "large.json").read_bytes()).hexdigest()
+    output = store.read("out/large.json")
+    assert json.loads(output) == {"bytes": OBJECT_BYTES, "lines": lines, "sha256": digest}
+    assert job["output_sha256"] == hashlib.sha256(output).hexdigest()
     assert rss_after - rss_before < GROWTH_LIMIT, (rss_before, rss_after)
     assert redis_after - redis_before < GROWTH_LIMIT, (redis_before, redis_after)
     usage = rds.memory_usage(keys.job(str(job["id"])))
