@@ -254,10 +254,37 @@ class ErrorResource(BaseModel):
 # --- the registry --------------------------------------------------------------------------------
 
 
+class TuningProposal(BaseModel):
+    """The nightly re-tune's last proposal (scheduler/retune.py): the best setting within the budget
+    in the simulator, on the mix the version served, beside the current one's figure."""
+
+    max_batch_size: int
+    max_wait_ms: float
+    throughput_rps: float = Field(description="Simulated sustained throughput of the proposed setting")
+    p99_ms: float = Field(description="Its simulated p99")
+    p99_budget_ms: float
+    current_rps: float | None = Field(description="The current setting's best within the budget in the same "
+                                      "simulation; null where it never meets the budget")
+    gain: float | None = Field(description="throughput_rps / current_rps - 1; null with current_rps null")
+    planned_at: float = Field(description="Unix seconds")
+    on: dict[str, Any] = Field(description="The mix it was planned on (becomes `tuned_on` when applied)")
+
+
 class VersionBatching(BaseModel):
     max_batch_size: int
     max_wait_ms: float
     isolate_tenants: bool
+    p99_budget_ms: float | None = Field(default=None, description="The p99 the batching is re-tuned to; null: "
+                                        "never re-tuned")
+    auto_tune: bool = Field(default=False, description="The nightly job applies its proposal itself")
+    tuned_at: str | None = Field(default=None, description="When the batching was last set from a proposal "
+                                 "(ISO 8601), or null")
+    tuned_on: dict[str, Any] | None = Field(default=None, description=(
+        "What it was tuned on: `mix` (inputs per cost bucket), `samples`, `window_h`, `until`, `passes`, `fit`"))
+    proposal: TuningProposal | None = Field(default=None, description="The nightly job's last proposal, or null")
+    drift: dict[str, float] | None = Field(default=None, description=(
+        "One version's resource only, once tuned: per lane, the total-variation distance (0 to 1) between "
+        "the last 24 h's served mix and `tuned_on`'s (the `sluice_mix_drift` gauge)"))
 
 
 class ProcessPlacement(BaseModel):

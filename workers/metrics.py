@@ -14,6 +14,7 @@ from sluice.metrics import (
     BATCH_CLOSED,
     BATCH_FILL,
     BATCH_SIZE,
+    INPUT_COST,
     JOB_SECONDS,
     JOBS_FINISHED,
     MODEL_TIME,
@@ -35,6 +36,7 @@ class _LaneSeries:
         self.padding = PADDING_RATIO.labels(model, version, lane)
         self.queue_wait = QUEUE_WAIT.labels(model, version, lane)
         self.job_seconds = JOB_SECONDS.labels(model, version, lane)
+        self.input_cost = INPUT_COST.labels(model, version, lane)
 
 
 class BatchMetrics:
@@ -65,6 +67,7 @@ class BatchMetrics:
                 continue
             series.queue_wait.observe(max(0.0, started - item.enqueued_at))
             series.job_seconds.observe(max(0.0, finished - item.enqueued_at))
+            series.input_cost.observe(item.cost)
             if outcome.error is None:
                 succeeded += 1
             else:
