@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from datetime import UTC, date, datetime
+from typing import Any
 
 import httpx
 import pytest
@@ -23,6 +24,7 @@ from sluice.registry.store import Registry
 from sluice.wire import connections, keys
 from sluice.wire import mix as wire_mix
 from sluice.wire.mix import Pass, Tally
+from tests.support import wait_until
 
 DAY = 1_900_022_400.0  # 2030-03-18 00:00 UTC
 NOW = DAY + 10 * 3600.0
@@ -202,3 +204,29 @@ def test_a_tenant_key_may_not_tune_and_learns_nothing_of_a_version_that_is_not_t
     missing = tenant.patch(f"/v1/models/{model}/versions/v9", json=body)
     assert there.status_code == missing.status_code == 403
     assert there.json() == missing.json()
+
+
+@pytest.mark.slow
+def test_a_worker_counts_what_it_ran_by_cost_and_records_its_passes(
+    demo: httpx.Client, register_synthetic: Callable[..., str], start_worker: Callable[..., Any],
+    wait_jobs: Callable[..., list[dict[str, Any]]], rds: redis.Redis,
+) -> None:
+    model = register_synthetic("counted", max_batch_size=8, max_wait_ms=20)
+    texts = ["short text"] * 30 + [" ".join(["word"] * 200)] * 10
+    response = demo.post(f"/v1/models/{model}/jobs:bulk", json={"inputs": [{"text": t} for t in texts]})
+    assert response.status_code == 202, response.text
+    start_worker(model)
+    jobs = wait_jobs(demo, response.json()["ids"])
+    assert {job["status"] for job in jobs} == {"succeeded"}
+
+    def counted() -> int:
+        return sum(int(v) for v in rds.hvals(keys.mix(model, "v1")))  # type: ignore[union-attr]
+
+    wait_until(lambda: counted() == len(texts), timeout_s=15.0, what="every input counted")
+    fields: dict[str, str] = rds.hgetall(keys.mix(model, "v1"))  # type: ignore[assignment]
+    assert {field.split(":")[1] for field in fields} == {"bulk"}
+    # Two costs far apart: the short texts and the long ones land in different buckets.
+    assert len(fields) == 2 and sorted(int(v) for v in fields.values()) == [10, 30]
+    passes = rds.xrange(keys.passes(model, "v1"))
+    assert sum(int(entry["n"]) for _, entry in passes) == len(texts)  # type: ignore[index]
+    assert all(1 <= int(entry["n"]) <= 8 and float(entry["s"]) > 0 for _, entry in passes)  # type: ignore[index]
