@@ -377,6 +377,22 @@ class QualityWindow(BaseModel):
                                                 "shadow agreement, as the kind has them")
 
 
+class MixDay(BaseModel):
+    """One UTC day of one lane of a version: its inputs per cost bucket (the scheduler's daily fold)."""
+
+    day: str = Field(description="The UTC day, YYYY-MM-DD")
+    lane: Lane
+    total: int
+    counts: dict[str, int] = Field(description="Bucket (a cost's upper bound, or `inf`) -> inputs; empty ones left out")
+
+
+class MixResource(BaseModel):
+    model: str
+    version: str
+    buckets: list[str] = Field(description="Every bucket's label, lowest first: powers of two up to 4096, then `inf`")
+    days: list[MixDay]
+
+
 class QualityResource(BaseModel):
     model: str
     version: str

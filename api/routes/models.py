@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 from anyio import to_thread
@@ -16,6 +16,7 @@ from api.field_types import Kind, Name, ServingState, State
 from api.queue_gauges import read_queues, serving_versions
 from api.response_models import (
     AuditLog,
+    MixResource,
     ModelList,
     ModelResource,
     QualityResource,
@@ -27,8 +28,9 @@ from api.response_models import (
     VersionResource,
 )
 from sluice.errors import BadRequest, InvalidInput, NotFound
-from sluice.mix import Mix
+from sluice.mix import BUCKET_LABELS, Mix
 from sluice.registry import audit, catalog, quality, routing_table, tuning
+from sluice.registry import mix as mix_rows
 from sluice.registry.catalog import MAX_QUEUE_S
 from sluice.stats import MAX_SERIES_BUCKETS, check_series_window, series, summarise
 from sluice.versions import Tier, VersionState
@@ -364,6 +366,24 @@ async def audit_log(
                                                                               before_id=before)]
 
     return {"entries": await to_thread.run_sync(read)}
+
+
+@router.get("/{model}/versions/{version}/mix", response_model=MixResource)
+async def version_mix(
+    model: str, version: str, _: OperatorKey, state: StateDep,
+    days: Annotated[int, Query(ge=1, le=366, description="How many UTC days back, today included")] = 7,
+) -> dict[str, Any]:
+    """The version's served mix per UTC day and lane, oldest first: inputs counted per cost bucket
+    (tokens for text kinds). Admin only, as `/quality`: the days count every tenant's inputs."""
+    def read() -> list[dict[str, Any]]:
+        since = datetime.now(UTC).date() - timedelta(days=days - 1)
+        with state.registry.session() as session:
+            catalog.get_version(session, model, version)
+            rows = mix_rows.days(session, model=model, version=version, since=since)
+        return [{"day": day.isoformat(), "lane": lane, "total": counted.total, "counts": counted.to_mapping()}
+                for day, lane, counted in rows]
+
+    return {"model": model, "version": version, "buckets": list(BUCKET_LABELS), "days": await to_thread.run_sync(read)}
 
 
 @router.get("/{model}/versions/{version}/quality", response_model=QualityResource)

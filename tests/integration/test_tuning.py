@@ -59,6 +59,7 @@ def _served(redis_url: str, model: str, *, at: float, costs: list[int], lane: st
 
 def test_a_tally_folds_into_one_row_per_day_and_lane_and_the_same_row_again(
     registry: Registry, rds: redis.Redis, redis_url: str, register_synthetic: Callable[..., str],
+    admin: httpx.Client,
 ) -> None:
     model = register_synthetic("mix")
     _served(redis_url, model, at=NOW - 20 * 3600, costs=[3, 3, 40], passes=False)  # the day before
@@ -84,6 +85,14 @@ def test_a_tally_folds_into_one_row_per_day_and_lane_and_the_same_row_again(
         (date(2030, 3, 18), "bulk", Mix.of_costs([5])),
         (date(2030, 3, 18), "online", Mix.of_costs([3, 600])),
     ]
+    response = admin.get(f"/v1/models/{model}/versions/v1/mix", params={"days": 30})
+    assert response.status_code == 200, response.text
+    assert response.json()["days"] == [
+        {"day": "2030-03-17", "lane": "online", "total": 3, "counts": {"4": 2, "64": 1}},
+        {"day": "2030-03-18", "lane": "bulk", "total": 1, "counts": {"8": 1}},
+        {"day": "2030-03-18", "lane": "online", "total": 2, "counts": {"4": 1, "1024": 1}},
+    ]
+    assert response.json()["buckets"][-1] == "inf"
     # The hour past the 48 kept is forgotten; the others stay for the open day's next fold.
     fields: list[str] = rds.hkeys(keys.mix(model, "v1"))  # type: ignore[assignment]
     assert fields and not any(f.startswith(f"{wire_mix.hour_of(NOW - 60 * 3600)}:") for f in fields)
