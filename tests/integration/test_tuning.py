@@ -24,7 +24,8 @@ from sluice.registry.store import Registry
 from sluice.wire import connections, keys
 from sluice.wire import mix as wire_mix
 from sluice.wire.mix import Pass, Tally
-from tests.support import wait_until
+from sluice_client import SluiceClient
+from tests.support import ApiServer, wait_until
 
 DAY = 1_900_022_400.0  # 2030-03-18 00:00 UTC
 NOW = DAY + 10 * 3600.0
@@ -59,7 +60,7 @@ def _served(redis_url: str, model: str, *, at: float, costs: list[int], lane: st
 
 def test_a_tally_folds_into_one_row_per_day_and_lane_and_the_same_row_again(
     registry: Registry, rds: redis.Redis, redis_url: str, register_synthetic: Callable[..., str],
-    admin: httpx.Client,
+    admin: httpx.Client, api: ApiServer, seeded: Seeded,
 ) -> None:
     model = register_synthetic("mix")
     _served(redis_url, model, at=NOW - 20 * 3600, costs=[3, 3, 40], passes=False)  # the day before
@@ -93,6 +94,8 @@ def test_a_tally_folds_into_one_row_per_day_and_lane_and_the_same_row_again(
         {"day": "2030-03-18", "lane": "online", "total": 2, "counts": {"4": 1, "1024": 1}},
     ]
     assert response.json()["buckets"][-1] == "inf"
+    with SluiceClient(base_url=api.url, api_key=seeded.admin_key) as sluice:
+        assert sluice.mix(model, "v1", days=30) == response.json()
     # The hour past the 48 kept is forgotten; the others stay for the open day's next fold.
     fields: list[str] = rds.hkeys(keys.mix(model, "v1"))  # type: ignore[assignment]
     assert fields and not any(f.startswith(f"{wire_mix.hour_of(NOW - 60 * 3600)}:") for f in fields)
