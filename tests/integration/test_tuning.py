@@ -11,7 +11,9 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from typer.testing import CliRunner
 
+from launch.cli import app
 from launch.seed import Seeded
 from scheduler.mix import MixAggregator
 from scheduler.planning.capacity_sim import CostModel
@@ -165,6 +167,7 @@ def test_a_version_tuned_on_short_texts_gets_another_proposal_when_its_mix_turns
 
 def test_auto_tune_applies_a_proposal_through_the_audited_patch_and_dates_it(
     registry: Registry, redis_url: str, admin: httpx.Client, register_synthetic: Callable[..., str],
+    api: ApiServer, seeded: Seeded,
 ) -> None:
     model = register_synthetic("autotune", max_batch_size=2, max_wait_ms=0.0)
     _budget(admin, model, p99_budget_ms=150.0, auto_tune=True)
@@ -180,6 +183,11 @@ def test_auto_tune_applies_a_proposal_through_the_audited_patch_and_dates_it(
     audit = admin.get(f"/v1/models/{model}/audit").json()
     entries = audit["entries"] if isinstance(audit, dict) else audit
     assert any(e["actor"] == "scheduler:retune" and e["action"] == "version.update" for e in entries)
+
+    listed = CliRunner().invoke(app, ["tune", "status", "--url", api.url, "--key", seeded.admin_key])
+    assert listed.exit_code == 0, listed.output
+    assert f"{model} v1: batch {proposal['max_batch_size']}, " in listed.output
+    assert "p99 budget 150 ms, auto_tune on" in listed.output
 
     # The drift gauge once the aggregator has seen the tuned version's mix turn long.
     _served(redis_url, model, at=NOW + 3600, costs=LONG * 9, passes=False)
