@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -49,6 +50,7 @@ from scheduler.planning.frontier import ConfigRun, fit_cost, sweep
 from scheduler.planning.retune import Grid, Proposal, plan
 from scheduler.planning.text_mix import LengthMix, skewed_texts
 from sluice.kinds import token_estimate
+from sluice.mix import Mix
 from sluice.wire import mix as wire_mix
 
 SHORT = LengthMix(long_fraction=0.0, short_words=(6, 20))
@@ -79,6 +81,22 @@ def host() -> dict[str, Any]:
             "loadavg_at_start": os.getloadavg()}
 
 
+class RecordedReplica(RealReplica):
+    """The frontier's real replica, keeping what each version's worker recorded (its mix and passes,
+    sluice/wire/mix.py) before the version's keys are deleted."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.hours: dict[tuple[int, str], Mix] = {}
+        self.passes: list[wire_mix.Pass] = []
+
+    async def _forget(self, version: str, ids: Sequence[str]) -> None:
+        for key, counted in (await wire_mix.read_hours(self.redis, self.model, version)).items():
+            self.hours[key] = self.hours.get(key, Mix()) + counted
+        self.passes += await wire_mix.read_passes(self.redis, self.model, version)
+        await super()._forget(version, ids)
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -90,9 +108,9 @@ class Bench:
         self.grid = Grid(batch_sizes=tuple(args.batch_sizes), waits_ms=tuple(args.waits_ms),
                          fractions=tuple(args.fractions), phase_s=args.phase_s)
 
-    def replica(self, runner: asyncio.Runner, url: str, texts: TextPool) -> RealReplica:
+    def replica(self, runner: asyncio.Runner, url: str, texts: TextPool) -> RecordedReplica:
         handler = RecordingHandler(self.inner, dict(zip(texts.texts, texts.tokens, strict=True)))
-        return RealReplica(runner=runner, redis_url=url, handler=handler, pool=texts, options=self.options)
+        return RecordedReplica(runner=runner, redis_url=url, handler=handler, pool=texts, options=self.options)
 
     def record_and_plan(self, runner: asyncio.Runner, url: str, texts: TextPool, setting: tuple[int, float],
                         rate: float, seed: int) -> Proposal:
@@ -101,19 +119,10 @@ class Bench:
         try:
             for step in range(2):
                 replica.rung(setting[0], setting[1], rate, seed + step)
-            versions = [f"b{setting[0]}-w{setting[1]:g}-s{seed + step}" for step in range(2)]
-
-            async def recorded() -> tuple[Any, list[wire_mix.Pass]]:
-                hours: dict[tuple[int, str], Any] = {}
-                passes: list[wire_mix.Pass] = []
-                for version in versions:
-                    hours.update(await wire_mix.read_hours(replica.redis, replica.model, version))
-                    passes += await wire_mix.read_passes(replica.redis, replica.model, version)
-                return wire_mix.recent_mix(hours, now_hour=wire_mix.hour_of(time.time())), passes
-
-            mix, passes = runner.run(recorded())
         finally:
             replica.close()
+        mix = wire_mix.recent_mix(replica.hours, now_hour=wire_mix.hour_of(time.time()))
+        passes = replica.passes
         fit = fit_cost([(p.size, p.longest, p.seconds) for p in passes])
         proposal = plan(mix=mix, cost=fit.cost, p99_budget_ms=self.args.p99_budget_ms, max_batch_size=setting[0],
                         max_wait_ms=setting[1], now=time.time(), grid=self.grid,
