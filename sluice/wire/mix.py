@@ -86,6 +86,9 @@ class Tally:
                 for one in recorded:
                     pipe.xadd(keys.passes(model, version), one.to_fields(),  # type: ignore[arg-type]
                               maxlen=PASSES_MAXLEN, approximate=True)
+                # A version no worker serves any more leaves nothing behind once its hours are old.
+                for key in (keys.mix(model, version), keys.passes(model, version)):
+                    pipe.expire(key, KEEP_HOURS * HOUR_S)
                 await pipe.execute()
         except BaseException:
             self._counts.update(counts)

@@ -247,6 +247,7 @@ def test_a_worker_counts_what_it_ran_by_cost_and_records_its_passes(
     assert {field.split(":")[1] for field in fields} == {"bulk"}
     # Two costs far apart: the short texts and the long ones land in different buckets.
     assert len(fields) == 2 and sorted(int(v) for v in fields.values()) == [10, 30]
+    assert 0 < rds.ttl(keys.mix(model, "v1")) <= wire_mix.KEEP_HOURS * wire_mix.HOUR_S  # type: ignore[operator]
     passes = rds.xrange(keys.passes(model, "v1"))
     assert sum(int(entry["n"]) for _, entry in passes) == len(texts)  # type: ignore[index]
     assert all(1 <= int(entry["n"]) <= 8 and float(entry["s"]) > 0 for _, entry in passes)  # type: ignore[index]
