@@ -257,10 +257,37 @@ class ErrorResource(BaseModel):
 # --- the registry --------------------------------------------------------------------------------
 
 
+class TuningProposal(BaseModel):
+    """The nightly re-tune's last proposal (scheduler/retune.py): the best setting within the budget
+    in the simulator, on the mix the version served, beside the current one's figure."""
+
+    max_batch_size: int
+    max_wait_ms: float
+    throughput_rps: float = Field(description="Simulated sustained throughput of the proposed setting")
+    p99_ms: float = Field(description="Its simulated p99")
+    p99_budget_ms: float
+    current_rps: float | None = Field(description="The current setting's best within the budget in the same "
+                                      "simulation; null where it never meets the budget")
+    gain: float | None = Field(description="throughput_rps / current_rps - 1; null with current_rps null")
+    planned_at: float = Field(description="Unix seconds")
+    on: dict[str, Any] = Field(description="The mix it was planned on (becomes `tuned_on` when applied)")
+
+
 class VersionBatching(BaseModel):
     max_batch_size: int
     max_wait_ms: float
     isolate_tenants: bool
+    p99_budget_ms: float | None = Field(default=None, description="The p99 the batching is re-tuned to; null: "
+                                        "never re-tuned")
+    auto_tune: bool = Field(default=False, description="The nightly job applies its proposal itself")
+    tuned_at: str | None = Field(default=None, description="When the batching was last set from a proposal "
+                                 "(ISO 8601), or null")
+    tuned_on: dict[str, Any] | None = Field(default=None, description=(
+        "What it was tuned on: `mix` (inputs per cost bucket), `samples`, `window_h`, `until`, `passes`, `fit`"))
+    proposal: TuningProposal | None = Field(default=None, description="The nightly job's last proposal, or null")
+    drift: dict[str, float] | None = Field(default=None, description=(
+        "One version's resource only, once tuned: per lane, the total-variation distance (0 to 1) between "
+        "the last 24 h's served mix and `tuned_on`'s (the `sluice_mix_drift` gauge)"))
 
 
 class ProcessPlacement(BaseModel):
@@ -351,6 +378,22 @@ class QualityWindow(BaseModel):
     errors: int
     metrics: dict[str, Any] = Field(description="Quality proxies of the window: sizes, top probability, labels, "
                                                 "shadow agreement, as the kind has them")
+
+
+class MixDay(BaseModel):
+    """One UTC day of one lane of a version: its inputs per cost bucket (the scheduler's daily fold)."""
+
+    day: str = Field(description="The UTC day, YYYY-MM-DD")
+    lane: Lane
+    total: int
+    counts: dict[str, int] = Field(description="Bucket (a cost's upper bound, or `inf`) -> inputs; empty ones left out")
+
+
+class MixResource(BaseModel):
+    model: str
+    version: str
+    buckets: list[str] = Field(description="Every bucket's label, lowest first: powers of two up to 4096, then `inf`")
+    days: list[MixDay]
 
 
 class QualityResource(BaseModel):

@@ -115,6 +115,9 @@ class ApiClient:
     def model(self, name: str) -> dict[str, Any]:
         return dict(self.call("GET", f"/v1/models/{name}"))
 
+    def version(self, model: str, version: str) -> dict[str, Any]:
+        return dict(self.call("GET", f"/v1/models/{model}/versions/{version}"))
+
     def create_model(self, name: str, kind: str) -> dict[str, Any]:
         return dict(self.call("POST", "/v1/models", json={"name": name, "kind": kind}))
 

@@ -15,6 +15,7 @@ from launch.api_client import KeyOption, UrlOption, api_client, api_errors
 from launch.batch_cli import batch_app
 from launch.bench_cli import bench_app, plan
 from launch.models_cli import models_app
+from launch.tune_cli import tune_app
 from sluice.errors import InvalidPolicy
 from sluice.logs import configure_logging
 from sluice.settings import Settings
@@ -22,6 +23,7 @@ from sluice.shutdown import install_two_stage
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Sluice: asynchronous inference.")
 app.add_typer(batch_app, name="batch")
+app.add_typer(tune_app, name="tune")
 console = Console(soft_wrap=True)
 log = logging.getLogger(__name__)
 

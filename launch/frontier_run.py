@@ -324,7 +324,8 @@ class RealReplica:
 
         names = [keys.stream(self.model, version, lane) for lane in LANES]
         names += [keys.dead_stream(self.model, version), keys.stats(self.model, version),
-                  keys.live_workers(self.model, version), *(keys.job(job_id) for job_id in ids)]
+                  keys.live_workers(self.model, version), keys.mix(self.model, version),
+                  keys.passes(self.model, version), *(keys.job(job_id) for job_id in ids)]
         names += [key async for key in self.redis.scan_iter(match=keys.heartbeat_pattern(self.model, version))]
         for first in range(0, len(names), 500):
             await self.redis.delete(*names[first:first + 500])

@@ -7,9 +7,10 @@ versions, publishes that placement plan (sluice/wire/placements.py), and hands i
 With the `local` actuator it supervises one worker process per placement group on this machine;
 with `kubernetes` it keeps a Deployment per group (scheduler/kubernetes.py); with `none` it only
 publishes the plan and the decisions (metrics, and `GET /v1/models/{m}`) for compose. The
-rollout controller (scheduler/rollout.py) and the quality aggregator (scheduler/quality.py) run
-beside it, each on a thread of its own, as does the deadline sweeper, which expires queued jobs
-past their deadline every `deadline_sweep_s`, between the ticks.
+rollout controller (scheduler/rollout.py), the quality aggregator (scheduler/quality.py) and the
+served mix's aggregator (scheduler/mix.py) run beside it, each on a thread of its own, as does the
+deadline sweeper, which expires queued jobs past their deadline every `deadline_sweep_s`, between
+the ticks.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import redis
 
 from scheduler.autoscale import ScalingPolicy
 from scheduler.idle import IdlePolicy
+from scheduler.mix import run_mix_aggregator
 from scheduler.placement import Budget
 from scheduler.quality import run_aggregator
 from scheduler.retirement import retiring, watched
@@ -224,6 +226,9 @@ class Scheduler:
         aggregator = threading.Thread(target=run_aggregator, name="quality-aggregator", daemon=True, kwargs={
             "registry": self.registry, "redis_url": self.redis_url, "stopping": self.stopping})
         aggregator.start()
+        mixes = threading.Thread(target=run_mix_aggregator, name="mix-aggregator", daemon=True, kwargs={
+            "registry": self.registry, "redis_url": self.redis_url, "stopping": self.stopping})
+        mixes.start()
         sweeper = threading.Thread(target=self.run_sweeper, name="deadline-sweeper", daemon=True)
         sweeper.start()
         try:
@@ -236,6 +241,7 @@ class Scheduler:
                 self.supervisor.stop_all()
             controller.join(timeout=10)
             aggregator.join(timeout=10)
+            mixes.join(timeout=10)
             sweeper.join(timeout=10)
             if self.scrape_target is not None:
                 with contextlib.suppress(BrokerError):

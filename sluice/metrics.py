@@ -8,6 +8,7 @@ import contextlib
 from prometheus_client import Counter, Gauge, Histogram
 
 from sluice.artifacts import PRECISION_MODES
+from sluice.mix import COST_BOUNDS
 
 # 2 s is the registry's default latency budget: the latency SLO counts jobs past that bucket
 # (deploy/prometheus/sluice.rules.yml).
@@ -37,6 +38,11 @@ BATCH_FILL = Histogram("sluice_batch_fill_seconds", "From a batch's first job re
                        ["model", "version", "lane"], buckets=_LATENCY_BUCKETS)
 BATCH_CLOSED = Counter("sluice_batches_total", "Batches by close reason (size, age, drain)",
                        ["model", "version", "lane", "reason"])
+INPUT_COST = Histogram("sluice_input_cost", "Cost of each input a worker ran (tokens for text kinds, the "
+                       "handler's cost otherwise): the served mix", ["model", "version", "lane"],
+                       buckets=COST_BOUNDS)
+MIX_DRIFT = Gauge("sluice_mix_drift", "Total-variation distance (0 to 1) between the last 24 h's served mix and "
+                  "the mix the version's batching was tuned on", ["model", "version", "lane"])
 PADDING_RATIO = Histogram("sluice_batch_padding_ratio", "Padded tokens / real tokens per batch",
                           ["model", "version", "lane"], buckets=(1, 1.1, 1.25, 1.5, 2, 3, 5, 10))
 # What a version costs (sluice/cost.py). The padding ratio is `padded / real` in PromQL; the cost

@@ -213,6 +213,12 @@ class Settings(BaseSettings):
     object_root: str | None = None
     object_storage_options: SecretStr | None = None
 
+    # Re-tuning batching (scheduler/retune.py): beat sends the job once a day at `retune_hour_utc`;
+    # a version with `auto_tune` gets its proposal applied when the predicted gain in sustained
+    # throughput within its p99 budget is over `retune_min_gain` (0.1: ten per cent more).
+    retune_hour_utc: int = Field(default=3, ge=0, le=23)
+    retune_min_gain: float = Field(default=0.1, ge=0)
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper_level(cls, value: object) -> object:

@@ -72,3 +72,7 @@ DEFAULT_MAX_BATCH_SIZE = 32
 DEFAULT_MAX_WAIT_MS = 10.0
 DEFAULT_MIN_REPLICAS = 1
 DEFAULT_MAX_REPLICAS = 4
+
+# The nightly re-tune's Celery task: beat (workers/tasks.py) sends it by this name, the module that
+# runs it (scheduler/retune_task.py) registers it under it.
+RETUNE_TASK = "sluice.retune"

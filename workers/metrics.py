@@ -17,6 +17,7 @@ from sluice.metrics import (
     BATCH_SIZE,
     CORE_SECONDS,
     GPU_SECONDS,
+    INPUT_COST,
     JOB_SECONDS,
     JOBS_FINISHED,
     MODEL_TIME,
@@ -43,6 +44,7 @@ class _LaneSeries:
         self.job_seconds = JOB_SECONDS.labels(model, version, lane)
         self.padded_tokens = PADDED_TOKENS.labels(model, version, lane)
         self.real_tokens = REAL_TOKENS.labels(model, version, lane)
+        self.input_cost = INPUT_COST.labels(model, version, lane)
 
 
 class BatchMetrics:
@@ -83,6 +85,7 @@ class BatchMetrics:
                 continue
             series.queue_wait.observe(max(0.0, started - item.enqueued_at))
             series.job_seconds.observe(max(0.0, finished - item.enqueued_at))
+            series.input_cost.observe(item.cost)
             if outcome.error is None:
                 succeeded += 1
             else:

@@ -19,7 +19,9 @@ The threads pool suits delivery, which is all waiting on the network, and lets t
 one tenant-secret cache. Every worker also runs the outbox relay (workers/outbox.py) in a thread
 of its own, from a bootstep: webhooks flow exactly when some Celery worker runs. Beat sends
 `sweep_webhooks`, which re-sends deliveries whose next attempt is long overdue (their Celery
-message was lost with a broker that lost its data, or their worker died mid-attempt).
+message was lost with a broker that lost its data, or their worker died mid-attempt), and nightly
+`sluice.retune` (scheduler/retune_task.py), which re-plans the batching of every version with a p99
+budget on the mix it served.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from celery import Celery, Task, bootsteps, signals
+from celery.schedules import crontab
 from kombu.exceptions import KombuError
 
 from sluice import exposition
@@ -42,6 +45,7 @@ from sluice.logs import prepare_handler
 from sluice.registry.batches import to_dispatch
 from sluice.registry.store import Registry
 from sluice.settings import Settings
+from sluice.vocabulary import RETUNE_TASK
 from sluice.wire.connections import connect, connect_sync
 from workers.batches import BatchFeeder
 from workers.delivery import Deliverer
@@ -58,7 +62,10 @@ SWEEP_BATCHES_TASK = "sluice.sweep_batches"
 WEBHOOK_QUEUE = "sluice.webhooks"
 BATCH_QUEUE = "sluice.batches"
 ROUTES = {DELIVER_TASK: WEBHOOK_QUEUE, SWEEP_TASK: WEBHOOK_QUEUE, RUN_BATCH_TASK: BATCH_QUEUE,
-          SWEEP_BATCHES_TASK: BATCH_QUEUE}
+          SWEEP_BATCHES_TASK: BATCH_QUEUE, RETUNE_TASK: BATCH_QUEUE}
+# Modules a Celery worker imports at start for the tasks they register: the nightly re-tune runs
+# the scheduler's simulator, which this package may not import (docs/ARCHITECTURE.md, "Tuning").
+INCLUDE = ("scheduler.retune_task",)
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -94,7 +101,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             # backlog of sweeps left while no worker ran is not worked through one by one.
             "sluice-sweep-batches": {"task": SWEEP_BATCHES_TASK, "schedule": settings.batch_sweep_s,
                                      "options": {"expires": max(1.0, settings.batch_sweep_s)}},
+            # Nightly; a run missed while no worker ran is not worth doing hours late, twice.
+            "sluice-retune": {"task": RETUNE_TASK, "schedule": crontab(minute=0, hour=settings.retune_hour_utc),
+                              "options": {"expires": 3600.0}},
         },
+        "include": list(INCLUDE),
         "timezone": "UTC",
         "enable_utc": True,
     }

@@ -46,6 +46,7 @@ from sluice.vocabulary import ClaimVerdict, Lane
 from sluice.wire.entries import Delivered
 from sluice.wire.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
 from sluice.wire.jobs import JobStatus
+from sluice.wire.mix import Pass, Tally
 from sluice.wire.streams import StreamConsumer
 from workers.batch_log import BatchLog
 from workers.execution import Outcome, run_timed_out, timed_out
@@ -158,6 +159,7 @@ class Worker:
         self.model = model
         self.version = version
         self.handler = handler
+        self._redis = redis
         self.max_batch_size = max_batch_size
         self.name = name or consumer_name()
         self.claim_after_s = claim_after_s
@@ -213,6 +215,8 @@ class Worker:
         self.last_batch_size = 0
         self._rate_window: deque[tuple[int, float]] = deque(maxlen=64)  # (items, model seconds)
         self._metrics = BatchMetrics(model=model, version=version)
+        # The served mix and the forward passes, flushed with the heartbeat (sluice/wire/mix.py).
+        self._tally = Tally()
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -269,6 +273,8 @@ class Worker:
                 log.warning("worker %s: %s did not stop within %.0fs", self.name,
                             ", ".join(sorted(task.get_name() for task in stuck)), LOOP_STOP_S)
             self.state = WorkerState.stopped
+            with contextlib.suppress(BrokerError):
+                await self._tally.flush(self._redis, self.model, self.version)
             with contextlib.suppress(BrokerError):
                 await self.streams.leave()
 
@@ -423,6 +429,7 @@ class Worker:
                 left, outcomes, model_s = await self._run_pass(batch, started, turn)
                 turn.used(model_s)
                 self._turns.charge(batch, model_s, self.clock())
+            self._tally.passed(Pass(size=len(batch.items), longest=batch.max_cost, seconds=model_s))
             if left:
                 usage = pass_usage(self.handler, batch.items, model_s=model_s, idle_s=turn.idle_s, cores=self.cores,
                                    gpus=self.gpus)
@@ -540,6 +547,8 @@ class Worker:
         self.last_batch_size = size
         self._rate_window.append((size, model_s))
         self._metrics.batch(batch, outcomes, won, started=started, model_s=model_s, finished=finished, usage=usage)
+        self._tally.served(at=finished, lane=batch.items[0].payload.lane,
+                           costs=[item.cost for item, first in zip(batch.items, won, strict=True) if first])
         self._log_batch(batch, outcomes, won, model_ms)
 
     def _log_batch(self, batch: Batch[Delivery], outcomes: list[Outcome], won: list[bool], model_ms: float) -> None:
@@ -605,6 +614,7 @@ class Worker:
                     precision=self.precision, precision_speedup=self.precision_speedup, group=self.group,
                     resident_bytes=self.resident_bytes,
                 ))
+                await self._tally.flush(self._redis, self.model, self.version)
                 _stop_if_cancelled()
             except BrokerError as exc:
                 _stop_if_cancelled(exc)

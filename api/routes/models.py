@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 from anyio import to_thread
@@ -15,6 +16,7 @@ from api.field_types import Kind, Name, ServingState, State
 from api.queue_gauges import read_queues, serving_versions
 from api.response_models import (
     AuditLog,
+    MixResource,
     ModelList,
     ModelResource,
     QualityResource,
@@ -25,12 +27,14 @@ from api.response_models import (
     VersionChange,
     VersionResource,
 )
-from sluice.errors import InvalidInput, NotFound
-from sluice.registry import audit, catalog, quality, routing_table
+from sluice.errors import BadRequest, InvalidInput, NotFound
+from sluice.mix import BUCKET_LABELS, Mix
+from sluice.registry import audit, catalog, quality, routing_table, tuning
+from sluice.registry import mix as mix_rows
 from sluice.registry.catalog import MAX_QUEUE_S
 from sluice.stats import MAX_SERIES_BUCKETS, check_series_window, series, summarise
 from sluice.versions import Tier, VersionState
-from sluice.wire import heartbeats
+from sluice.wire import heartbeats, mix
 from sluice.wire.response_cache import MAX_TTL_S
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
@@ -80,6 +84,18 @@ class Batching(BaseModel):
     isolate_tenants: bool = True
 
 
+class Tuning(BaseModel):
+    """What the nightly re-tune works to (scheduler/retune.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    p99_budget_ms: float | None = Field(default=None, gt=0, le=600_000, description=(
+        "The p99 latency the batching is tuned to: the nightly job proposes the setting with the highest "
+        "sustained throughput whose simulated p99 meets it. Null: the version is not re-tuned"))
+    auto_tune: bool | None = Field(default=None, description=(
+        "True: the nightly job applies its proposal itself (audited, as this PATCH) when the predicted gain is "
+        "over the platform's threshold; false: a person applies it (`apply_proposal`)"))
+
+
 class RegisterVersion(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: Name
@@ -109,6 +125,11 @@ class UpdateVersion(BaseModel):
     run_timeout_s: float | None = Field(default=None, gt=0, description=_RUN_TIMEOUT + _LIMIT_CHANGE)
     tier: Tier | None = Field(default=None, description=_TIER + " (set for the whole model)")
     allow_pickle: bool | None = Field(default=None, description=_ALLOW_PICKLE)
+    tuning: Tuning | None = Field(default=None, description="The p99 budget and auto_tune; a field left out "
+                                  "is kept, a budget given as null is cleared")
+    apply_proposal: bool = Field(default=False, description=(
+        "Set the batching to the nightly job's proposal (`batching.proposal`) and date it (`batching.tuned_at`, "
+        "`tuned_on`); 409 where there is none. Not with `batching`"))
     reason: str | None = Field(default=None, max_length=500)
 
 
@@ -206,8 +227,14 @@ async def get_version(model: str, version: str, _: CurrentKey, state: StateDep) 
             return catalog.version_resource(catalog.get_version(session, model, version))
 
     resource = await to_thread.run_sync(read)
-    beats = await heartbeats.live_heartbeats(state.broker.redis, model, version, now=time.time())
+    now = time.time()
+    beats = await heartbeats.live_heartbeats(state.broker.redis, model, version, now=now)
     resource["running_precision"] = running_precision(beats)
+    tuned_on = resource["batching"]["tuned_on"]
+    if tuned_on:
+        hours = await mix.read_hours(state.broker.redis, model, version)
+        resource["batching"]["drift"] = mix.lane_drift(hours, Mix.from_mapping(tuned_on["mix"]),
+                                                       now_hour=mix.hour_of(now))
     return resource
 
 
@@ -233,16 +260,30 @@ async def update_version(model: str, version: str, body: UpdateVersion, key: Adm
     job_limits: dict[str, float | None] = {
         name: getattr(body, name) for name in ("max_queue_s", "run_timeout_s") if name in body.model_fields_set}
 
+    tuning_change: dict[str, Any] = (
+        {name: getattr(body.tuning, name) for name in body.tuning.model_fields_set
+         if not (name == "auto_tune" and body.tuning.auto_tune is None)} if body.tuning else {})
+    if body.apply_proposal and batching is not None:
+        raise BadRequest("apply_proposal sets the batching: not with `batching`")
+
+    changes: dict[str, Any] = {
+        "state": body.state, "min_replicas": body.min_replicas, "max_replicas": body.max_replicas,
+        "cache_ttl_s": body.cache_ttl_s, "allow_pickle": body.allow_pickle, "job_limits": job_limits,
+        "tuning": tuning_change}
+
     def write() -> dict[str, Any]:
         with state.registry.session() as session:
-            row, entry = catalog.update_version(
-                session, model=model, version=version, actor=f"key:{key.key_id}", reason=body.reason,
-                state=body.state, min_replicas=body.min_replicas, max_replicas=body.max_replicas,
-                cache_ttl_s=body.cache_ttl_s, max_batch_size=batching.max_batch_size if batching else None,
-                max_wait_ms=batching.max_wait_ms if batching else None,
-                isolate_tenants=batching.isolate_tenants if batching else None, allow_pickle=body.allow_pickle,
-                job_limits=job_limits, batch_timeout_s=state.settings.batch_timeout_s,
-            )
+            if body.apply_proposal:
+                row, entry = tuning.apply_proposal(
+                    session, model=model, version=version, actor=f"key:{key.key_id}", reason=body.reason,
+                    now=datetime.now(UTC), batch_timeout_s=state.settings.batch_timeout_s, changes=changes)
+            else:
+                row, entry = catalog.update_version(
+                    session, model=model, version=version, actor=f"key:{key.key_id}", reason=body.reason,
+                    max_batch_size=batching.max_batch_size if batching else None,
+                    max_wait_ms=batching.max_wait_ms if batching else None,
+                    isolate_tenants=batching.isolate_tenants if batching else None,
+                    batch_timeout_s=state.settings.batch_timeout_s, **changes)
             if body.tier is not None:
                 catalog.set_tier(session, model=model, tier=body.tier, actor=f"key:{key.key_id}", reason=body.reason)
             return {**catalog.version_resource(row), "audit": audit.audit_resource(entry)}
@@ -327,6 +368,24 @@ async def audit_log(
                                                                               before_id=before)]
 
     return {"entries": await to_thread.run_sync(read)}
+
+
+@router.get("/{model}/versions/{version}/mix", response_model=MixResource)
+async def version_mix(
+    model: str, version: str, _: OperatorKey, state: StateDep,
+    days: Annotated[int, Query(ge=1, le=366, description="How many UTC days back, today included")] = 7,
+) -> dict[str, Any]:
+    """The version's served mix per UTC day and lane, oldest first: inputs counted per cost bucket
+    (tokens for text kinds). Admin only, as `/quality`: the days count every tenant's inputs."""
+    def read() -> list[dict[str, Any]]:
+        since = datetime.now(UTC).date() - timedelta(days=days - 1)
+        with state.registry.session() as session:
+            catalog.get_version(session, model, version)
+            rows = mix_rows.days(session, model=model, version=version, since=since)
+        return [{"day": day.isoformat(), "lane": lane, "total": counted.total, "counts": counted.to_mapping()}
+                for day, lane, counted in rows]
+
+    return {"model": model, "version": version, "buckets": list(BUCKET_LABELS), "days": await to_thread.run_sync(read)}
 
 
 @router.get("/{model}/versions/{version}/quality", response_model=QualityResource)

@@ -193,6 +193,11 @@ def version_resource(row: ModelVersion) -> dict[str, Any]:
             "max_batch_size": row.max_batch_size,
             "max_wait_ms": row.max_wait_ms,
             "isolate_tenants": row.isolate_tenants,
+            "p99_budget_ms": row.p99_budget_ms,
+            "auto_tune": row.auto_tune,
+            "tuned_at": row.tuned_at.isoformat() if row.tuned_at else None,
+            "tuned_on": row.tuned_on,
+            "proposal": row.tune_proposal,
         },
         "min_replicas": row.min_replicas,
         "max_replicas": row.max_replicas,
@@ -229,10 +234,13 @@ def update_version(
     max_batch_size: int | None = None, max_wait_ms: float | None = None, isolate_tenants: bool | None = None,
     min_replicas: int | None = None, max_replicas: int | None = None, cache_ttl_s: int | None = None,
     allow_pickle: bool | None = None, job_limits: Mapping[str, float | None] | None = None,
-    batch_timeout_s: float | None = None,
+    batch_timeout_s: float | None = None, tuning: Mapping[str, Any] | None = None,
+    tuned: tuple[datetime, Mapping[str, Any]] | None = None,
 ) -> tuple[ModelVersion, AuditEntry]:
-    """Change a version's state, batching, replicas, response-cache TTL, pickle opt-in or its jobs'
-    default limits (`job_limits`: `max_queue_s` and `run_timeout_s` as given, None clearing one).
+    """Change a version's state, batching, replicas, response-cache TTL, pickle opt-in, its jobs'
+    default limits (`job_limits`: `max_queue_s` and `run_timeout_s` as given, None clearing one) or
+    its tuning (`tuning`: `p99_budget_ms`, None clearing it, and `auto_tune`; `tuned`: when and on
+    what the new batching was tuned, from `sluice.registry.tuning.apply_proposal`).
     Retiring also takes its routing weight away. A new allow_pickle takes effect when a worker next
     loads it."""
     row = get_version(session, model, version)
@@ -261,6 +269,13 @@ def update_version(
     for name in ("max_queue_s", "run_timeout_s"):
         if name in limits:
             setattr(row, name, limits[name])
+    for name in ("p99_budget_ms", "auto_tune"):
+        if tuning and name in tuning:
+            setattr(row, name, tuning[name])
+    if tuned is not None:
+        row.tuned_at, row.tuned_on = tuned[0], dict(tuned[1])
+    if row.p99_budget_ms is not None and row.p99_budget_ms <= 0:
+        raise BadRequest("p99_budget_ms must be > 0")
     if row.max_replicas < row.min_replicas:
         raise BadRequest("max_replicas must be >= min_replicas")
     _check_cache_ttl(row.cache_ttl_s)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -11,6 +11,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     CheckConstraint,
+    Date,
     DateTime,
     Float,
     ForeignKey,
@@ -127,6 +128,14 @@ class ModelVersion(Base):
     allow_pickle: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
     # Set when the version is retired (cleared if it leaves that state): its drain limit counts from it.
     retired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Tuning (scheduler/retune.py): the p99 the batching is tuned to (null: never re-tuned), whether
+    # the nightly job may apply its proposal itself, when and on what mix the batching was last
+    # tuned, and the job's last proposal.
+    p99_budget_ms: Mapped[float | None] = mapped_column(Float)
+    auto_tune: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
+    tuned_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    tuned_on: Mapped[dict[str, Any] | None] = mapped_column(JsonDoc)
+    tune_proposal: Mapped[dict[str, Any] | None] = mapped_column(JsonDoc)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), server_default=func.now(), onupdate=func.now()
@@ -142,6 +151,7 @@ class ModelVersion(Base):
         CheckConstraint("cache_ttl_s >= 0", name="cache_ttl_non_negative"),
         CheckConstraint("max_queue_s > 0", name="max_queue_positive"),
         CheckConstraint("run_timeout_s > 0", name="run_timeout_positive"),
+        CheckConstraint("p99_budget_ms > 0", name="p99_budget_positive"),
     )
 
 
@@ -205,6 +215,27 @@ class QualityAggregate(Base):
             ["model", "version"], ["model_versions.model", "model_versions.version"], ondelete="CASCADE"
         ),
         UniqueConstraint("model", "version", "window_start", "window_s", name="quality_window"),
+    )
+
+
+class MixAggregate(Base):
+    """One UTC day of a version's lane: its inputs counted per cost bucket (`sluice.mix`)."""
+
+    __tablename__ = "mix_aggregates"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(String(64))
+    version: Mapped[str] = mapped_column(String(64))
+    lane: Mapped[str] = mapped_column(String(16))
+    day: Mapped[date] = mapped_column(Date)
+    total: Mapped[int] = mapped_column(BigInteger, default=0)
+    counts: Mapped[Any] = mapped_column(JsonDoc, default=dict)
+
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["model", "version"], ["model_versions.model", "model_versions.version"], ondelete="CASCADE"
+        ),
+        UniqueConstraint("model", "version", "lane", "day", name="mix_day"),
     )
 
 

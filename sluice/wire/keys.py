@@ -156,6 +156,16 @@ def stats(model: str, version: str) -> str:
     return f"sluice:{tag(model, version)}:samples"
 
 
+def mix(model: str, version: str) -> str:
+    """The version's served mix: input counts per hour, lane and cost bucket (sluice/wire/mix.py)."""
+    return f"sluice:{tag(model, version)}:mix"
+
+
+def passes(model: str, version: str) -> str:
+    """The version's recent forward passes (a capped stream): size, longest cost, seconds."""
+    return f"sluice:{tag(model, version)}:passes"
+
+
 def rate_bucket(tenant: str) -> str:
     return f"sluice:rate:{{{tenant}}}"
 

@@ -1,5 +1,5 @@
-"""Who reads the operator views: a version's `/stats`, `/stats/series` and `/quality` are made of
-every tenant's jobs (their traffic, errors and label mix), so they answer an admin key only. A
+"""Who reads the operator views: a version's `/stats`, `/stats/series`, `/quality` and `/mix` are
+made of every tenant's jobs (their traffic, errors, label mix and input costs), so they answer an admin key only. A
 tenant key gets one 403, the same for a model or version that exists and one that does not, and
 for a query that would not validate: the key is refused before anything is looked up."""
 
@@ -14,9 +14,10 @@ from launch.cli import app
 from launch.seed import Seeded
 from tests.support import ApiServer, unique
 
-VIEWS = ("stats", "stats/series", "quality")
+VIEWS = ("stats", "stats/series", "quality", "mix")
 # Each view's query, valid and not: a refused key must not learn which of the two it sent.
-QUERIES = ({}, {"window_s": 60, "step_s": 5, "hours": 1}, {"window_s": 0, "step_s": 0, "hours": 0})
+QUERIES = ({}, {"window_s": 60, "step_s": 5, "hours": 1, "days": 1},
+           {"window_s": 0, "step_s": 0, "hours": 0, "days": 0})
 
 
 def test_a_tenant_key_gets_the_same_403_on_every_operator_view(

@@ -5,6 +5,8 @@ holds a thread a delivery needs."""
 
 from __future__ import annotations
 
+import importlib
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +95,24 @@ def test_the_kubernetes_base_runs_one_worker_deployment_per_queue() -> None:
 @pytest.mark.parametrize("task", [DELIVER_TASK, SWEEP_TASK, RUN_BATCH_TASK, SWEEP_BATCHES_TASK])
 def test_no_task_goes_to_celerys_default_queue_which_no_worker_consumes(task: str) -> None:
     assert _routes()[task] != "celery"
+
+
+def test_beat_sends_the_nightly_retune_to_the_batch_queue_where_the_included_module_registers_it() -> None:
+    from celery.exceptions import DuplicateTaskNameWarning
+    from celery.schedules import crontab
+
+    from sluice.vocabulary import RETUNE_TASK
+
+    app = create_app(settings=SETTINGS.model_copy(update={"retune_hour_utc": 4}))
+    assert app.amqp.router.route({}, RETUNE_TASK)["queue"].name == _routes()[RUN_BATCH_TASK]
+    entry = app.conf.beat_schedule["sluice-retune"]
+    assert entry["task"] == RETUNE_TASK
+    assert entry["schedule"] == crontab(minute=0, hour=4)
+    # A worker imports the app's `include` at start: the module registers the task on the app.
+    assert list(app.conf.include) == ["scheduler.retune_task"]
+    importlib.import_module("scheduler.retune_task")
+    # Finalizing a second app in one process registers every app's tasks again (Celery's shared
+    # tasks): a warning a worker, with its one app, never meets.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DuplicateTaskNameWarning)
+        assert RETUNE_TASK in app.tasks

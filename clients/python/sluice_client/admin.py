@@ -98,6 +98,10 @@ class AdminCalls(ABC):
         return dict(self._call("GET", f"/v1/models/{model}/versions/{version}/quality",
                                params=_present(hours=hours)))
 
+    def mix(self, model: str, version: str, *, days: int | None = None) -> dict[str, Any]:
+        """The version's served mix: inputs per cost bucket, per UTC day and lane."""
+        return dict(self._call("GET", f"/v1/models/{model}/versions/{version}/mix", params=_present(days=days)))
+
     def audit(self, model: str, *, limit: int | None = None, before: int | None = None) -> list[dict[str, Any]]:
         """The model's audit entries, newest first; the next page is `before=` the last one's id."""
         return list(self._call("GET", f"/v1/models/{model}/audit",
@@ -180,6 +184,11 @@ class AsyncAdminCalls(ABC):
     async def quality(self, model: str, version: str, *, hours: float | None = None) -> dict[str, Any]:
         return dict(await self._call("GET", f"/v1/models/{model}/versions/{version}/quality",
                                      params=_present(hours=hours)))
+
+    async def mix(self, model: str, version: str, *, days: int | None = None) -> dict[str, Any]:
+        """The version's served mix: inputs per cost bucket, per UTC day and lane."""
+        return dict(await self._call("GET", f"/v1/models/{model}/versions/{version}/mix",
+                                     params=_present(days=days)))
 
     async def audit(self, model: str, *, limit: int | None = None,
                     before: int | None = None) -> list[dict[str, Any]]:
