@@ -91,6 +91,21 @@ def lane_jobs(rds: redis.Redis, model: str, version: str, lane: Lane) -> int:
     return int(rds.xlen(keys.stream(model, version, lane))) + int(held or 0)  # type: ignore[arg-type]
 
 
+def lane_job_ids(rds: redis.Redis, model: str, version: str, lane: Lane) -> set[str]:
+    """The ids of a lane's jobs in its stream and held beside it (queue.lua): where an accepted job
+    waits for a worker."""
+    ids: set[str] = set()
+    for _, fields in rds.xrange(keys.stream(model, version, lane)):  # type: ignore[union-attr]
+        job_id = fields["id"]
+        ids.add(job_id if isinstance(job_id, str) else job_id.decode())
+    prefix = keys.held_queue_prefix(model, version, lane)
+    for queue in rds.scan_iter(match=prefix.replace("{", "[{]").replace("}", "[}]") + "*"):
+        for job_key in rds.lrange(queue, 0, -1):  # type: ignore[union-attr]
+            text = job_key if isinstance(job_key, str) else job_key.decode()
+            ids.add(text.rsplit("}:", 1)[1])
+    return ids
+
+
 async def lane_jobs_async(redis: aioredis.Redis, model: str, version: str, lane: Lane) -> int:
     held = await redis.hget(keys.held_index(model, version, lane), "*")  # type: ignore[misc]
     return int(await redis.xlen(keys.stream(model, version, lane))) + int(held or 0)
