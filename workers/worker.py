@@ -332,7 +332,7 @@ class Worker:
             # a worker that can start it now, not into the prefetch of one whose model is busy.
             # Nor while outcomes are being stored: their entries free room the moment the store
             # ends, and a read blocked on the online lane alone would not see the bulk backlog.
-            if not entries and self._runner_idle and not self._writes:
+            if not entries and self._runner_idle and not self._storing():
                 if bulk_room > 0:
                     entries = await self._read(["online", "bulk"], bulk_room, block_ms=READ_BLOCK_MS)
                 else:
@@ -340,8 +340,13 @@ class Worker:
         if entries:
             await self._accept(entries)
             self._wake_runner.set()
-        elif room <= 0 or not self._runner_idle or self._writes:
+        elif room <= 0 or not self._runner_idle or self._storing():
             await _wait(self._wake_reader, READ_BLOCK_MS / 1000)
+
+    def _storing(self) -> bool:
+        """Whether outcomes are being stored. A store that has just ended may still be in `_writes`
+        (its done-callback runs after the wake-up it sent the reader)."""
+        return any(not write.done() for write in self._writes)
 
     async def _release_held(self, lane: Lane, room: int) -> None:
         """While the lane holds jobs (queue.lua), move up to `room` of them into the stream in fair
