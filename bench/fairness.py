@@ -139,7 +139,7 @@ def main() -> None:
                 [[str(i), f"{row['idle']['p99_ms']:.1f}", f"{row['fair']['p99_ms']:.1f}",  # type: ignore[index]
                   f"{row['unfair']['p99_ms']:.1f}", f"{row['fair_ratio']:.2f}", f"{row['unfair_ratio']:.1f}"]
                  for i, row in enumerate(rows)]))
-    write_json("fairness", {"command": command_line("bench.fairness"), "host": host(), "runs": rows,
+    write_json("fairness.json", {"command": command_line("bench.fairness"), "host": host(), "runs": rows,
                             "summary": summary})
 
 
