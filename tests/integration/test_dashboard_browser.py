@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -18,6 +19,8 @@ import pytest
 from playwright.sync_api import ConsoleMessage, Error, Page, sync_playwright
 
 from launch.seed import Seeded
+from sluice.registry import catalog
+from sluice.registry.store import Registry
 from sluice.settings import Settings
 from tests.integration.test_openapi import conforms
 from tests.support import REPO, ApiServer, serving
@@ -154,7 +157,7 @@ def test_the_dashboard_draws_each_version_of_a_model_under_traffic(
     spec: dict[str, Any],
     register_synthetic: Callable[..., str], start_worker: Callable[..., Any],
     wait_jobs: Callable[..., list[dict[str, Any]]], capsys: pytest.CaptureFixture[str],
-    record_property: Callable[[str, object], None],
+    record_property: Callable[[str, object], None], registry: Registry,
 ) -> None:
     model = register_synthetic("dash", versions=("v1", "v2"), max_wait_ms=20.0)
     start_worker(model, "v1")
@@ -191,6 +194,9 @@ def test_the_dashboard_draws_each_version_of_a_model_under_traffic(
     assert cost["per_1k_jobs"] is None, "no price is configured on the session's API"
     assert stats.json()["fill_ms"]["p50"] is not None
 
+    # v2's batching was tuned (as the nightly job dates it), v1's never.
+    with registry.session() as session:
+        catalog.get_version(session, model, "v2").tuned_at = datetime(2026, 12, 3, 3, 0, tzinfo=UTC)
     # The page is read from an API that knows a price per core-hour.
     priced = settings.model_copy(update={"price_per_core_hour": 0.05})
     errors: list[str] = []
@@ -242,13 +248,16 @@ def check_the_page(page: Page, errors: list[str], capsys: pytest.CaptureFixture[
     assert v1.locator('[data-tile="lag-online"] .tile-value').text_content() == "0"
     assert v1.locator('[data-tile="live"] .tile-value').text_content() == "1"
     # Cost per 1,000 jobs per version, at the priced API's price per core-hour; and the last tuning
-    # (the version JSON's `batching.tuned_at`), never for these versions.
+    # (the version JSON's `batching.tuned_at`) with its date, or never.
     for version in ("v1", "v2"):
         panel = page.locator(f'section.version[data-version="{version}"]')
         cost = panel.locator('[data-tile="cost"] .tile-value').text_content() or ""
         assert float(cost) > 0, (version, cost)
         assert (panel.locator('[data-tile="padding"] .tile-value').text_content() or "").endswith("×")
-        assert panel.locator('[data-field="tuned_at"]').text_content() == "last tuned never"
+    tuned = page.locator('section.version[data-version="v2"] [data-field="tuned_at"]').text_content() or ""
+    assert tuned.startswith("last tuned 2026-12-0"), tuned  # the date, in the browser's time zone
+    never = page.locator('section.version[data-version="v1"] [data-field="tuned_at"]').text_content()
+    assert never == "last tuned never"
 
     weights = page.locator("table.weights")
     assert weights.locator('tr[data-version="v1"] td.weight').text_content() == "90"
