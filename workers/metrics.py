@@ -20,6 +20,7 @@ from sluice.metrics import (
     INPUT_COST,
     JOB_SECONDS,
     JOBS_FINISHED,
+    JOBS_OVER_BUDGET,
     MODEL_TIME,
     PADDED_TOKENS,
     PADDING_RATIO,
@@ -42,13 +43,18 @@ class _LaneSeries:
         self.padding = PADDING_RATIO.labels(model, version, lane)
         self.queue_wait = QUEUE_WAIT.labels(model, version, lane)
         self.job_seconds = JOB_SECONDS.labels(model, version, lane)
+        self.over_budget = JOBS_OVER_BUDGET.labels(model, version, lane)
         self.padded_tokens = PADDED_TOKENS.labels(model, version, lane)
         self.real_tokens = REAL_TOKENS.labels(model, version, lane)
         self.input_cost = INPUT_COST.labels(model, version, lane)
 
 
 class BatchMetrics:
-    def __init__(self, *, model: str, version: str) -> None:
+    """`latency_budget_s`: the version's latency budget, against which each stored job counts as
+    over or not."""
+
+    def __init__(self, *, model: str, version: str, latency_budget_s: float = 2.0) -> None:
+        self.latency_budget_s = latency_budget_s
         self.finished = {
             status: JOBS_FINISHED.labels(model, version, status.value)
             for status in (JobStatus.succeeded, JobStatus.failed, JobStatus.expired)
@@ -85,6 +91,8 @@ class BatchMetrics:
                 continue
             series.queue_wait.observe(max(0.0, started - item.enqueued_at))
             series.job_seconds.observe(max(0.0, finished - item.enqueued_at))
+            if finished - item.enqueued_at > self.latency_budget_s:
+                series.over_budget.inc()
             series.input_cost.observe(item.cost)
             if outcome.error is None:
                 succeeded += 1

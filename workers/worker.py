@@ -154,6 +154,7 @@ class Worker:
         woke: bool = False,
         fair_share: bool = True,
         ageing_s: float = DEFAULT_AGEING_S,
+        latency_budget_ms: float = 2000.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.model = model
@@ -214,7 +215,7 @@ class Worker:
         self.processed = 0
         self.last_batch_size = 0
         self._rate_window: deque[tuple[int, float]] = deque(maxlen=64)  # (items, model seconds)
-        self._metrics = BatchMetrics(model=model, version=version)
+        self._metrics = BatchMetrics(model=model, version=version, latency_budget_s=latency_budget_ms / 1000.0)
         # The served mix and the forward passes, flushed with the heartbeat (sluice/wire/mix.py).
         self._tally = Tally()
 

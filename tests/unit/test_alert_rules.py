@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,13 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-from sluice.metrics import JOB_SECONDS
-from sluice.routing import VersionInfo
+from sluice.batcher import Batch, Item
+from sluice.metrics import JOB_SECONDS, JOBS_OVER_BUDGET
 from sluice.settings import Settings
 from tests.support import REPO
+from workers.execution import Outcome
+from workers.metrics import BatchMetrics
+from workers.results import Delivery
 
 RULES = REPO / "deploy" / "prometheus"
 RULE_FILES = sorted(RULES.glob("*.rules.yml"))
@@ -77,14 +81,21 @@ def test_the_rules_read_only_series_the_platform_exports() -> None:
     assert named - NOT_YET_EXPORTED <= _exported(), named - NOT_YET_EXPORTED - _exported()
 
 
-def test_the_latency_budget_is_a_bucket_of_the_histogram_and_the_registrys_default_budget() -> None:
-    """A `le` the histogram lacks matches no series, and the latency alerts would never fire."""
-    bounds = {match for rule in _rules() for match in re.findall(r'le="([^"]+)"', rule["expr"])}
-    assert bounds == {"2.0"}
-    budget_s = float(bounds.pop())
-    # prometheus_client keeps a histogram's bounds only in this attribute.
-    assert budget_s in JOB_SECONDS._upper_bounds
-    assert budget_s * 1000 == VersionInfo.__dataclass_fields__["latency_budget_ms"].default
+def test_a_worker_counts_the_jobs_over_its_versions_own_budget() -> None:
+    """The latency SLO's bad events (sluice_jobs_over_budget_total) are counted by the worker
+    against the version's `latency_budget_ms`, whatever the histogram's buckets."""
+    model = f"budget-{uuid.uuid4().hex[:6]}"
+    metrics = BatchMetrics(model=model, version="v1", latency_budget_s=0.3)
+    finished = 1000.0
+    items = tuple(Item(id=str(i), tenant="t", cost=1, enqueued_at=finished - waited,
+                       payload=Delivery(job_id=str(i), lane="online", input={}, attempts=1, arrived_at=finished - 0.01))
+                  for i, waited in enumerate((0.1, 0.29, 0.31, 2.0)))
+    batch = Batch(items=items, close_reason="size", bucket=0, tenant="t", closed_at=finished - 0.01)
+    metrics.batch(batch, [Outcome(output={}) for _ in items], [True, True, True, False], started=finished - 0.01,
+                  model_s=0.01, finished=finished)
+    # The fourth job's outcome was another delivery's: it counts there, not here.
+    assert JOBS_OVER_BUDGET.labels(model, "v1", "online")._value.get() == 1
+    assert JOB_SECONDS.labels(model, "v1", "online")._sum.get() == pytest.approx(0.1 + 0.29 + 0.31)
 
 
 def test_the_configuration_sluice_up_writes_loads_the_rule_files(tmp_path: Path) -> None:
