@@ -109,6 +109,17 @@
     return when(typeof t === "number" ? t * 1000 : t);
   }
 
+  // The nightly job's proposal for a version's batching, for a person to apply (`sluice tune status`,
+  // PATCH {"apply_proposal": true}); none: nothing.
+  function proposal(batching) {
+    const p = batching ? batching.proposal : null;
+    if (!p) return "";
+    const same = p.max_batch_size === batching.max_batch_size && p.max_wait_ms === batching.max_wait_ms;
+    if (same) return "proposal: keep";
+    const gain = p.gain === null || p.gain === undefined ? "" : `, ${p.gain >= 0 ? "+" : ""}${pct(p.gain)} predicted`;
+    return `proposal: up to ${p.max_batch_size}, ${num(p.max_wait_ms)} ms${gain}`;
+  }
+
   // --- the API ---------------------------------------------------------------------------------
 
   async function reason(response) {
@@ -398,7 +409,8 @@
         el("span", { class: "muted" }, `weight ${num(weight)}${total ? ` (${pct(weight / total)} of traffic)` : ""}`),
         el("span", { class: "muted" },
           `batches of up to ${version.batching.max_batch_size}, closed after ${num(version.batching.max_wait_ms)} ms`),
-        el("span", { class: "muted", "data-field": "tuned_at" }, `last tuned ${tunedAt(version.batching)}`)),
+        el("span", { class: "muted", "data-field": "tuned_at" }, `last tuned ${tunedAt(version.batching)}`),
+        el("span", { class: "muted", "data-field": "proposal" }, proposal(version.batching))),
       el("div", { class: "tiles" },
         tile("Lag online", lanes ? lanes.online.lag : null, seen.online, "lag-online"),
         tile("Lag bulk", lanes ? lanes.bulk.lag : null, seen.bulk, "lag-bulk"),

@@ -194,9 +194,13 @@ def test_the_dashboard_draws_each_version_of_a_model_under_traffic(
     assert cost["per_1k_jobs"] is None, "no price is configured on the session's API"
     assert stats.json()["fill_ms"]["p50"] is not None
 
-    # v2's batching was tuned (as the nightly job dates it), v1's never.
+    # v2's batching was tuned (as the nightly job dates it) and has a proposal waiting; v1's never.
     with registry.session() as session:
-        catalog.get_version(session, model, "v2").tuned_at = datetime(2026, 12, 3, 3, 0, tzinfo=UTC)
+        row = catalog.get_version(session, model, "v2")
+        row.tuned_at = datetime(2026, 12, 3, 3, 0, tzinfo=UTC)
+        row.tune_proposal = {"max_batch_size": 8, "max_wait_ms": 5.0, "throughput_rps": 112.0, "p99_ms": 240.0,
+                             "p99_budget_ms": 300.0, "current_rps": 100.0, "gain": 0.12,
+                             "planned_at": datetime(2026, 12, 3, 3, 0, tzinfo=UTC).timestamp(), "on": {}}
     # The page is read from an API that knows a price per core-hour.
     priced = settings.model_copy(update={"price_per_core_hour": 0.05})
     errors: list[str] = []
@@ -258,6 +262,9 @@ def check_the_page(page: Page, errors: list[str], capsys: pytest.CaptureFixture[
     assert tuned.startswith("last tuned 2026-12-0"), tuned  # the date, in the browser's time zone
     never = page.locator('section.version[data-version="v1"] [data-field="tuned_at"]').text_content()
     assert never == "last tuned never"
+    offered = page.locator('section.version[data-version="v2"] [data-field="proposal"]').text_content() or ""
+    assert offered.startswith("proposal: up to 8, 5 ms, +12"), offered
+    assert page.locator('section.version[data-version="v1"] [data-field="proposal"]').text_content() == ""
 
     weights = page.locator("table.weights")
     assert weights.locator('tr[data-version="v1"] td.weight').text_content() == "90"
