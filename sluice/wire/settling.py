@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import redis
 
-from sluice.vocabulary import LANES
+from sluice.vocabulary import LANES, Lane
 from sluice.wire import events, keys, scripts
 from sluice.wire.connections import translate_redis_errors
 from sluice.wire.jobs import SHADOW_TENANT, JobStatus
@@ -88,9 +88,32 @@ def fail_retired(client: redis.Redis, model: str, version: str, *, now: float) -
             failed += _settle(client, model, version, job_keys, now=now, status=JobStatus.failed, error=error,
                               running_too=True, past_deadline=False)
             start = "(" + _text(page[-1][0])
+        failed += _fail_held(client, model, version, lane, now=now, error=error)
     with translate_redis_errors():
         client.delete(*(keys.stream(model, version, lane) for lane in LANES), keys.deadlines(model, version),
-                      keys.queue_added(model, version), keys.queue_read(model, version))
+                      keys.queue_added(model, version), keys.queue_read(model, version),
+                      *(keys.held_index(model, version, lane) for lane in LANES))
+    return failed
+
+
+def _fail_held(client: redis.Redis, model: str, version: str, lane: Lane, *, now: float, error: str) -> int:
+    """Fail the jobs a retired version's lane still holds beside its stream (queue.lua), and drop
+    their queues."""
+    failed, prefix = 0, keys.held_queue_prefix(model, version, lane)
+    with translate_redis_errors():
+        queues = [_text(name) for name in client.hkeys(keys.held_index(model, version, lane)) if _text(name) != "*"]
+    for queue in queues:
+        start = 0
+        while True:
+            with translate_redis_errors():
+                page = client.lrange(prefix + queue, start, start + RETIRE_PAGE - 1)
+            if not page:
+                break
+            failed += _settle(client, model, version, [_text(key) for key in page], now=now,  # type: ignore[union-attr]
+                              status=JobStatus.failed, error=error, running_too=True, past_deadline=False)
+            start += RETIRE_PAGE
+        with translate_redis_errors():
+            client.delete(prefix + queue)
     return failed
 
 

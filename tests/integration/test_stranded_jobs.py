@@ -56,8 +56,10 @@ def test_a_retired_version_drains_then_fails_what_is_left_with_version_retired(
     register_synthetic: Callable[..., str],
 ) -> None:
     model = register_synthetic("retiring", versions=("v1", "v2"), weights={"v1": 100.0})
-    ids = demo.post(f"/v1/models/{model}/jobs:bulk", json={"inputs": [{"text": f"r{i}"} for i in range(20)]},
+    # More than a batch's worth with no worker: past the first batch they are held beside the stream.
+    ids = demo.post(f"/v1/models/{model}/jobs:bulk", json={"inputs": [{"text": f"r{i}"} for i in range(80)]},
                     ).json()["ids"]
+    assert int(rds.hget(keys.held_index(model, "v1", "bulk"), "*") or 0) > 0  # type: ignore[arg-type]
     runner = scheduler(registry, redis_url, drain_s=1.0)
     runner.tick()
     assert admin.put(f"/v1/models/{model}/routing", json={"weights": {"v2": 100}}).status_code == 200
@@ -72,7 +74,9 @@ def test_a_retired_version_drains_then_fails_what_is_left_with_version_retired(
     error = demo.get(f"/v1/jobs/{ids[0]}").json()["error"]
     assert error["code"] == "version_retired" and f"{model}/v1" in error["message"], error
     assert not any(rds.zscore(keys.queued_jobs("demo"), job_id) for job_id in ids)
-    assert rds.exists(keys.stream(model, "v1", "bulk")) == 0
+    assert rds.exists(keys.stream(model, "v1", "bulk"), keys.held_index(model, "v1", "bulk")) == 0
+    assert not list(rds.scan_iter(match=keys.held_queue_prefix(model, "v1", "bulk").replace("{", "[{]").replace(
+        "}", "[}]") + "*"))
     # Its lanes' job numbers go with its streams (`sluice.queue_standing`).
     assert rds.exists(keys.queue_added(model, "v1"), keys.queue_read(model, "v1")) == 0
     runner.tick()
