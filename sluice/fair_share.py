@@ -14,9 +14,9 @@ theirs, plus the one service that overdraws it), however deep their backlogs.
 Priority (0 first, 1 by default, 2 last) orders the classes: the most urgent class with work is
 served first, fairly between its tenants. A job whose wait has reached `ageing_s` counts as the
 most urgent priority with work, and goes ahead of its tenant's jobs native to that priority, so no
-flood of urgent work, however old, holds a job back much past that bound;
-among jobs of one priority, ageing changes nothing (a flood's old jobs do not outrank another
-tenant's new ones: turns decide).
+flood of urgent work, however old, holds a job back much past that bound. Among jobs of one
+priority ageing changes nothing: a flood's old jobs do not outrank another tenant's new ones, turns
+decide.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-PRIORITIES = (0, 1, 2)
 DEFAULT_PRIORITY = 1
 DEFAULT_SHARE = 1.0
-# A job waiting this long counts as priority 0 (the bound stated in docs/ARCHITECTURE.md).
+# A job waiting this long counts as the most urgent priority with work (the bound stated in
+# docs/ARCHITECTURE.md).
 DEFAULT_AGEING_S = 10.0
 
 T = TypeVar("T", bound=Hashable)
@@ -62,9 +62,6 @@ class DeficitRoundRobin(Generic[T]):
 
     def share(self, tenant: T) -> float:
         return self._shares.get(tenant, self.default_share)
-
-    def credit(self, tenant: T) -> float:
-        return self._credit.get(tenant, 0.0)
 
     def pick(self, ready: Collection[T]) -> T | None:
         """The tenant to serve now among those with work `ready`, or None when there are none."""

@@ -1,10 +1,11 @@
 """The stream protocol of one model version: what its streams carry and how they are consumed.
 
 This module owns the `workers` consumer group end to end, as dramatiq's RedisBroker owns its
-consumer: queueing a job (record, then entry), reading with the group, reclaiming what a dead
-consumer left pending, claiming an entry's job (queued -> running), finishing it, noting an error,
+consumer: queueing a job (record, then entry, or held beside the stream while its lane is backed
+up), releasing held jobs in fair turns, reading with the group, reclaiming what a dead consumer
+left pending, claiming an entry's job (queued -> running), finishing it, noting an error,
 dead-lettering and acknowledging, through the Lua scripts behind the transitions
-(sluice/wire/lua/: queue, claim, finish, refresh, cancel, withdraw; loaded by
+(sluice/wire/lua/: queue, release, claim, finish, refresh, cancel, withdraw; loaded by
 `sluice.wire.scripts`). What the streams carry is `sluice.wire.entries`'; the scripts' KEYS and
 ARGV are built by `sluice.wire.script_calls`; the job record's fields are `sluice.wire.jobs`'; the
 heartbeat is `sluice.wire.heartbeats`'.
