@@ -189,6 +189,7 @@ def test_the_sync_client_makes_every_admin_call(api: ApiServer, seeded: Seeded) 
 
         made = client.create_tenant(tenant, rate_limit_per_s=5)
         assert made["id"] == tenant and made["key"]["secret"]
+        assert client.set_share(tenant, 3, reason="larger contract") == {"id": tenant, "share": 3.0}
         issued = client.issue_key(tenant)
         assert (issued["tenant"], issued["admin"]) == (tenant, False)
         assert client.pin(tenant, model, "v2")["version"] == "v2"
@@ -223,7 +224,8 @@ async def test_the_async_client_makes_the_same_calls(api: ApiServer, seeded: See
         assert (await client.quality(model, "v1"))["windows"] == []
         assert (await client.audit(model, limit=1))[0]["reason"] == f"rollout {rollout['id']} aborted"
         assert list((await client.rollback(model))["routing"].values()) == [100.0]
-        key = (await client.create_tenant(tenant))["key"]
+        key = (await client.create_tenant(tenant, share=2))["key"]
+        assert (await client.set_share(tenant, 0.5))["share"] == 0.5
         assert (await client.pin(tenant, model, "v1"))["version"] == "v1"
         assert (await client.unpin(tenant, model))["version"] is None
         assert (await client.issue_key(tenant, admin=False))["tenant"] == tenant

@@ -67,9 +67,13 @@ class AdminCalls(ABC):
         return dict(self._call("DELETE", f"/v1/models/{model}/rollouts/current", params=_present(reason=reason)))
 
     def create_tenant(self, tenant: str, **options: Any) -> dict[str, Any]:
-        """Create a tenant (`options`: admin, rate_limit_per_s, max_queued); the answer holds its
-        first key's secret, shown once."""
+        """Create a tenant (`options`: admin, rate_limit_per_s, max_queued, share); the answer holds
+        its first key's secret, shown once."""
         return dict(self._call("POST", "/v1/tenants", json={"id": tenant, **options}))
+
+    def set_share(self, tenant: str, share: float, *, reason: str | None = None) -> dict[str, Any]:
+        """The tenant's weight when tenants share a version's workers (1 by default); audited."""
+        return dict(self._call("PATCH", f"/v1/tenants/{tenant}", json=_present(share=share, reason=reason)))
 
     def issue_key(self, tenant: str, *, admin: bool = False) -> dict[str, Any]:
         return dict(self._call("POST", f"/v1/tenants/{tenant}/keys", json={"admin": admin}))
@@ -154,9 +158,13 @@ class AsyncAdminCalls(ABC):
                                      params=_present(reason=reason)))
 
     async def create_tenant(self, tenant: str, **options: Any) -> dict[str, Any]:
-        """Create a tenant (`options`: admin, rate_limit_per_s, max_queued); the answer holds its
-        first key's secret, shown once."""
+        """Create a tenant (`options`: admin, rate_limit_per_s, max_queued, share); the answer holds
+        its first key's secret, shown once."""
         return dict(await self._call("POST", "/v1/tenants", json={"id": tenant, **options}))
+
+    async def set_share(self, tenant: str, share: float, *, reason: str | None = None) -> dict[str, Any]:
+        """The tenant's weight when tenants share a version's workers (1 by default); audited."""
+        return dict(await self._call("PATCH", f"/v1/tenants/{tenant}", json=_present(share=share, reason=reason)))
 
     async def issue_key(self, tenant: str, *, admin: bool = False) -> dict[str, Any]:
         return dict(await self._call("POST", f"/v1/tenants/{tenant}/keys", json={"admin": admin}))
