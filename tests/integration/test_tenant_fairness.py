@@ -18,15 +18,18 @@ from tests.support import unique
 
 pytestmark = pytest.mark.slow
 
-# The bench's target is 1.5x (bench/README.md); here a looser bound, for a busy 2-core runner.
-RATIO_BOUND = 8.0
-SLACK_MS = 150.0
+# The bench's target is 1.5x at p99 (bench/README.md). Here looser bounds, for a busy 2-core runner
+# where one stalled job sets a p99 of 100: the median within a few times the idle one, and the p99
+# within a second, where without the rule the trickle waits for the whole flood (about 9 s).
+MEDIAN_RATIO = 4.0
+P99_BOUND_MS = 1000.0
 
 
 async def test_a_flood_from_one_tenant_does_not_set_anothers_wait(redis_url: str) -> None:
     idle = await measure(redis_url, flood=0, trickle_jobs=100)
     fair = await measure(redis_url, flood=2500, trickle_jobs=100)
-    assert fair.p99_ms <= max(RATIO_BOUND * idle.p99_ms, idle.p99_ms + SLACK_MS), (idle, fair)
+    assert fair.p50_ms <= MEDIAN_RATIO * idle.p50_ms, (idle, fair)
+    assert fair.p99_ms <= P99_BOUND_MS, (idle, fair)
     # The flood progressed beside the trickle: sharing, not starving it.
     assert fair.flood_done > 100, fair
 
