@@ -133,6 +133,7 @@ def test_an_unconfirmed_fsync_answers_503_and_leaves_nothing_queued(
         store.stop()
 
 
+@pytest.mark.soak  # stores killed and restarted
 def test_cache_hits_are_fsynced_like_any_accept_and_a_refused_key_replays_them(
     admin: httpx.Client,
     tenant: Callable[[str], httpx.Client],
@@ -202,6 +203,7 @@ def _crash_under_load(
     return {"accepted": len(load.accepted), "lost": len(load.accepted) - present, "refused": load.refused}
 
 
+@pytest.mark.soak
 def test_kill_9_of_the_store_under_load_loses_no_job_accepted_in_durable_mode(
     admin: httpx.Client,
     tenant: Callable[[str], httpx.Client],

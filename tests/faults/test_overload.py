@@ -190,6 +190,7 @@ def overload(
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # a sustained overload, 30 s of it
 def test_overload_sheds_with_retry_after_and_every_accepted_job_succeeds(
     overload: OverloadRun, figure: Callable[[str, object], None],
 ) -> None:
@@ -215,6 +216,7 @@ def test_overload_sheds_with_retry_after_and_every_accepted_job_succeeds(
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_overload_p99_queue_wait_of_admitted_online_jobs_stays_within_budget(overload: OverloadRun) -> None:
     p99 = _nearest_rank(overload.queue_wait_ms, 0.99)
     assert p99 <= BOUND_MS, (

@@ -64,6 +64,7 @@ async def aredis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
 # Two workers: the case. Four: enough hands for one job to be taken over three times, which
 # before the refresh dead-lettered healthy jobs.
 @pytest.mark.parametrize("workers", [2, 4])
+@pytest.mark.soak  # workers held past the claim threshold: seconds of waiting per case
 async def test_entries_held_longer_than_the_claim_threshold_are_not_stolen(
     aredis: aioredis.Redis,
     figure: Callable[[str, object], None],

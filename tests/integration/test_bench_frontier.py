@@ -15,7 +15,8 @@ from launch.cli import app
 from launch.embedded import answers_ping
 from launch.private_valkey import private_valkey
 
-pytestmark = pytest.mark.slow
+# A benchmark run end to end: with the soak runs, out of a plain `pytest`.
+pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
 COST = {"fixed_s": 0.004, "per_item_s": 0.002, "per_token_s": 0.00005}
 MODEL = "synthetic:?" + "&".join(f"{name}={value}" for name, value in COST.items())
