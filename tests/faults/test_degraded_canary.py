@@ -44,7 +44,6 @@ def _skewed_texts(count: int, seed: int) -> list[str]:
 
 @pytest.mark.model
 @pytest.mark.slow
-@pytest.mark.soak  # a canary soaked until the guardrail decides
 def test_a_confidently_wrong_canary_at_5_percent_is_rolled_back(
     admin: httpx.Client,
     demo: httpx.Client,

@@ -28,7 +28,6 @@ BAR = 0.95
 
 @pytest.mark.model
 @pytest.mark.slow
-@pytest.mark.soak  # a shadow soak of real MiniLM traffic
 def test_int8_is_promoted_from_shadow_only_when_agreement_clears_the_bar(
     admin: httpx.Client, demo: httpx.Client, registry: Registry, redis_url: str,
     start_worker: Callable[..., Any], wait_jobs: Callable[..., list[dict[str, Any]]],
