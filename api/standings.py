@@ -22,8 +22,7 @@ async def standings(state: AppState, jobs: Sequence[JobView | JobRecord]) -> dic
         return {}
     places, held_counts = await state.broker.held_places(held) if held else ({}, {})
     # A held job stands behind its lane's unread entries too.
-    queued_lanes = {job.lane_key for job in queued} | {job.lane_key for job in held if job.id in places}
-    lanes: set[LaneKey] = queued_lanes
+    lanes: set[LaneKey] = {job.lane_key for job in queued} | {job.lane_key for job in held if job.id in places}
     # A bulk job waits behind its version's online lane too: bulk runs when online has nothing.
     wanted = lanes | {(model, version, "online") for model, version, _ in lanes}
     progress, still_queued = await state.broker.lane_progress(sorted(wanted), [job.id for job in queued])

@@ -125,15 +125,18 @@ class Contention:
             self._used.pop(tenant, None)
         return list(self._seen)
 
-    def over_share(self, tenant: str, now: float) -> bool:
-        """Whether `tenant` contends with others and has lately used more than its share."""
+    def over_share(self, now: float) -> set[str]:
+        """The contending tenants that have lately used more than their share (none while fewer
+        than two contend)."""
         contenders = self.contenders(now)
-        if len(contenders) < 2 or tenant not in self._seen:
-            return False
+        if len(contenders) < 2:
+            return set()
         usage = {t: self._usage(t, now) for t in contenders}
         total = sum(usage.values())
         weights = sum(self.share(t) for t in contenders)
-        return total > 0 and usage[tenant] / total > self.share(tenant) / weights
+        if total <= 0:
+            return set()
+        return {t for t in contenders if usage[t] / total > self.share(t) / weights}
 
 
 def slice_limit(*, items_per_s: float, slice_s: float) -> int | None:
@@ -153,7 +156,9 @@ def batch_limit(contention: Contention, *, items_per_s: float, slice_s: float,
     sliced = slice_limit(items_per_s=items_per_s, slice_s=slice_s)
     if sliced is None:
         return None
-    return lambda tenant: sliced if contention.over_share(tenant, now) else None
+    # Read once per take, not once per group the batcher looks at.
+    heavy = contention.over_share(now)
+    return lambda tenant: sliced if tenant in heavy else None
 
 
 @dataclass(frozen=True, slots=True)
