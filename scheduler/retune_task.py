@@ -4,6 +4,8 @@ Beat sends `sluice.retune` (workers/tasks.py) on the batch queue; the Celery app
 in its `include`, so a Celery worker imports it at start and the task is registered on that app
 (`shared_task`) without `workers` importing the scheduler. The task reads its settings from the
 `SLUICE_*` environment, as the Celery app does, and runs once at a time per worker process.
+The re-tune itself (the simulator, numpy) is imported when the task first runs: every Celery
+process imports this module, and only the batch worker runs the task, nightly.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from typing import Any
 
 from celery import shared_task
 
-from scheduler.retune import retune_all
 from sluice.registry.store import Registry
 from sluice.settings import Settings
 from sluice.vocabulary import RETUNE_TASK
@@ -30,6 +31,8 @@ def retune() -> list[dict[str, Any]]:
     if not _running.acquire(blocking=False):
         return []
     try:
+        from scheduler.retune import retune_all
+
         settings = Settings()
         registry = Registry.serving(settings, pool_size=1)
 

@@ -260,8 +260,9 @@ class MicroBatcher(Generic[P]):
         ``max_priority``: None unless a batch of at most this priority is ready.
         ``limit``: while tenants contend (given only then), the most items a batch of a tenant's
         may hold, or None: a heavy tenant's batch is kept short so that another's waits little
-        behind it; and every group is ready at once, since the model that frees has just run
-        another tenant's batch and no window would fill it further.
+        behind it, a tenant with no limit goes first, and every group is ready at once, since
+        the model that frees has just run another tenant's batch and no window would fill it
+        further.
         """
         urgent = self._urgent_priority()
         if urgent is None or (max_priority is not None and urgent > max_priority):
@@ -290,7 +291,12 @@ class MicroBatcher(Generic[P]):
         level = min(each[0] for each in ready)
         ready = [each for each in ready if each[0] == level]
         if self._turns is not None and self._isolate:
-            whose = self._turns.pick({cast(str, each[2][2]) for each in ready})
+            tenants = {cast(str, each[2][2]) for each in ready}
+            if limit is not None:
+                # A tenant within its share goes before one over it: its short wait is what
+                # fairness buys it, and more of its work would put it over its share.
+                tenants = {tenant for tenant in tenants if limit(tenant) is None} or tenants
+            whose = self._turns.pick(tenants)
             ready = [each for each in ready if each[2][2] == whose]
         # A group aged into the level goes ahead of the ones native to it, then the oldest.
         _, _, tenant, bucket, reason, size = min(ready, key=lambda each: (each[2][1] == level, each[1]))

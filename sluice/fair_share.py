@@ -139,6 +139,14 @@ class Contention:
         return {t for t in contenders if usage[t] / total > self.share(t) / weights}
 
 
+def model_quantum(slice_s: float) -> float:
+    """A tenant's turn on the model at share 1, in model seconds: a quarter of a slice. A heavy
+    tenant's sliced batch, which fills most of a slice, overdraws it, so tenants alternate batch
+    by batch and shares weigh in as overdrafts are paid back. Floored for a version with no
+    batching window."""
+    return max(0.001, slice_s / 4)
+
+
 def slice_limit(*, items_per_s: float, slice_s: float) -> int | None:
     """How many items run in `slice_s` model seconds at the measured rate; None before a rate is
     measured."""

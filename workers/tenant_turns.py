@@ -9,12 +9,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sluice.batcher import Batch
-from sluice.fair_share import Contention, DeficitRoundRobin, HeldQueue, batch_limit, plan_release
+from sluice.fair_share import Contention, DeficitRoundRobin, HeldQueue, batch_limit, model_quantum, plan_release
 from sluice.vocabulary import LANES, Lane
 
-# A tenant's turn on the model, at share 1: shorter than one batch, so tenants alternate batch by
-# batch and a share of 2 earns a second batch per round.
-MODEL_QUANTUM_S = 0.02
 # A tenant's turn in the release of held jobs, at share 1, in tokens (`Item.cost`): one token, so
 # tenants alternate job by job, each job's tokens charged to its tenant.
 RELEASE_QUANTUM_TOKENS = 1
@@ -30,7 +27,7 @@ class TenantTurns:
         self.fair = fair
         self.slice_s = slice_s
         self.ageing_s = ageing_s
-        self.model = DeficitRoundRobin[str](quantum=MODEL_QUANTUM_S)
+        self.model = DeficitRoundRobin[str](quantum=model_quantum(slice_s))
         self.contention = Contention(share=self.model.share)
         self._release = {lane: DeficitRoundRobin[str](quantum=RELEASE_QUANTUM_TOKENS) for lane in LANES}
 

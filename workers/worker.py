@@ -66,6 +66,10 @@ READ_BLOCK_MS = 250
 # Held entries are refreshed this many times per claim_after_s: two refreshes can fail (a Redis
 # blip) before another worker could take them over.
 REFRESHES_PER_CLAIM = 3
+# The longest the runner waits for a claim under way before it takes the next batch.
+CLAIM_WAIT_S = 0.005
+# The shortest wait on the streams of a reader whose model is busy with a backlog.
+BUSY_BLOCK_MIN_MS = 2
 
 
 def redis_backoff() -> Backoff:
@@ -184,6 +188,8 @@ class Worker:
         self.clock = clock
         # Tenants take turns on the model and in the release of held jobs (sluice/fair_share.py).
         self._turns = TenantTurns(slice_s=max_wait_ms / 1000.0, ageing_s=ageing_s, fair=fair_share)
+        # Prefetch places a worker releasing a backlog leaves for jobs written straight to the stream.
+        self._arrival_reserve = max(1, max_batch_size // 4)
         # Top-up is off by default: on one CPU thread a forward pass costs per padded token, and
         # topping up with shorter items raised padding 1.3-2.4x under a backlog (bench/README.md).
         # A handler that splits batches by length itself gets one bucket: length buckets would
@@ -202,6 +208,8 @@ class Worker:
         self._held: dict[str, Lane] = {}  # entry id -> lane: read, not yet acknowledged nor released
         self._wake_runner = asyncio.Event()
         self._wake_reader = asyncio.Event()
+        self._claimed = asyncio.Event()  # clear while entries read are being claimed
+        self._claimed.set()
         self._runner_idle = True  # no batch running: the model waits for work
         self._reading_done = False
         self._drained = False  # the last read found fewer entries than it asked for
@@ -317,10 +325,17 @@ class Worker:
         # Bulk entries never take the last batch of room: an online arrival is read (and, by its
         # priority in the batcher, run) after at most the forward pass under way.
         bulk_room = min(self.max_batch_size, room - min(self.max_batch_size, limit // 2))
+        # While the version holds a backlog (queue.lua) every worker has work: a busy one waits on
+        # the streams too, for the jobs of tenants with nothing held, which queue.lua writes there
+        # directly, and keeps room for them out of what it releases (docs/ARCHITECTURE.md,
+        # "Priority and fair sharing").
+        backlog = self._turns.fair and any(self.streams.held_count.values())
+        reserve = self._arrival_reserve if backlog else 0
         entries: list[Delivered] = []
+        blocked = False
         if room > 0:
-            await self._release_held("online", room)
-            await self._release_held("bulk", bulk_room)
+            await self._release_held("online", room - reserve)
+            await self._release_held("bulk", bulk_room - reserve)
             entries = await self._reclaim(room) if self._claim_due() else []
             # After a read that came back short, an idle model's blocking read below answers at once
             # with whatever arrived since: the non-blocking reads would add two empty round trips
@@ -329,20 +344,30 @@ class Worker:
                 entries = await self._read(["online"], room, block_ms=None)
                 if not entries and bulk_room > 0:
                     entries = await self._read(["bulk"], bulk_room, block_ms=None)
-            # Only a worker whose model is idle blocks on the streams: a new arrival then goes to
-            # a worker that can start it now, not into the prefetch of one whose model is busy.
-            # Nor while outcomes are being stored: their entries free room the moment the store
-            # ends, and a read blocked on the online lane alone would not see the bulk backlog.
-            if not entries and self._runner_idle and not self._storing():
+            # Otherwise only a worker whose model is idle blocks on the streams: a new arrival then
+            # goes to a worker that can start it now, not into the prefetch of one whose model is
+            # busy. Nor while outcomes are being stored: their entries free room the moment the
+            # store ends, and a read blocked on the online lane alone would not see the bulk backlog.
+            block_ms = (READ_BLOCK_MS if self._runner_idle and not self._storing()
+                        else self._busy_block_ms() if backlog else None)
+            if not entries and block_ms is not None:
+                blocked = True
                 if bulk_room > 0:
-                    entries = await self._read(["online", "bulk"], bulk_room, block_ms=READ_BLOCK_MS)
+                    entries = await self._read(["online", "bulk"], bulk_room, block_ms=block_ms)
                 else:
-                    entries = await self._read(["online"], room, block_ms=READ_BLOCK_MS)
+                    entries = await self._read(["online"], room, block_ms=block_ms)
         if entries:
             await self._accept(entries)
             self._wake_runner.set()
-        elif room <= 0 or not self._runner_idle or self._storing():
+        elif not blocked and (room <= 0 or not self._runner_idle or self._storing()):
             await _wait(self._wake_reader, READ_BLOCK_MS / 1000)
+
+    def _busy_block_ms(self) -> int:
+        """How long a reader whose model is busy may wait on the streams: half the work its batcher
+        holds, so that it is back to release more before the model runs out."""
+        rate = self.items_per_s()
+        queued_ms = 1000.0 * len(self.batcher) / rate if rate > 0 else 0.0
+        return int(min(READ_BLOCK_MS, max(BUSY_BLOCK_MIN_MS, queued_ms / 2)))
 
     def _storing(self) -> bool:
         """Whether outcomes are being stored. A store that has just ended may still be in `_writes`
@@ -385,7 +410,11 @@ class Worker:
         # One round trip: the claim script also announces each change and settles (acknowledges,
         # dead-letters) the entries whose jobs will not run here.
         now = self.clock()
-        claims = await self.streams.claim(entries, now=now)
+        self._claimed.clear()
+        try:
+            claims = await self.streams.claim(entries, now=now)
+        finally:
+            self._claimed.set()
         for delivered, claim in zip(entries, claims, strict=True):
             entry = delivered.entry
             if claim.verdict == ClaimVerdict.run:
@@ -417,6 +446,11 @@ class Worker:
 
     async def _run_loop(self) -> None:
         while True:
+            if not self._claimed.is_set() and self._limit(self.clock()) is not None:
+                # While tenants contend, entries read but not yet claimed are most likely a light
+                # tenant's arrival: taking the next batch without them would make it wait one
+                # more slice. The claim is one round trip away.
+                await _wait(self._claimed, CLAIM_WAIT_S)
             batch = self._take()
             if batch is None:
                 if self._reading_done and len(self.batcher) == 0:

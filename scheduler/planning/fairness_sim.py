@@ -14,9 +14,7 @@ import numpy as np
 
 from scheduler.planning.capacity_sim import CostModel
 from sluice.batcher import Item, MicroBatcher
-from sluice.fair_share import Contention, DeficitRoundRobin, batch_limit
-
-MODEL_QUANTUM_S = 0.02  # as the worker's (workers/worker.py)
+from sluice.fair_share import Contention, DeficitRoundRobin, batch_limit, model_quantum
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +45,8 @@ def simulate_fairness(run: FairnessRun, *, cost: CostModel | None = None) -> Fai
     rate = run.trickle_share_of_capacity * capacity
     rng = np.random.default_rng(run.seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, size=run.trickle_jobs)) + 0.5
-    turns: DeficitRoundRobin[str] | None = DeficitRoundRobin(quantum=MODEL_QUANTUM_S) if run.fair else None
+    turns: DeficitRoundRobin[str] | None = DeficitRoundRobin(
+        quantum=model_quantum(run.max_wait_ms / 1000)) if run.fair else None
     batcher: MicroBatcher[None] = MicroBatcher(max_batch_size=run.max_batch_size, max_wait_ms=run.max_wait_ms,
                                                bucket_bounds=(), turns=turns)
     if run.flood:

@@ -19,10 +19,11 @@ from tests.support import unique
 pytestmark = pytest.mark.slow
 
 # The bench's target is 1.5x at p99 (bench/README.md). Here looser bounds, for a busy 2-core runner
-# where one stalled job sets a p99 of 100: the median within a few times the idle one, and the p99
-# within a second, where without the rule the trickle waits for the whole flood (about 9 s).
-MEDIAN_RATIO = 4.0
-P99_BOUND_MS = 1000.0
+# where one stalled job sets a p99 of 100, as does the trickle's first job, which waits for the
+# flood's whole batch under way (50 ms): the median within twice the idle one, and the p99 within
+# 250 ms, where without the rule the trickle waits for the whole flood (about 9 s).
+MEDIAN_RATIO = 2.0
+P99_BOUND_MS = 250.0
 
 
 async def test_a_flood_from_one_tenant_does_not_set_anothers_wait(redis_url: str) -> None:

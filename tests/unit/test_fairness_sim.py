@@ -12,10 +12,12 @@ CPU_LIKE = CostModel(fixed_s=0.002, per_item_s=0.003, per_token_s=0.00005)
 
 
 def test_the_rule_keeps_a_trickles_wait_near_its_wait_alone() -> None:
-    alone = simulate_fairness(FairnessRun(flood=False, trickle_jobs=600), cost=CPU_LIKE)
-    fair = simulate_fairness(FairnessRun(trickle_jobs=600), cost=CPU_LIKE)
+    # The trickle's first jobs wait for the flood's whole batch under way when they arrive (no
+    # tenant contended before them): 1,500 jobs keep those few out of the 99th percentile.
+    alone = simulate_fairness(FairnessRun(flood=False, trickle_jobs=1500), cost=CPU_LIKE)
+    fair = simulate_fairness(FairnessRun(trickle_jobs=1500), cost=CPU_LIKE)
     unfair = simulate_fairness(FairnessRun(fair=False, trickle_jobs=600), cost=CPU_LIKE)
-    assert fair.trickle_wait_p50_ms <= 1.5 * alone.trickle_wait_p50_ms, (alone, fair)
-    assert fair.trickle_wait_p99_ms <= 5 * alone.trickle_wait_p99_ms, (alone, fair)
+    assert fair.trickle_wait_p50_ms <= alone.trickle_wait_p50_ms, (alone, fair)
+    assert fair.trickle_wait_p99_ms <= 1.5 * alone.trickle_wait_p99_ms, (alone, fair)
     assert fair.flood_done > 0  # the flood shares the worker, it is not stopped
     assert unfair.trickle_wait_p99_ms > 100 * fair.trickle_wait_p99_ms, (fair, unfair)

@@ -25,9 +25,26 @@ local function queue_jobs(k, a)
   local m = tonumber(ARGV[i])
   local entry = {unpack(ARGV, i + 1, i + 2 * m)}
   i = i + 1 + 2 * m
-  -- Held while the lane holds some already, or the stream has `window` entries no worker has
-  -- read: the worker that reads them sees the held count and releases in turn (release.lua).
-  local holding = window > 0 and (tonumber(redis.call('HGET', index, '*') or '0') > 0)
+  -- A job is held while its own tenant and priority, or a more urgent priority, has jobs held
+  -- (its place is behind them), or while the stream has `window` entries no worker has read: the
+  -- worker that reads them sees the held count and releases in turn (release.lua). A tenant with
+  -- nothing held writes straight to the stream, where a worker busy with a held backlog is
+  -- waiting for it (docs/ARCHITECTURE.md, "Priority and fair sharing").
+  local held = {}
+  if window > 0 then
+    local counts = redis.call('HGETALL', index)
+    for f = 1, #counts, 2 do
+      if counts[f] ~= '*' then held[counts[f]] = tonumber(counts[f + 1]) end
+    end
+  end
+  local backed_up = false
+  local function behind_held(queue, priority)
+    if (held[queue] or 0) > 0 then return true end
+    for name, n in pairs(held) do
+      if n > 0 and tonumber(string.match(name, '^(%d+)|')) < priority then return true end
+    end
+    return false
+  end
   for j = k + 5, k + 4 + count do
     local own = tonumber(ARGV[i])
     redis.call('HSET', KEYS[j], unpack(ARGV, i + 1, i + 2 * own))
@@ -40,14 +57,21 @@ local function queue_jobs(k, a)
     local fields = {unpack(ARGV, i + 1, i + 2 * own)}
     for _, part in ipairs(entry) do fields[#fields + 1] = part end
     i = i + 1 + 2 * own
-    if window > 0 and not holding then
-      -- No group yet (no worker has started): nothing has been read.
-      local pending = redis.pcall('XPENDING', stream, 'workers')
-      pending = type(pending) == 'table' and pending[1] or 0
-      holding = redis.call('XLEN', stream) - pending >= window
+    local priority = field_of(fields, 'pr') or '1'
+    local queue = priority .. '|' .. field_of(fields, 'tenant')
+    local holding = false
+    if window > 0 then
+      holding = backed_up or behind_held(queue, tonumber(priority))
+      if not holding then
+        -- No group yet (no worker has started): nothing has been read.
+        local pending = redis.pcall('XPENDING', stream, 'workers')
+        pending = type(pending) == 'table' and pending[1] or 0
+        backed_up = redis.call('XLEN', stream) - pending >= window
+        holding = backed_up
+      end
     end
     if holding then
-      local queue = (field_of(fields, 'pr') or '1') .. '|' .. field_of(fields, 'tenant')
+      held[queue] = (held[queue] or 0) + 1
       redis.call('HSET', KEYS[j], 'ef', cjson.encode(fields))
       redis.call('RPUSH', held_prefix .. queue, KEYS[j])
       redis.call('HINCRBY', index, queue, 1)
