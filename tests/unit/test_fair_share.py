@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from sluice.batcher import Item, MicroBatcher
-from sluice.fair_share import DeficitRoundRobin, HeldQueue, effective_priority, plan_release
+from sluice.fair_share import DeficitRoundRobin, HeldQueue, effective_priority, model_quantum, plan_release
 
 
 def _serve(turns: DeficitRoundRobin[str], ready: set[str], cost: dict[str, float], rounds: int) -> Counter[str]:
@@ -159,3 +159,44 @@ def test_batcher_fills_a_mixed_batch_fairly_without_isolation() -> None:
     # The rest stay held in arrival order.
     rest = batcher.take(2.0)
     assert rest is not None and [item.id for item in rest.items] == ["flood-3", "flood-4", "flood-5", "flood-6"]
+
+
+def test_a_tenant_within_its_share_goes_before_one_over_it_whatever_its_debt() -> None:
+    turns: DeficitRoundRobin[str] = DeficitRoundRobin(quantum=model_quantum(0.01))
+    batcher: MicroBatcher[None] = MicroBatcher(max_batch_size=16, max_wait_ms=10, bucket_bounds=(), turns=turns)
+    for i in range(100):
+        batcher.add(_item(i, "flood", at=0.0))
+
+    def limit(tenant: str) -> int | None:  # the flood is over its share, the trickle within
+        return 2 if tenant == "flood" else None
+
+    now = 1.0
+    for n in range(20):
+        batcher.add(_item(2 * n, "trickle", at=now))
+        first = batcher.take(now + 0.001, limit=limit)
+        assert first is not None and first.tenant == "trickle", n
+        turns.charge("trickle", 0.005)
+        # Its next job arrived while that one ran: its 5 ms batch overdrew its turn, yet it goes
+        # ahead of the flood again, whose two-item slices run in between.
+        batcher.add(_item(2 * n + 1, "trickle", at=now + 0.003))
+        second = batcher.take(now + 0.006, limit=limit)
+        assert second is not None and second.tenant == "trickle", n
+        turns.charge("trickle", 0.005)
+        third = batcher.take(now + 0.011, limit=limit)
+        assert third is not None and third.tenant == "flood" and len(third.items) == 2
+        turns.charge("flood", 0.008)
+        now += 0.03
+
+
+def test_a_turn_on_the_model_is_a_quarter_slice_so_a_slice_overdraws_it() -> None:
+    assert model_quantum(0.010) == pytest.approx(0.0025)
+    assert model_quantum(0.0) > 0
+    turns: DeficitRoundRobin[str] = DeficitRoundRobin(quantum=model_quantum(0.010))
+    # Two heavy tenants with slices of 8 ms alternate slice by slice.
+    order = []
+    for _ in range(6):
+        tenant = turns.pick({"a", "b"})
+        assert tenant is not None
+        order.append(tenant)
+        turns.charge(tenant, 0.008)
+    assert all(x != y for x, y in zip(order, order[1:], strict=False)), order
