@@ -127,7 +127,11 @@ def test_with_too_few_processes_the_latency_tier_gets_the_spare_and_the_batch_ti
         # nightly keeps the one its floor holds, never none.
         wait_for(lambda: live_workers(client, chat) == 2, 30, "the latency tier did not get the spare process")
         for _ in range(10):
-            assert live_workers(client, nightly) == 1, "the batch tier lost its floor's process"
+            # Once chat's backlog is gone, the spare may pass to nightly: on a busy host the second
+            # chat process can take long enough to start that this check begins near that point.
+            if succeeded(client, chat_ids):
+                break
+            assert live_workers(client, nightly) == 1, "the batch tier lost its floor's process, or took the spare"
             time.sleep(0.3)
         wait_for(lambda: succeeded(client, chat_ids), 60, "chat's backlog did not drain")
         wait_for(lambda: succeeded(client, nightly_ids), 90, "nightly's backlog did not drain")
