@@ -206,7 +206,8 @@ class Placer:
         if in_pool >= share and not floor:
             return False
         name = f"g{next(self._ids)}"
-        over = len(self._groups) >= budget.processes
+        # A group emptied by this plan closes at its end: it is no process.
+        over = sum(1 for members in self._groups.values() if members) >= budget.processes
         self._groups[name], self._tiers[name] = {key}, pool
         reason = "its floor" if floor else f"scale-up to {want.replicas}"
         if over:

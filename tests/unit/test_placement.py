@@ -60,6 +60,16 @@ def test_scale_up_beyond_the_budget_stops_and_the_latency_pool_gets_the_spare_fi
     assert len(placed.groups) == 3
 
 
+def test_the_spare_passes_between_tiers_within_the_budget_and_the_change_says_nothing_of_it() -> None:
+    three = Budget(processes=3, threads_per_process=1, memory_per_process=8000 * MB, pack_across_tiers=False)
+    placer = Placer()
+    placer.place({("chat", "v1"): want(replicas=2), ("nightly", "v1"): want(tier="batch", replicas=2)}, three)
+    # Chat's burst is over: its second process empties and closes, and nightly opens one.
+    moved = placer.place({("chat", "v1"): want(), ("nightly", "v1"): want(tier="batch", replicas=2)}, three)
+    assert moved.replicas(("nightly", "v1")) == 2 and len(moved.groups) == 3
+    assert not any("over the" in line for line in moved.changes), moved.changes
+
+
 def test_a_floor_is_placed_even_over_the_budget_and_the_change_says_so() -> None:
     placed = Placer().place({("big", "v1"): want(floor=3, replicas=3)}, TWO)
     assert placed.replicas(("big", "v1")) == 3 and len(placed.groups) == 3
