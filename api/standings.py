@@ -20,7 +20,7 @@ async def standings(state: AppState, jobs: Sequence[JobView | JobRecord]) -> dic
     held = [job for job in jobs if job.status is JobStatus.queued and job.seq is None]
     if not queued and not held:
         return {}
-    places, held_counts = await state.broker.held_places(held) if held else ({}, {})
+    places, held_counts, held_progress = await state.broker.held_places(held) if held else ({}, {}, {})
     # A held job stands behind its lane's unread entries too.
     lanes: set[LaneKey] = {job.lane_key for job in queued} | {job.lane_key for job in held if job.id in places}
     # A bulk job waits behind its version's online lane too: bulk runs when online has nothing.
@@ -43,7 +43,8 @@ async def standings(state: AppState, jobs: Sequence[JobView | JobRecord]) -> dic
         if job.id not in places:
             continue  # released meanwhile: the next read numbers it
         model, version, lane = job.lane_key
-        added, read = progress[job.lane_key]
+        # Read with its place, in one transaction (`Broker.held_places`).
+        added, read = held_progress[job.lane_key]
         added_online, read_online = progress[(model, version, "online")]
         found[job.id] = held_standing(
             unread=max(0, added - read), index=places[job.id], priority=job.priority, tenant=job.tenant,

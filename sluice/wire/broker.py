@@ -240,29 +240,40 @@ class Broker:
         return progress, queued
 
     async def held_places(self, jobs: Sequence[JobRecord | JobView]
-                          ) -> tuple[dict[str, int], dict[LaneKey, dict[tuple[int, str], int]]]:
+                          ) -> tuple[dict[str, int], dict[LaneKey, dict[tuple[int, str], int]],
+                                     dict[LaneKey, tuple[int, int]]]:
         """Of queued jobs not yet in their stream (held by queue.lua): how many jobs are ahead of
-        each in its own held queue, and per lane its held queues' counts. One round trip; a job
-        released meanwhile has no place here."""
+        each in its own held queue, per lane its held queues' counts, and per lane its numbers
+        added and read (as `lane_progress`). One round trip; a job released meanwhile has no place
+        here. On one server the round trip is a transaction: a release between the places and
+        the numbers would count the jobs it moved twice, in the queue and as unread, and a job's
+        place would rise."""
         lanes = list(dict.fromkeys(job.lane_key for job in jobs))
         with translate_redis_errors():
-            pipe = self.redis.pipeline(transaction=False)
+            pipe = self.redis.pipeline(transaction=self._one_step)
             for job in jobs:
                 model, version, lane = job.lane_key
                 prefix = keys.held_queue_prefix(model, version, cast(Lane, lane))
                 pipe.lpos(f"{prefix}{job.priority}|{job.tenant}", keys.job(job.id))
             for model, version, lane in lanes:
                 pipe.hgetall(keys.held_index(model, version, cast(Lane, lane)))
+                stream = keys.stream(model, version, cast(Lane, lane))
+                pipe.zscore(keys.queue_added(model, version), stream)
+                pipe.zscore(keys.queue_read(model, version), stream)
             replies = await pipe.execute()
         places = {job.id: int(place) for job, place in zip(jobs, replies, strict=False) if place is not None}
         held: dict[LaneKey, dict[tuple[int, str], int]] = {}
-        for lane_key, counts in zip(lanes, replies[len(jobs):], strict=True):
+        progress: dict[LaneKey, tuple[int, int]] = {}
+        rest = replies[len(jobs):]
+        for i, lane_key in enumerate(lanes):
+            counts, added, read = rest[3 * i:3 * i + 3]
+            progress[lane_key] = (int(added or 0), int(read or 0))
             held[lane_key] = {}
             for name, count in counts.items():
                 priority, _, tenant = reply_text(name).partition("|")
                 if tenant:
                     held[lane_key][(int(priority), tenant)] = int(count)
-        return places, held
+        return places, held, progress
 
     async def scaling_decisions(self, versions: list[tuple[str, str]]) -> dict[tuple[str, str], dict[str, Any]]:
         """The scheduler's last decision per (model, version) (`scheduler/scaling.py` writes them),
