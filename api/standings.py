@@ -24,7 +24,8 @@ async def standings(state: AppState, jobs: Sequence[JobView | JobRecord]) -> dic
     # A held job stands behind its lane's unread entries too.
     lanes: set[LaneKey] = {job.lane_key for job in queued} | {job.lane_key for job in held if job.id in places}
     # A bulk job waits behind its version's online lane too: bulk runs when online has nothing.
-    wanted = lanes | {(model, version, "online") for model, version, _ in lanes}
+    # A held job's own lane was read with its place.
+    wanted = {job.lane_key for job in queued} | {(model, version, "online") for model, version, _ in lanes}
     progress, still_queued = await state.broker.lane_progress(sorted(wanted), [job.id for job in queued])
     rates = {(model, version): (await state.admission.load(model, version)).service_rate
              for model, version, _ in lanes}

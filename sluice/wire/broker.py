@@ -36,6 +36,15 @@ log = logging.getLogger(__name__)
 LaneKey = tuple[str, str, str]  # (model, version, lane)
 
 
+def _numbers(pipe: Any, lane_key: LaneKey) -> None:
+    """Queue on `pipe` a lane's two job numbers: how many the queue script has numbered, and the
+    highest a worker has read (`keys.queue_added`, `keys.queue_read`)."""
+    model, version, lane = lane_key
+    stream = keys.stream(model, version, cast(Lane, lane))
+    pipe.zscore(keys.queue_added(model, version), stream)
+    pipe.zscore(keys.queue_read(model, version), stream)
+
+
 class Broker:
     """Submit, read, cancel and announce jobs; one instance per process over a shared client."""
 
@@ -226,10 +235,8 @@ class Broker:
         wanted = list(dict.fromkeys(lanes))
         with translate_redis_errors():
             pipe = self.redis.pipeline(transaction=False)
-            for model, version, lane in wanted:
-                stream = keys.stream(model, version, cast(Lane, lane))
-                pipe.zscore(keys.queue_added(model, version), stream)
-                pipe.zscore(keys.queue_read(model, version), stream)
+            for lane_key in wanted:
+                _numbers(pipe, lane_key)
             for job_id in job_ids:
                 pipe.hget(keys.job(job_id), "status")
             replies = await pipe.execute()
@@ -257,9 +264,7 @@ class Broker:
                 pipe.lpos(f"{prefix}{job.priority}|{job.tenant}", keys.job(job.id))
             for model, version, lane in lanes:
                 pipe.hgetall(keys.held_index(model, version, cast(Lane, lane)))
-                stream = keys.stream(model, version, cast(Lane, lane))
-                pipe.zscore(keys.queue_added(model, version), stream)
-                pipe.zscore(keys.queue_read(model, version), stream)
+                _numbers(pipe, (model, version, lane))
             replies = await pipe.execute()
         places = {job.id: int(place) for job, place in zip(jobs, replies, strict=False) if place is not None}
         held: dict[LaneKey, dict[tuple[int, str], int]] = {}
