@@ -42,6 +42,7 @@ def _skewed_texts(count: int, seed: int) -> list[str]:
     return [rng.choice(by_label[rng.choices(labels, weights)[0]]) for _ in range(count)]
 
 
+@pytest.mark.soak
 @pytest.mark.model
 @pytest.mark.slow
 def test_a_confidently_wrong_canary_at_5_percent_is_rolled_back(

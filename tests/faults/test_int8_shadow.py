@@ -26,6 +26,7 @@ JOBS = 160
 BAR = 0.95
 
 
+@pytest.mark.soak
 @pytest.mark.model
 @pytest.mark.slow
 def test_int8_is_promoted_from_shadow_only_when_agreement_clears_the_bar(

@@ -31,7 +31,7 @@ from tests.support import (
 
 from ._support import PostgresServer, RedisServer, seed_tenants
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
 COST = "fixed_s=0.001&per_item_s=0.0002&per_token_s=0.00001"
 

@@ -23,7 +23,7 @@ from tests.support import ApiServer, http_client, make_settings, register_synthe
 
 from ._support import PostgresServer, RedisServer, seed_tenants
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
 COST = "fixed_s=0.001&per_item_s=0.0002&per_token_s=0.00001"
 # statement timeout 1 s + 1 s before the client gives up on silence, + a reconnect's connect

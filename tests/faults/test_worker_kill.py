@@ -23,7 +23,7 @@ from tests.support import lane_jobs
 
 from ._support import read_jobs, wait_statuses
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
 JOBS = 500
 # 32 items cost 2 ms + 32 × 10 ms: about 0.33 s a batch, so the run takes about 5 s in all.

@@ -391,6 +391,7 @@ def test_a_claimed_or_cancelled_job_leaves_the_quota(
     assert client.post(f"/v1/models/{model}/jobs", json={"input": {"text": "room"}}).status_code == 202
 
 
+@pytest.mark.soak
 def test_a_bulk_larger_than_the_burst_leaves_debt_that_no_expiry_forgives(
     rds: redis.Redis, admin: httpx.Client, client_for: Callable[[str], httpx.Client],
     register_synthetic: Callable[..., str],

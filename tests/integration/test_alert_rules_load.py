@@ -18,7 +18,7 @@ from sluice.settings import Settings
 from tests.faults._support import free_port
 from tests.support import stop_process, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
 
 def _rule_groups(api: str) -> list[dict[str, Any]]:

@@ -152,6 +152,7 @@ def submit_traffic(demo: httpx.Client, model: str, *, rounds: int, per_round: in
     return ids
 
 
+@pytest.mark.soak
 def test_the_dashboard_draws_each_version_of_a_model_under_traffic(
     chromium: Any, api: ApiServer, settings: Settings, seeded: Seeded, admin: httpx.Client, demo: httpx.Client,
     spec: dict[str, Any],

@@ -148,6 +148,7 @@ def test_a_handler_that_hangs_fails_its_batch_and_its_worker_gives_way_to_a_fres
     assert wait_job(demo, _submit(demo, model, {"values": [1.0]}))["status"] == "succeeded"
 
 
+@pytest.mark.soak
 def test_two_hugging_face_models_are_served_canaried_and_rolled_back(
     admin: httpx.Client, demo: httpx.Client, start_worker: Callable[..., WorkerProcess],
     wait_jobs: Callable[..., Jobs], tmp_path: Path, store: str,

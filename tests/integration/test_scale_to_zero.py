@@ -110,6 +110,7 @@ def submit_and_wait(demo: httpx.Client, model: str, text: str) -> dict[str, Any]
     return wait_job(demo, response.json()["id"], timeout_s=45)
 
 
+@pytest.mark.soak
 def test_an_idle_min_zero_version_releases_its_worker_and_one_job_wakes_it(
     demo: httpx.Client, admin: httpx.Client, rds: redis.Redis, model: str, scheduler: Supervisor,
 ) -> None:
