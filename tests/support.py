@@ -587,3 +587,9 @@ def receiving() -> Iterator[Receiver]:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+def measured_precisions(offered: tuple[str, ...]) -> set[str]:
+    """The precisions a load times of those the host offers: all of them, or none where fp32 is the
+    only one (a host without bf16 or VNNI: nothing to choose between)."""
+    return set(offered) if len(offered) > 1 else set()

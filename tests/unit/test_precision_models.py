@@ -14,6 +14,7 @@ from scheduler.planning.text_mix import skewed_texts
 from sluice.artifacts import INTENT_HEAD_URI, MINILM_URI, artifact_sha256, resolve_artifact
 from sluice.errors import ArtifactError
 from tests.hf_models import build_tiny_classifier
+from tests.support import measured_precisions
 from workers.models.calibration import QUALITY_TEXTS, classifier_quality, embedding_quality, host_precisions
 from workers.models.hf import HfClassifierHandler, HfEmbeddingHandler
 from workers.models.int8 import DynamicInt8Linear
@@ -68,8 +69,9 @@ def test_auto_embeddings_stay_within_the_bound_on_texts_the_calibration_never_sa
 ) -> None:
     auto = shared[1]
     assert auto.precision is not None
-    assert set(auto.precision.measured) == set(candidates("auto", host_precisions("cpu")))
-    assert auto.precision.precision in auto.precision.measured
+    offered = candidates("auto", host_precisions("cpu"))
+    assert set(auto.precision.measured) == measured_precisions(offered)
+    assert auto.precision.precision in offered
     quality = embedding_quality(fp32_embedding.encoder.encode(held_out_texts), auto.encoder.encode(held_out_texts))
     assert quality.within(BOUND), (auto.precision.reason, quality)
 
@@ -125,7 +127,7 @@ def test_hf_embedding_measures_the_bundled_minilm_in_every_precision_the_host_of
     directory = f"file://{resolve_artifact(MINILM_URI)}"
     handler = load("hf-embedding", f"{directory}?precision=auto", sha256=artifact_sha256(resolve_artifact(MINILM_URI)))
     assert isinstance(handler, HfEmbeddingHandler) and handler.precision is not None
-    assert set(handler.precision.measured) == set(candidates("auto", host_precisions("cpu")))
+    assert set(handler.precision.measured) == measured_precisions(candidates("auto", host_precisions("cpu")))
     # transformers' MiniLM and Sluice's own agree in fp32; the chosen precision stays within the bound.
     quality = embedding_quality(fp32_embedding.encoder.encode(held_out_texts[:16]),
                                 handler.vectors(held_out_texts[:16]))
@@ -164,7 +166,7 @@ def test_a_handler_class_opts_in_with_its_precisions_and_calibration_inputs(tmp_
                         sources=sources)
     assert isinstance(auto, UserHandler) and auto.precision is not None
     # Only what the class declares is weighed, among what the host offers.
-    assert set(auto.precision.measured) == set(candidates("auto", host_precisions("cpu"), ("bf16",)))
+    assert set(auto.precision.measured) == measured_precisions(candidates("auto", host_precisions("cpu"), ("bf16",)))
     assert auto.handler.loaded_in == auto.precision.precision  # type: ignore[attr-defined]
     bf16 = load_handler(kind="handler", artifact=f"{artifact}?precision=bf16", sha256=sha, precision=QUICK,
                         sources=sources)
