@@ -70,6 +70,9 @@ class _Load:
     service_rate: float
     live_workers: int
     read_at: float
+    # How fast the live workers drain a backlog (their rates over passes run with more work waiting,
+    # each worker's plain rate until it has one): what a queued job's estimated start divides by.
+    backlog_rate: float = 0.0
     # What this replica had admitted, and had admitted but not yet written to the stream, when
     # the read began: neither may be in `backlog`, so both are added on top (a job counted twice
     # only makes shedding start a little early).
@@ -179,7 +182,8 @@ class Admission:
         backlog = await self._backlog(model, version)
         beats = await heartbeats.live_heartbeats(self.redis, model, version, now=now)
         load = _Load(backlog=backlog, service_rate=sum(beat.items_per_s for beat in beats),
-                     live_workers=len(beats), read_at=now, admitted_mark=mark, unwritten=unwritten)
+                     live_workers=len(beats), read_at=now, admitted_mark=mark, unwritten=unwritten,
+                     backlog_rate=sum(beat.backlog_items_per_s or beat.items_per_s for beat in beats))
         self._loads[(model, version)] = load
         return load
 

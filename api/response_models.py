@@ -92,8 +92,8 @@ _QUEUE_POSITION = ("Only while queued: how many jobs are ahead of this one in it
                    "next one a worker reads). An estimate: a job ahead that is cancelled or expires still "
                    "counts until the workers' reading passes it")
 _ESTIMATED_START = ("Only while queued: seconds until a worker may start it, the jobs ahead (a bulk job's "
-                    "include the online lane's) over the version's measured service rate; null while no live "
-                    "worker has measured one. An estimate")
+                    "include the online lane's) over the rate its live workers were measured draining a backlog "
+                    "at; null while no live worker has measured a rate. An estimate")
 class RetryResource(BaseModel):
     max_attempts: int = Field(description="Starts in all, the first included")
     on: list[RetryOn] = Field(description="The failures that re-queue the job while attempts are left")

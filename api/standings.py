@@ -1,7 +1,7 @@
 """Where the queued jobs of an answer stand (`sluice/queue_standing.py`): their place in their
 version's lane, from the job numbers the queue script gives and the workers' reading, and when they
-may start, from the version's measured service rate (the admission's load, read at most every
-0.25 s and shared with it). One Redis round trip for all the jobs of an answer."""
+may start, from the rate the version's live workers drain a backlog at (the admission's load, read
+at most every 0.25 s and shared with it). One Redis round trip for all the jobs of an answer."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ async def standings(state: AppState, jobs: Sequence[JobView | JobRecord]) -> dic
     # A held job's own lane was read with its place.
     wanted = {job.lane_key for job in queued} | {(model, version, "online") for model, version, _ in lanes}
     progress, still_queued = await state.broker.lane_progress(sorted(wanted), [job.id for job in queued])
-    rates = {(model, version): (await state.admission.load(model, version)).service_rate
+    rates = {(model, version): (await state.admission.load(model, version)).backlog_rate
              for model, version, _ in lanes}
     found = {}
     for job in queued:

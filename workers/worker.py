@@ -31,7 +31,7 @@ import os
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -101,6 +101,13 @@ def _part(batch: Batch[Delivery], items: Sequence[Item[Delivery]]) -> Batch[Deli
     """Some of a batch's items, as a batch of their own (stored apart from the rest)."""
     return Batch(items=tuple(items), close_reason=batch.close_reason, bucket=batch.bucket, tenant=batch.tenant,
                  closed_at=batch.closed_at)
+
+
+def _items_per_model_s(window: Iterable[tuple[int, float]]) -> float:
+    """Items over model seconds of a window of passes; 0 for none."""
+    passes = list(window)
+    busy = sum(seconds for _, seconds in passes)
+    return sum(n for n, _ in passes) / busy if busy > 0 else 0.0
 
 
 def _stop_if_cancelled(exc: BrokerError | None = None) -> None:
@@ -223,6 +230,7 @@ class Worker:
         self.processed = 0
         self.last_batch_size = 0
         self._rate_window: deque[tuple[int, float]] = deque(maxlen=64)  # (items, model seconds)
+        self._backlog_window: deque[tuple[int, float]] = deque(maxlen=64)  # passes with more waiting
         self._metrics = BatchMetrics(model=model, version=version, latency_budget_s=latency_budget_ms / 1000.0)
         # The served mix and the forward passes, flushed with the heartbeat (sluice/wire/mix.py).
         self._tally = Tally()
@@ -452,6 +460,9 @@ class Worker:
                 # more slice. The claim is one round trip away.
                 await _wait(self._claimed, CLAIM_WAIT_S)
             batch = self._take()
+            # More work waits behind this pass: passes held or formed, or a last read that came
+            # back full (a bulk backlog is read one batch at a time).
+            backlogged = bool(self._ready) or len(self.batcher) > 0 or not self._drained
             if batch is None:
                 if self._reading_done and len(self.batcher) == 0:
                     return
@@ -470,6 +481,8 @@ class Worker:
                 turn.used(model_s)
                 self._turns.charge(batch, model_s, self.clock())
             self._tally.passed(Pass(size=len(batch.items), longest=batch.max_cost, seconds=model_s))
+            if backlogged:
+                self._backlog_window.append((len(batch.items), model_s))
             if left:
                 usage = pass_usage(self.handler, batch.items, model_s=model_s, idle_s=turn.idle_s, cores=self.cores,
                                    gpus=self.gpus)
@@ -642,8 +655,12 @@ class Worker:
     def items_per_s(self) -> float:
         """Service capacity while busy (items per model-second), not wall-clock throughput: an
         idle worker must not look slow, or a burst after a quiet spell would be shed."""
-        busy = sum(seconds for _, seconds in self._rate_window)
-        return sum(n for n, _ in self._rate_window) / busy if busy > 0 else 0.0
+        return _items_per_model_s(self._rate_window)
+
+    def backlog_items_per_s(self) -> float:
+        """The same over the passes run while more work waited: the rate a backlog drains at, in
+        the batches a backlog forms, which light traffic's batches of one understate."""
+        return _items_per_model_s(self._backlog_window)
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -652,7 +669,7 @@ class Worker:
                     state=self.state, items_per_s=self.items_per_s(), batch_size=self.last_batch_size,
                     cold_start_s=self.cold_start_s, processed=self.processed, pid=os.getpid(), at=self.clock(),
                     precision=self.precision, precision_speedup=self.precision_speedup, group=self.group,
-                    resident_bytes=self.resident_bytes,
+                    resident_bytes=self.resident_bytes, backlog_items_per_s=self.backlog_items_per_s(),
                 ))
                 await self._tally.flush(self._redis, self.model, self.version)
                 _stop_if_cancelled()

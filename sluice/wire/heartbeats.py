@@ -48,6 +48,9 @@ class Heartbeat:
     # that process: 0 when it shares weights another version had loaded there.
     group: str = ""
     resident_bytes: int = 0
+    # Items per model-second over the passes run while more work waited: how fast a backlog
+    # drains, which small batches of light traffic understate. 0 until such a pass ran.
+    backlog_items_per_s: float = 0.0
 
     def to_fields(self) -> dict[str, str]:
         return {
@@ -56,6 +59,7 @@ class Heartbeat:
             "at": repr(self.at), "precision": self.precision,
             "precision_speedup": "" if self.precision_speedup is None else f"{self.precision_speedup:.3f}",
             "group": self.group, "resident_bytes": str(self.resident_bytes),
+            "backlog_items_per_s": f"{self.backlog_items_per_s:.3f}",
         }
 
     @classmethod
@@ -67,7 +71,8 @@ class Heartbeat:
                    processed=int(data["processed"]), pid=int(data["pid"]), at=float(data["at"]),
                    precision=data.get("precision", ""),
                    precision_speedup=float(data["precision_speedup"]) if data.get("precision_speedup") else None,
-                   group=data.get("group", ""), resident_bytes=int(data.get("resident_bytes") or 0))
+                   group=data.get("group", ""), resident_bytes=int(data.get("resident_bytes") or 0),
+                   backlog_items_per_s=float(data.get("backlog_items_per_s") or 0.0))
 
 
 def live_since(now: float) -> float:

@@ -104,3 +104,29 @@ def test_an_event_stream_shows_a_queued_jobs_place_falling(
     assert names[0] == "queued" and names[-1] == "succeeded", names
     assert "position" in names
     assert positions[0] == 59 and positions == sorted(positions, reverse=True) and len(set(positions)) >= 3
+
+
+def test_the_estimate_divides_by_the_rate_a_backlog_drains_at_not_that_of_single_jobs(
+    demo: httpx.Client, register_synthetic: Callable[..., str], start_worker: Callable[..., Any],
+    wait_jobs: Callable[..., list[dict[str, Any]]],
+) -> None:
+    # 100 ms a pass and 0.5 ms a job: alone 10 jobs a second, in passes of 32 (the bulk lane's
+    # read) about 275. The worker's recent passes are mostly of one job when the backlog comes.
+    model = register_synthetic("standing", cost="fixed_s=0.1&per_item_s=0.0005&per_token_s=0", max_batch_size=32,
+                               max_wait_ms=1.0)
+    start_worker(model)
+    for _ in range(45):
+        wait_jobs(demo, _bulk(demo, model, 1))
+    ids = [job_id for _ in range(3) for job_id in _bulk(demo, model, 500, lane="bulk")]
+    time.sleep(BEAT_EVERY_S + 0.5)  # a heartbeat after some of the backlog's passes
+    read_at = time.time()
+    first = _queued(demo, ids[::6])  # a many-job wait names at most 256
+    assert len(first) >= 50, "the backlog drained before its standings were read"
+    jobs = {job["id"]: job for job in wait_jobs(demo, list(first))}
+    ratios = []
+    for job_id, entry in first.items():
+        started = datetime.fromisoformat(jobs[job_id]["timings"]["started_at"]).timestamp() - read_at
+        ratios.append(max(started, 0.05) / max(entry["estimated_start_s"], 0.05))
+    within = sum(1 for ratio in ratios if 0.5 <= ratio <= 2.0) / len(ratios)
+    assert within >= 0.9, (f"estimated start within 2x of the observed one for {within:.0%} of {len(ratios)} "
+                           f"jobs; observed / estimated median {statistics.median(ratios):.2f}")
