@@ -218,6 +218,7 @@ def test_an_idempotency_key_lives_in_its_tenants_slot() -> None:
     assert key_slot(claim.redis_key.encode()) == key_slot(keys.rate_bucket("acme").encode())
 
 
+@pytest.mark.soak  # a node stopped for 4 s and the cluster's recovery: about 10 s
 def test_the_schedulers_event_listener_outlives_the_node_its_url_names(tmp_path: Path, registry: Registry) -> None:
     """Reconnecting while the named node is down raises the cluster client's own exception, which
     is not a RedisError: the listener must wait and retry, not end and leave the scheduler deaf."""

@@ -213,6 +213,7 @@ def _finished_s(job: dict[str, Any]) -> float:
             - datetime.fromisoformat(timings["started_at"]).timestamp())
 
 
+@pytest.mark.soak  # three-second passes that outlive their run timeout, and the retry's: about 11 s
 def test_a_batch_past_a_job_s_run_timeout_fails_it_and_a_retry_runs_it_again(
     demo: httpx.Client, admin: httpx.Client, register_synthetic: Callable[..., str],
     start_worker: Callable[..., WorkerProcess],

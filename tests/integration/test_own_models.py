@@ -131,6 +131,7 @@ def test_a_handler_that_raises_miscounts_or_misshapes_fails_only_those_jobs_with
     assert "does not fit Score" in messages[2]
 
 
+@pytest.mark.soak  # waits out a per-batch timeout and a fresh worker's start: about 8 s
 def test_a_handler_that_hangs_fails_its_batch_and_its_worker_gives_way_to_a_fresh_one(
     admin: httpx.Client, demo: httpx.Client, start_worker: Callable[..., WorkerProcess], tmp_path: Path,
     store: str,

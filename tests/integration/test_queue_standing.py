@@ -106,6 +106,7 @@ def test_an_event_stream_shows_a_queued_jobs_place_falling(
     assert positions[0] == 59 and positions == sorted(positions, reverse=True) and len(set(positions)) >= 3
 
 
+@pytest.mark.soak  # 45 passes of 100 ms one after another, then a backlog of 1,500: about 15 s
 def test_the_estimate_divides_by_the_rate_a_backlog_drains_at_not_that_of_single_jobs(
     demo: httpx.Client, register_synthetic: Callable[..., str], start_worker: Callable[..., Any],
     wait_jobs: Callable[..., list[dict[str, Any]]],

@@ -78,6 +78,7 @@ def _until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.soak  # failures until the breaker opens, then its open period and a probe: about 14 s
 @pytest.mark.slow
 def test_a_failing_version_is_cut_off_and_readmitted_after_a_successful_probe(
     seeded: Seeded, breaker_api: httpx.Client, register_synthetic: Callable[..., str],

@@ -85,11 +85,14 @@ def test_bf16_is_offered_where_the_cpu_has_it_and_stays_within_the_bound(
     bf16 = load("embedding", f"{MINILM_URI}?precision=bf16")
     assert isinstance(bf16, EmbeddingHandler)
     assert bf16.encoder.dtype == torch.bfloat16 and bf16.precision is not None and bf16.precision.precision == BF16
+    # Without AVX512-BF16 or AMX torch emulates bf16 several times slower than fp32: a quarter of
+    # the texts there keeps the plain run's time, with the same rounding.
+    texts = held_out_texts if offered else held_out_texts[:16]
     # Pooling stays in fp32: the vectors come out float32 and of unit length.
-    vectors = bf16.encoder.encode(held_out_texts)
+    vectors = bf16.encoder.encode(texts)
     assert vectors.dtype == torch.float32
-    assert torch.allclose(vectors.norm(dim=1), torch.ones(len(held_out_texts)), atol=1e-5)
-    assert embedding_quality(fp32_embedding.encoder.encode(held_out_texts), vectors).within(BOUND)
+    assert torch.allclose(vectors.norm(dim=1), torch.ones(len(texts)), atol=1e-5)
+    assert embedding_quality(fp32_embedding.encoder.encode(texts), vectors).within(BOUND)
 
 
 def test_the_intent_head_shares_the_encoder_and_keeps_its_labels_within_the_classifiers_bound(
