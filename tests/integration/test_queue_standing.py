@@ -32,6 +32,19 @@ def _queued(client: httpx.Client, ids: list[str]) -> dict[str, dict[str, Any]]:
     return {entry["id"]: entry for entry in response.json().get("queued", [])}
 
 
+def _assert_estimates_hold(standings: dict[str, dict[str, Any]], jobs: dict[str, dict[str, Any]],
+                           read_at: float) -> None:
+    """At least 90 % of the jobs read queued at `read_at` started within 2x of their estimate."""
+    ratios = []
+    for job_id, entry in standings.items():
+        started = datetime.fromisoformat(jobs[job_id]["timings"]["started_at"]).timestamp() - read_at
+        assert entry["estimated_start_s"] is not None
+        ratios.append(max(started, 0.05) / max(entry["estimated_start_s"], 0.05))
+    within = sum(1 for ratio in ratios if 0.5 <= ratio <= 2.0) / len(ratios)
+    assert within >= 0.9, (f"estimated start within 2x of the observed one for {within:.0%} of {len(ratios)} "
+                           f"jobs; observed / estimated median {statistics.median(ratios):.2f}")
+
+
 def test_queued_jobs_stand_in_the_order_they_were_queued_per_lane(
     demo: httpx.Client, register_synthetic: Callable[..., str], new_tenant: Callable[..., tuple[str, httpx.Client]]
 ) -> None:
@@ -76,14 +89,7 @@ def test_positions_fall_as_a_worker_reads_and_the_estimates_hold(
         time.sleep(0.05)
     jobs = {job["id"]: job for job in wait_jobs(demo, ids)}
     assert all(job["status"] == "succeeded" for job in jobs.values())
-    ratios = []
-    for job_id, entry in first.items():
-        started = datetime.fromisoformat(jobs[job_id]["timings"]["started_at"]).timestamp() - read_at
-        assert entry["estimated_start_s"] is not None
-        ratios.append(max(started, 0.05) / max(entry["estimated_start_s"], 0.05))
-    within = sum(1 for ratio in ratios if 0.5 <= ratio <= 2.0) / len(ratios)
-    assert within >= 0.9, (f"estimated start within 2x of the observed one for {within:.0%} of {len(ratios)} "
-                           f"jobs; observed / estimated median {statistics.median(ratios):.2f}")
+    _assert_estimates_hold(first, jobs, read_at)
 
 
 def test_an_event_stream_shows_a_queued_jobs_place_falling(
@@ -123,11 +129,4 @@ def test_the_estimate_divides_by_the_rate_a_backlog_drains_at_not_that_of_single
     read_at = time.time()
     first = _queued(demo, ids[::6])  # a many-job wait names at most 256
     assert len(first) >= 50, "the backlog drained before its standings were read"
-    jobs = {job["id"]: job for job in wait_jobs(demo, list(first))}
-    ratios = []
-    for job_id, entry in first.items():
-        started = datetime.fromisoformat(jobs[job_id]["timings"]["started_at"]).timestamp() - read_at
-        ratios.append(max(started, 0.05) / max(entry["estimated_start_s"], 0.05))
-    within = sum(1 for ratio in ratios if 0.5 <= ratio <= 2.0) / len(ratios)
-    assert within >= 0.9, (f"estimated start within 2x of the observed one for {within:.0%} of {len(ratios)} "
-                           f"jobs; observed / estimated median {statistics.median(ratios):.2f}")
+    _assert_estimates_hold(first, {job["id"]: job for job in wait_jobs(demo, list(first))}, read_at)
