@@ -65,7 +65,7 @@ FRESH_ABOVE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
-class _Load:
+class Load:
     backlog: int
     service_rate: float
     live_workers: int
@@ -73,6 +73,10 @@ class _Load:
     # How fast the live workers drain a backlog (their rates over passes run with more work waiting,
     # each worker's plain rate until it has one): what a queued job's estimated start divides by.
     backlog_rate: float = 0.0
+    # The entries the live workers hold (read, not yet acknowledged), per lane: in front of every
+    # queued job of the lane, though its position no longer counts them.
+    held_online: int = 0
+    held_bulk: int = 0
     # What this replica had admitted, and had admitted but not yet written to the stream, when
     # the read began: neither may be in `backlog`, so both are added on top (a job counted twice
     # only makes shedding start a little early).
@@ -93,9 +97,9 @@ class Admission:
         self.cache_hit_token_cost = cache_hit_token_cost
         self.load_cache_s = load_cache_s
         self.clock = clock
-        self._loads: dict[tuple[str, str], _Load] = {}
+        self._loads: dict[tuple[str, str], Load] = {}
         # The read under way per version, and the time it began.
-        self._reading: dict[tuple[str, str], tuple[asyncio.Task[_Load], float]] = {}
+        self._reading: dict[tuple[str, str], tuple[asyncio.Task[Load], float]] = {}
         self._admitted: Counter[tuple[str, str]] = Counter()
         self._unwritten: Counter[tuple[str, str]] = Counter()
 
@@ -138,7 +142,7 @@ class Admission:
             if not queued:
                 self._admitted[(version.model, version.version)] -= count
 
-    async def load(self, model: str, version: str, *, newer_than: float | None = None) -> _Load:
+    async def load(self, model: str, version: str, *, newer_than: float | None = None) -> Load:
         """The version's load, read at most every `load_cache_s`. Submissions that find it stale
         while a read is under way wait for that read: each starting its own, a burst made one
         backlog read per request instead of one per interval. With `newer_than`, only a read that
@@ -170,20 +174,22 @@ class Admission:
                 return await asyncio.shield(reading)
             await asyncio.shield(reading)
 
-    def _read_done(self, key: tuple[str, str], reading: asyncio.Task[_Load]) -> None:
+    def _read_done(self, key: tuple[str, str], reading: asyncio.Task[Load]) -> None:
         if self._reading.get(key, (None, 0.0))[0] is reading:
             del self._reading[key]
         if not reading.cancelled():
             reading.exception()  # retrieved here: its waiters may all have gone
 
-    async def _read(self, model: str, version: str, now: float, *, mark: int, unwritten: int) -> _Load:
+    async def _read(self, model: str, version: str, now: float, *, mark: int, unwritten: int) -> Load:
         # One after the other, on one pooled connection: read concurrently, a second connection
         # left stale by a Redis restart turns the first submission after it into a 503.
         backlog = await self._backlog(model, version)
         beats = await heartbeats.live_heartbeats(self.redis, model, version, now=now)
-        load = _Load(backlog=backlog, service_rate=sum(beat.items_per_s for beat in beats),
+        load = Load(backlog=backlog, service_rate=sum(beat.items_per_s for beat in beats),
                      live_workers=len(beats), read_at=now, admitted_mark=mark, unwritten=unwritten,
-                     backlog_rate=sum(beat.backlog_items_per_s or beat.items_per_s for beat in beats))
+                     backlog_rate=sum(beat.backlog_items_per_s or beat.items_per_s for beat in beats),
+                     held_online=sum(beat.held_online for beat in beats),
+                     held_bulk=sum(beat.held_bulk for beat in beats))
         self._loads[(model, version)] = load
         return load
 
@@ -196,17 +202,17 @@ class Admission:
             in_stream, held = await pipe.execute()
         return int(in_stream) + int(held or 0)
 
-    def _backlog_with(self, key: tuple[str, str], load: _Load, count: int) -> int:
+    def _backlog_with(self, key: tuple[str, str], load: Load, count: int) -> int:
         """The backlog `count` more jobs would join: the one read, this replica's admissions it
         may not show, and the jobs themselves."""
         return load.backlog + load.unwritten + self._admitted[key] - load.admitted_mark + count
 
-    def _predicted(self, key: tuple[str, str], load: _Load, count: int) -> float:
+    def _predicted(self, key: tuple[str, str], load: Load, count: int) -> float:
         if load.service_rate <= 0:
             return 0.0
         return self._backlog_with(key, load, count) / load.service_rate
 
-    def _wait(self, key: tuple[str, str], load: _Load, count: int, budget_s: float) -> float | None:
+    def _wait(self, key: tuple[str, str], load: Load, count: int, budget_s: float) -> float | None:
         return shed_retry_after(backlog=self._backlog_with(key, load, count), service_rate=load.service_rate,
                                 budget_s=budget_s)
 

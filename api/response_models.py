@@ -91,9 +91,12 @@ class JobError(BaseModel):
 _QUEUE_POSITION = ("Only while queued: how many jobs are ahead of this one in its version and lane (0: the "
                    "next one a worker reads). An estimate: a job ahead that is cancelled or expires still "
                    "counts until the workers' reading passes it")
-_ESTIMATED_START = ("Only while queued: seconds until a worker may start it, the jobs ahead (a bulk job's "
-                    "include the online lane's) over the rate its live workers were measured draining a backlog "
-                    "at; null while no live worker has measured a rate. An estimate")
+_ESTIMATED_START = ("Only while queued: seconds until a worker may start it, the jobs in front of it (those ahead "
+                    "and those its workers have read and not finished; a bulk job's include the online lane's) "
+                    "over the rate its live workers were measured draining a backlog at; null while no live "
+                    "worker has measured a rate. An estimate")
+
+
 class RetryResource(BaseModel):
     max_attempts: int = Field(description="Starts in all, the first included")
     on: list[RetryOn] = Field(description="The failures that re-queue the job while attempts are left")

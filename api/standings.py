@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from api.admission import Load
 from api.deps import AppState
 from sluice.queue_standing import Standing, held_standing, standing
 from sluice.wire.broker import LaneKey
@@ -27,29 +28,37 @@ async def standings(state: AppState, jobs: Sequence[JobView | JobRecord]) -> dic
     # A held job's own lane was read with its place.
     wanted = {job.lane_key for job in queued} | {(model, version, "online") for model, version, _ in lanes}
     progress, still_queued = await state.broker.lane_progress(sorted(wanted), [job.id for job in queued])
-    rates = {(model, version): (await state.admission.load(model, version)).backlog_rate
-             for model, version, _ in lanes}
+    loads = {(model, version): await state.admission.load(model, version) for model, version, _ in lanes}
     found = {}
     for job in queued:
         if job.id not in still_queued:
             continue  # a worker took it meanwhile: it stands nowhere now
         model, version, lane = job.lane_key
-        added_online, read_online = progress[(model, version, "online")]
+        load = loads[(model, version)]
         place = standing(seq=job.seq or 0, read=progress[job.lane_key][1],
-                         ahead_elsewhere=max(0, added_online - read_online) if lane != "online" else 0,
-                         service_rate=rates[(model, version)])
+                         also_ahead=_also_ahead(load, lane, progress[(model, version, "online")]),
+                         service_rate=load.backlog_rate)
         if place is not None:
             found[job.id] = place
     for job in held:
         if job.id not in places:
             continue  # released meanwhile: the next read numbers it
         model, version, lane = job.lane_key
+        load = loads[(model, version)]
         # Read with its place, in one transaction (`Broker.held_places`).
         added, read = held_progress[job.lane_key]
-        added_online, read_online = progress[(model, version, "online")]
         found[job.id] = held_standing(
             unread=max(0, added - read), index=places[job.id], priority=job.priority, tenant=job.tenant,
             share=job.share, held=held_counts[job.lane_key],
-            ahead_elsewhere=max(0, added_online - read_online) if lane != "online" else 0,
-            service_rate=rates[(model, version)])
+            also_ahead=_also_ahead(load, lane, progress[(model, version, "online")]),
+            service_rate=load.backlog_rate)
     return found
+
+
+def _also_ahead(load: Load, lane: str, online: tuple[int, int]) -> int:
+    """The jobs in front of a queued job of `lane` that its position leaves out: those the workers
+    hold, read and not finished, of its lane and, for a bulk job, the online lane's, unread too."""
+    if lane == "online":
+        return load.held_online
+    added_online, read_online = online
+    return max(0, added_online - read_online) + load.held_online + load.held_bulk

@@ -5,7 +5,9 @@ service rate, so the simulator can use it unchanged.
 
 Both figures are estimates, and the API documents them so: a job ahead that is cancelled or
 expires before a worker reads it still counts until the reading passes it, and the start is the
-jobs ahead over the rate the live workers measure.
+jobs in front over the rate the live workers measure. The position counts the jobs no worker has
+read; the start counts also those the workers have read and not finished (`also_ahead`), which
+under a backlog are a prefetch of a few batches per worker.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ class Standing:
     estimated_start_s: float | None  # None while no live worker has measured its rate
 
 
-def standing(*, seq: int, read: int, ahead_elsewhere: int = 0, service_rate: float) -> Standing | None:
-    """A job numbered `seq` in a lane whose workers have read up to number `read`; the jobs of
-    lanes served before it (`ahead_elsewhere`: the online lane's, for a bulk job) wait in front
-    too. Starting takes the jobs in front, and the job itself, at `service_rate` jobs a second.
+def standing(*, seq: int, read: int, also_ahead: int = 0, service_rate: float) -> Standing | None:
+    """A job numbered `seq` in a lane whose workers have read up to number `read`. `also_ahead`:
+    the jobs in front of it that its position leaves out, those the workers have read and not
+    finished and, for a bulk job, the online lane's. Starting takes the jobs in front, and the job
+    itself, at `service_rate` jobs a second.
     None for a queued job whose number was read already: one its retry policy queued again under
     its first number, whose place the numbers no longer tell."""
     if seq <= read:
@@ -31,11 +34,11 @@ def standing(*, seq: int, read: int, ahead_elsewhere: int = 0, service_rate: flo
     position = seq - read - 1
     if service_rate <= 0:
         return Standing(position, None)
-    return Standing(position, round((position + max(0, ahead_elsewhere) + 1) / service_rate, 3))
+    return Standing(position, round((position + max(0, also_ahead) + 1) / service_rate, 3))
 
 
 def held_standing(*, unread: int, index: int, priority: int, tenant: str, share: float,
-                  held: Mapping[tuple[int, str], int], ahead_elsewhere: int = 0,
+                  held: Mapping[tuple[int, str], int], also_ahead: int = 0,
                   service_rate: float) -> Standing:
     """A job held in its tenant's queue of its priority (queue.lua), `index` jobs behind that
     queue's first, in a lane whose stream has `unread` entries no worker has read. In front of it:
@@ -51,4 +54,4 @@ def held_standing(*, unread: int, index: int, priority: int, tenant: str, share:
     position = unread + index + int(fair)
     if service_rate <= 0:
         return Standing(position, None)
-    return Standing(position, round((position + max(0, ahead_elsewhere) + 1) / service_rate, 3))
+    return Standing(position, round((position + max(0, also_ahead) + 1) / service_rate, 3))

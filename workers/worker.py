@@ -30,8 +30,8 @@ import math
 import os
 import socket
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -54,6 +54,7 @@ from workers.metrics import BatchMetrics
 from workers.models.protocol import ModelHandler
 from workers.references import References
 from workers.results import Delivery, ResultWriter
+from workers.service_rates import ServiceRates
 from workers.slots import ExecutionSlots, Turn, rank
 from workers.tenant_turns import TenantTurns
 from workers.usage import pass_usage
@@ -101,13 +102,6 @@ def _part(batch: Batch[Delivery], items: Sequence[Item[Delivery]]) -> Batch[Deli
     """Some of a batch's items, as a batch of their own (stored apart from the rest)."""
     return Batch(items=tuple(items), close_reason=batch.close_reason, bucket=batch.bucket, tenant=batch.tenant,
                  closed_at=batch.closed_at)
-
-
-def _items_per_model_s(window: Iterable[tuple[int, float]]) -> float:
-    """Items over model seconds of a window of passes; 0 for none."""
-    passes = list(window)
-    busy = sum(seconds for _, seconds in passes)
-    return sum(n for n, _ in passes) / busy if busy > 0 else 0.0
 
 
 def _stop_if_cancelled(exc: BrokerError | None = None) -> None:
@@ -229,8 +223,7 @@ class Worker:
         self.state = WorkerState.starting
         self.processed = 0
         self.last_batch_size = 0
-        self._rate_window: deque[tuple[int, float]] = deque(maxlen=64)  # (items, model seconds)
-        self._backlog_window: deque[tuple[int, float]] = deque(maxlen=64)  # passes with more waiting
+        self.rates = ServiceRates()
         self._metrics = BatchMetrics(model=model, version=version, latency_budget_s=latency_budget_ms / 1000.0)
         # The served mix and the forward passes, flushed with the heartbeat (sluice/wire/mix.py).
         self._tally = Tally()
@@ -328,7 +321,7 @@ class Worker:
         # must end the nap at the bottom, not be forgotten.
         self._wake_reader.clear()
         limit = held_limit(prefetch=self.prefetch, max_batch_size=self.max_batch_size,
-                           items_per_s=self.items_per_s(), claim_after_s=self.claim_after_s)
+                           items_per_s=self.rates.items_per_s(), claim_after_s=self.claim_after_s)
         room = limit - len(self._held)
         # Bulk entries never take the last batch of room: an online arrival is read (and, by its
         # priority in the batcher, run) after at most the forward pass under way.
@@ -373,7 +366,7 @@ class Worker:
     def _busy_block_ms(self) -> int:
         """How long a reader whose model is busy may wait on the streams: half the work its batcher
         holds, so that it is back to release more before the model runs out."""
-        rate = self.items_per_s()
+        rate = self.rates.items_per_s()
         queued_ms = 1000.0 * len(self.batcher) / rate if rate > 0 else 0.0
         return int(min(READ_BLOCK_MS, max(BUSY_BLOCK_MIN_MS, queued_ms / 2)))
 
@@ -454,15 +447,13 @@ class Worker:
 
     async def _run_loop(self) -> None:
         while True:
+            began = self.clock()
             if not self._claimed.is_set() and self._limit(self.clock()) is not None:
                 # While tenants contend, entries read but not yet claimed are most likely a light
                 # tenant's arrival: taking the next batch without them would make it wait one
                 # more slice. The claim is one round trip away.
                 await _wait(self._claimed, CLAIM_WAIT_S)
             batch = self._take()
-            # More work waits behind this pass: passes held or formed, or a last read that came
-            # back full (a bulk backlog is read one batch at a time).
-            backlogged = bool(self._ready) or len(self.batcher) > 0 or not self._drained
             if batch is None:
                 if self._reading_done and len(self.batcher) == 0:
                     return
@@ -474,6 +465,9 @@ class Worker:
                 await _wait(self._wake_runner, None if deadline is None else max(0.0, deadline - self.clock()))
                 continue
             self._runner_idle = False
+            # More work waits behind this pass: passes held or formed, or a last read that came
+            # back full (a bulk backlog is read one batch at a time).
+            backlogged = bool(self._ready) or len(self.batcher) > 0 or not self._drained
             async with self.slots.turn(version=(self.model, self.version),
                                        rank=rank(self.tier, batch.items[0].priority)) as turn:
                 started = self.clock()
@@ -482,14 +476,17 @@ class Worker:
                 self._turns.charge(batch, model_s, self.clock())
             self._tally.passed(Pass(size=len(batch.items), longest=batch.max_cost, seconds=model_s))
             if backlogged:
-                self._backlog_window.append((len(batch.items), model_s))
+                # Wall time from this turn's start: what slows a backlog's drain besides the model
+                # (the claim, the other versions' turns on the slots, the event loop's reads and
+                # stores) counts, and the runner's idle waits, which a backlog has none of, do not.
+                self.rates.drained(len(batch.items), self.clock() - began)
             if left:
                 usage = pass_usage(self.handler, batch.items, model_s=model_s, idle_s=turn.idle_s, cores=self.cores,
                                    gpus=self.gpus)
                 self._store(_part(batch, left), outcomes, started, model_s, usage)
 
     def _limit(self, now: float) -> Callable[[str], int | None] | None:
-        return self._turns.limit(now, items_per_s=self.items_per_s())
+        return self._turns.limit(now, items_per_s=self.rates.items_per_s())
 
     async def _run_pass(self, batch: Batch[Delivery], started: float,
                         turn: Turn) -> tuple[list[Item[Delivery]], list[Outcome], float]:
@@ -598,7 +595,7 @@ class Worker:
         self._wake_reader.set()
         self.processed += size
         self.last_batch_size = size
-        self._rate_window.append((size, model_s))
+        self.rates.stored(size, model_s)
         self._metrics.batch(batch, outcomes, won, started=started, model_s=model_s, finished=finished, usage=usage)
         self._tally.served(at=finished, lane=batch.items[0].payload.lane,
                            costs=[item.cost for item, first in zip(batch.items, won, strict=True) if first])
@@ -652,24 +649,16 @@ class Worker:
 
     # --- heartbeat ---------------------------------------------------------------------------------
 
-    def items_per_s(self) -> float:
-        """Service capacity while busy (items per model-second), not wall-clock throughput: an
-        idle worker must not look slow, or a burst after a quiet spell would be shed."""
-        return _items_per_model_s(self._rate_window)
-
-    def backlog_items_per_s(self) -> float:
-        """The same over the passes run while more work waited: the rate a backlog drains at, in
-        the batches a backlog forms, which light traffic's batches of one understate."""
-        return _items_per_model_s(self._backlog_window)
-
     async def _heartbeat_loop(self) -> None:
         while True:
+            held = Counter(self._held.values())
             try:
                 await self.streams.beat(Heartbeat(
-                    state=self.state, items_per_s=self.items_per_s(), batch_size=self.last_batch_size,
+                    state=self.state, items_per_s=self.rates.items_per_s(), batch_size=self.last_batch_size,
                     cold_start_s=self.cold_start_s, processed=self.processed, pid=os.getpid(), at=self.clock(),
                     precision=self.precision, precision_speedup=self.precision_speedup, group=self.group,
-                    resident_bytes=self.resident_bytes, backlog_items_per_s=self.backlog_items_per_s(),
+                    resident_bytes=self.resident_bytes, backlog_items_per_s=self.rates.backlog_items_per_s(),
+                    held_online=held["online"], held_bulk=held["bulk"],
                 ))
                 await self._tally.flush(self._redis, self.model, self.version)
                 _stop_if_cancelled()

@@ -48,9 +48,13 @@ class Heartbeat:
     # that process: 0 when it shares weights another version had loaded there.
     group: str = ""
     resident_bytes: int = 0
-    # Items per model-second over the passes run while more work waited: how fast a backlog
+    # Items per wall-clock second over the passes run while more work waited: how fast a backlog
     # drains, which small batches of light traffic understate. 0 until such a pass ran.
     backlog_items_per_s: float = 0.0
+    # Entries read and not yet acknowledged, per lane: jobs in front of every queued job of the
+    # lane that the lane's job numbers no longer count (sluice/queue_standing.py).
+    held_online: int = 0
+    held_bulk: int = 0
 
     def to_fields(self) -> dict[str, str]:
         return {
@@ -59,7 +63,8 @@ class Heartbeat:
             "at": repr(self.at), "precision": self.precision,
             "precision_speedup": "" if self.precision_speedup is None else f"{self.precision_speedup:.3f}",
             "group": self.group, "resident_bytes": str(self.resident_bytes),
-            "backlog_items_per_s": f"{self.backlog_items_per_s:.3f}",
+            "backlog_items_per_s": f"{self.backlog_items_per_s:.3f}", "held_online": str(self.held_online),
+            "held_bulk": str(self.held_bulk),
         }
 
     @classmethod
@@ -72,7 +77,8 @@ class Heartbeat:
                    precision=data.get("precision", ""),
                    precision_speedup=float(data["precision_speedup"]) if data.get("precision_speedup") else None,
                    group=data.get("group", ""), resident_bytes=int(data.get("resident_bytes") or 0),
-                   backlog_items_per_s=float(data.get("backlog_items_per_s") or 0.0))
+                   backlog_items_per_s=float(data.get("backlog_items_per_s") or 0.0),
+                   held_online=int(data.get("held_online") or 0), held_bulk=int(data.get("held_bulk") or 0))
 
 
 def live_since(now: float) -> float:

@@ -61,7 +61,7 @@ def test_a_sample_round_trips(quality: dict[str, object]) -> None:
 def test_a_heartbeat_round_trips_from_bytes_or_str(precision: str, precision_speedup: float | None) -> None:
     beat = Heartbeat(state=WorkerState.ready, items_per_s=123.456, batch_size=32, cold_start_s=4.5, processed=99,
                      pid=4242, at=1_700_000_000.75, precision=precision, precision_speedup=precision_speedup,
-                     backlog_items_per_s=456.789)
+                     backlog_items_per_s=456.789, held_online=7, held_bulk=96)
     assert Heartbeat.from_fields(_as_redis(beat.to_fields())) == beat
     assert Heartbeat.from_fields(beat.to_fields()) == beat
     assert live_since(100.0) == 100.0 - LIVE_WITHIN_S
@@ -74,6 +74,7 @@ def test_a_heartbeat_without_a_precision_reads_as_none_chosen() -> None:
     beat = Heartbeat.from_fields(_as_redis(fields))
     assert (beat.precision, beat.precision_speedup) == ("", None)
     assert beat.backlog_items_per_s == 0.0  # nor a backlog rate: its plain rate stands in
+    assert (beat.held_online, beat.held_bulk) == (0, 0)
 
 
 @pytest.mark.parametrize("event", [
