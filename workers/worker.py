@@ -10,12 +10,8 @@ so one version's flood holds another's batch back by at most the batch already r
 entry is acknowledged only after its outcome is stored; an entry left unacknowledged by a dead
 worker is taken over with XAUTOCLAIM.
 
-Exactly once while workers live: an entry can wait in the prefetch, or on a model slower than
-`claim_after_s`, for longer than XAUTOCLAIM's idle threshold, so the worker refreshes everything
-it holds every third of that threshold (`StreamConsumer.refresh`); only a worker that stops
-refreshing (dead, or stalled that long) has its entries taken over. It also holds no more than
-it can start within half the threshold (`held_limit`), so waiting work stays where an idle
-worker can read it.
+Exactly once while workers live: what a worker holds it keeps its own by refreshing it, and it
+holds no more than it can start soon (`workers/holdings.py`).
 
 The worker is orchestration only: the stream protocol (reading, claiming, acknowledging, the
 heartbeat) is `sluice.wire.streams`', and storing a batch's outcomes is `workers.results`'.
@@ -30,7 +26,7 @@ import math
 import os
 import socket
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -43,6 +39,7 @@ from sluice.errors import BrokerError, HandlerHung, InferenceError, WorkerFailed
 from sluice.fair_share import DEFAULT_AGEING_S
 from sluice.retry import RetryPolicy
 from sluice.vocabulary import ClaimVerdict, Lane
+from sluice.wire.connections import stop_if_cancelled
 from sluice.wire.entries import Delivered
 from sluice.wire.heartbeats import BEAT_EVERY_S, Heartbeat, WorkerState
 from sluice.wire.jobs import JobStatus
@@ -50,6 +47,7 @@ from sluice.wire.mix import Pass, Tally
 from sluice.wire.streams import StreamConsumer
 from workers.batch_log import BatchLog
 from workers.execution import Outcome, run_timed_out, timed_out
+from workers.holdings import Holdings, held_limit
 from workers.metrics import BatchMetrics
 from workers.models.protocol import ModelHandler
 from workers.references import References
@@ -64,9 +62,6 @@ log = logging.getLogger(__name__)
 # The longest the reader sleeps (blocked on the streams, or napping while the model is busy)
 # before it looks at the stop flag and the prefetch room again.
 READ_BLOCK_MS = 250
-# Held entries are refreshed this many times per claim_after_s: two refreshes can fail (a Redis
-# blip) before another worker could take them over.
-REFRESHES_PER_CLAIM = 3
 # The longest the runner waits for a claim under way before it takes the next batch.
 CLAIM_WAIT_S = 0.005
 # The shortest wait on the streams of a reader whose model is busy with a backlog.
@@ -102,29 +97,6 @@ def _part(batch: Batch[Delivery], items: Sequence[Item[Delivery]]) -> Batch[Deli
     """Some of a batch's items, as a batch of their own (stored apart from the rest)."""
     return Batch(items=tuple(items), close_reason=batch.close_reason, bucket=batch.bucket, tenant=batch.tenant,
                  closed_at=batch.closed_at)
-
-
-def _stop_if_cancelled(exc: BrokerError | None = None) -> None:
-    """Raise CancelledError if the running task is being cancelled. redis-py can take the
-    cancellation of a command in flight for a lost connection: it answers a connection error, or
-    reconnects and sends the command again under its retry policy and answers that. A loop that
-    goes on after either would run past the worker's stop, and hold the event loop's shutdown for
-    ever: each loop asks after every Redis call."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError from exc
-
-
-def held_limit(*, prefetch: int, max_batch_size: int, items_per_s: float, claim_after_s: float) -> int:
-    """How many entries a worker may hold (read and not yet acknowledged).
-
-    `prefetch` at most; once the service rate is measured, no more than the worker can start
-    within half of `claim_after_s`, but never under two batches (one on the model, the next one
-    formed), or the model would wait on Redis between batches.
-    """
-    if items_per_s <= 0:
-        return prefetch
-    return min(prefetch, max(2 * max_batch_size, math.floor(items_per_s * claim_after_s / 2)))
 
 
 class Worker:
@@ -206,7 +178,7 @@ class Worker:
         self.results = ResultWriter(streams=self.streams, result_ttl_s=result_ttl_s,
                                     woke_at=clock() if woke else None)
         self._ready: deque[Batch[Delivery]] = deque()  # drain batches, run before anything else
-        self._held: dict[str, Lane] = {}  # entry id -> lane: read, not yet acknowledged nor released
+        self.holdings = Holdings(streams=self.streams, name=self.name, claim_after_s=claim_after_s)
         self._wake_runner = asyncio.Event()
         self._wake_reader = asyncio.Event()
         self._claimed = asyncio.Event()  # clear while entries read are being claimed
@@ -246,7 +218,7 @@ class Worker:
         reader = asyncio.create_task(self._read_loop(), name="reader")
         runner = asyncio.create_task(self._run_loop(), name="runner")
         beat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
-        refresh = asyncio.create_task(self._refresh_loop(), name="refresh")
+        refresh = asyncio.create_task(self.holdings.keep(self._give_up), name="refresh")
         try:
             # Only the reader ends on its own (on a stop request). Any other loop that ends has
             # failed: a worker whose runner died would go on claiming jobs it never runs while its
@@ -308,10 +280,10 @@ class Worker:
         while not self._stopping.is_set():
             try:
                 await self._read_once()
-                _stop_if_cancelled()
+                stop_if_cancelled()
                 backoff.succeeded()
             except BrokerError as exc:
-                _stop_if_cancelled(exc)
+                stop_if_cancelled(exc)
                 if not backoff.failures:
                     log.warning("worker %s lost Redis, retrying with backoff: %s", self.name, exc)
                 await asyncio.sleep(backoff.failed())
@@ -322,7 +294,7 @@ class Worker:
         self._wake_reader.clear()
         limit = held_limit(prefetch=self.prefetch, max_batch_size=self.max_batch_size,
                            items_per_s=self.rates.items_per_s(), claim_after_s=self.claim_after_s)
-        room = limit - len(self._held)
+        room = limit - len(self.holdings)
         # Bulk entries never take the last batch of room: an online arrival is read (and, by its
         # priority in the batcher, run) after at most the forward pass under way.
         bulk_room = min(self.max_batch_size, room - min(self.max_batch_size, limit // 2))
@@ -384,7 +356,7 @@ class Worker:
             await self.streams.release(lane, [])
         plan = self._turns.release(lane, self.streams.held_queues[lane], want=room, now=self.clock())
         await self.streams.release(lane, plan)
-        _stop_if_cancelled()
+        stop_if_cancelled()
 
     async def _read(self, lanes: Sequence[Lane], count: int, *, block_ms: int | None) -> list[Delivered]:
         found = await self.streams.read(lanes, count=count, block_ms=block_ms)
@@ -405,7 +377,7 @@ class Worker:
     async def _accept(self, entries: Sequence[Delivered]) -> None:
         """Claim each job (queued -> running) and hand the runnable ones to the batcher."""
         # XAUTOCLAIM can hand back an entry this worker still holds (a slow model): not twice.
-        entries = [e for e in entries if e.entry_id not in self._held]
+        entries = [e for e in entries if e.entry_id not in self.holdings]
         if not entries:
             return
         # One round trip: the claim script also announces each change and settles (acknowledges,
@@ -431,7 +403,7 @@ class Worker:
                 )
                 self._turns.saw(entry.tenant, entry.share, now)
                 self.batcher.add(item)
-                self._held[item.id] = delivered.lane
+                self.holdings.hold(item.id, delivered.lane)
             elif claim.verdict == ClaimVerdict.expired:
                 self._metrics.finished[JobStatus.expired].inc()
             elif claim.verdict == ClaimVerdict.dead:
@@ -591,7 +563,7 @@ class Worker:
                     log.warning("storing a batch failed, retrying: %s", exc)
                 await asyncio.sleep(backoff.failed())
         for item in batch.items:
-            self._held.pop(item.id, None)
+            self.holdings.let_go(item.id)
         self._wake_reader.set()
         self.processed += size
         self.last_batch_size = size
@@ -615,26 +587,6 @@ class Worker:
 
     # --- keeping what this worker holds -----------------------------------------------------------
 
-    async def _refresh_loop(self) -> None:
-        warned = False
-        while True:
-            await asyncio.sleep(self.claim_after_s / REFRESHES_PER_CLAIM)
-            held: dict[Lane, list[str]] = {}
-            for entry_id, lane in self._held.items():
-                held.setdefault(lane, []).append(entry_id)
-            try:
-                lost = await self.streams.refresh(held)
-                _stop_if_cancelled()
-            except BrokerError as exc:
-                _stop_if_cancelled(exc)
-                if not warned:
-                    log.warning("worker %s could not refresh the entries it holds: %s", self.name, exc)
-                warned = True
-                continue
-            warned = False
-            if lost:
-                self._give_up(lost)
-
     def _give_up(self, lost: set[str]) -> None:
         """Entries this worker no longer owns: acknowledged meanwhile, or taken over by another
         worker while this one stalled past claim_after_s. Those still waiting in the batcher are
@@ -642,7 +594,7 @@ class Worker:
         the first outcome (and its sample) of the two."""
         dropped = self.batcher.remove(lost)
         for item in dropped:
-            self._held.pop(item.id, None)
+            self.holdings.let_go(item.id)
         if dropped:
             log.warning("worker %s gave up %d entries another worker took over", self.name, len(dropped))
             self._wake_reader.set()
@@ -651,7 +603,7 @@ class Worker:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            held = Counter(self._held.values())
+            held = self.holdings.per_lane()
             try:
                 await self.streams.beat(Heartbeat(
                     state=self.state, items_per_s=self.rates.items_per_s(), batch_size=self.last_batch_size,
@@ -661,7 +613,7 @@ class Worker:
                     held_online=held["online"], held_bulk=held["bulk"],
                 ))
                 await self._tally.flush(self._redis, self.model, self.version)
-                _stop_if_cancelled()
+                stop_if_cancelled()
             except BrokerError as exc:
-                _stop_if_cancelled(exc)
+                stop_if_cancelled(exc)
             await asyncio.sleep(BEAT_EVERY_S)

@@ -11,6 +11,7 @@ script's keys in one slot (`sluice.wire.keys`), so it is handed out typed as the
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -93,3 +94,14 @@ def connect_sync(url: str, *, socket_timeout_s: float | None = 5.0, **options: A
                                               socket_connect_timeout=2.0, **options)
         return cast(redis.Redis, cluster)
     return redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=2.0, **options)
+
+
+def stop_if_cancelled(exc: BrokerError | None = None) -> None:
+    """Raise CancelledError if the running task is being cancelled. redis-py can take the
+    cancellation of a command in flight for a lost connection: it answers a connection error, or
+    reconnects and sends the command again under its retry policy and answers that. A loop that
+    goes on after either would run past its task's stop, and hold the event loop's shutdown for
+    ever: each of a worker's loops asks after every Redis call."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError from exc

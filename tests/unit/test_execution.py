@@ -1,5 +1,5 @@
 """Which failures end a job and which leave it for another delivery (workers/execution.py), and how
-much a worker may hold (workers/worker.held_limit): pure, no Redis."""
+much a worker may hold (workers/holdings.held_limit): pure, no Redis."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from sluice.errors import InferenceError
 from sluice.kinds import ModelKind
 from workers.execution import fault_message, run_isolating
+from workers.holdings import held_limit
 from workers.models.protocol import ModelHandler
-from workers.worker import held_limit
 
 
 class Raising(ModelHandler):
