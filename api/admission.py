@@ -186,10 +186,10 @@ class Admission:
         backlog = await self._backlog(model, version)
         beats = await heartbeats.live_heartbeats(self.redis, model, version, now=now)
         load = Load(backlog=backlog, service_rate=sum(beat.items_per_s for beat in beats),
-                     live_workers=len(beats), read_at=now, admitted_mark=mark, unwritten=unwritten,
-                     backlog_rate=sum(beat.backlog_items_per_s or beat.items_per_s for beat in beats),
-                     held_online=sum(beat.held_online for beat in beats),
-                     held_bulk=sum(beat.held_bulk for beat in beats))
+                    live_workers=len(beats), read_at=now, admitted_mark=mark, unwritten=unwritten,
+                    backlog_rate=sum(beat.backlog_items_per_s or beat.items_per_s for beat in beats),
+                    held_online=sum(beat.held_online for beat in beats),
+                    held_bulk=sum(beat.held_bulk for beat in beats))
         self._loads[(model, version)] = load
         return load
 
