@@ -266,7 +266,8 @@ class RealReplica:
                       result_ttl_s=self.settings.result_ttl_s, claim_after_s=self.settings.claim_after_s,
                       max_deliveries=self.settings.max_deliveries,
                       prefetch_batches=self.settings.worker_prefetch_batches,
-                      shutdown_grace_s=self.settings.shutdown_grace_s)
+                      shutdown_grace_s=self.settings.shutdown_grace_s,
+                      adaptive_wait=self.settings.batch_adaptive_wait)
 
     async def _queue(self, version: str, indices: Sequence[int], arrivals: Sequence[float]) -> list[str]:
         from sluice.wire.jobs import JobRecord, JobStatus
@@ -382,9 +383,10 @@ class SimReplica:
     """The same probes and phases in `scheduler.planning.frontier_sim`, at a fitted cost."""
 
     def __init__(self, *, fit: CostFit, pool: TextPool, passes: PassPlan | None, options: Options,
-                 prefetch_batches: int) -> None:
+                 prefetch_batches: int, adaptive_wait: bool) -> None:
         self.fit, self.pool, self.passes, self.options = fit, pool, passes, options
         self.prefetch_batches = prefetch_batches
+        self.adaptive_wait = adaptive_wait
 
     def _jobs(self, indices: Sequence[int], arrivals: Sequence[float]) -> list[SimJob]:
         return [SimJob(at=at, cost=self.pool.costs[i], tokens=self.pool.tokens[i])
@@ -392,7 +394,8 @@ class SimReplica:
 
     def _run(self, jobs: Sequence[SimJob], max_batch_size: int, max_wait_ms: float) -> Any:
         return run_replica(jobs, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, cost=self.fit.cost,
-                           passes=self.passes, prefetch_batches=self.prefetch_batches)
+                           passes=self.passes, prefetch_batches=self.prefetch_batches,
+                           adaptive_wait=self.adaptive_wait)
 
     def probe(self, max_batch_size: int) -> float:
         n = max(PROBE_MIN_JOBS, PROBE_BATCHES * max_batch_size)
@@ -479,11 +482,13 @@ def run(options: Options, *, log: Callable[[str], None]) -> dict[str, Any]:
         finally:
             replica.close()
         prefetch = replica.settings.worker_prefetch_batches
+        adaptive_wait = replica.settings.batch_adaptive_wait
     real_s = time.monotonic() - started
     fit = fit_cost(handler.calls)
     log(f"cost fitted to {fit.batches} forward passes: {fit.describe()} (R^2 {fit.r2:.3f})")
     started = time.monotonic()
-    sim = SimReplica(fit=fit, pool=pool, passes=pass_plan(inner), options=options, prefetch_batches=prefetch)
+    sim = SimReplica(fit=fit, pool=pool, passes=pass_plan(inner), options=options, prefetch_batches=prefetch,
+                     adaptive_wait=adaptive_wait)
     simulated = sweep("sim", probe=sim.probe, rung=sim.rung, **grid)
     return document(options, target, at_start, fit, {"real": real, "sim": simulated},
                     {"real": real_s, "sim": time.monotonic() - started})

@@ -31,6 +31,7 @@ def retune() -> list[dict[str, Any]]:
     if not _running.acquire(blocking=False):
         return []
     try:
+        from scheduler.planning.retune import Grid
         from scheduler.retune import retune_all
 
         settings = Settings()
@@ -40,7 +41,8 @@ def retune() -> list[dict[str, Any]]:
             redis = connect(settings.require_redis_url(), max_connections=2)
             try:
                 outcomes = await retune_all(registry=registry, redis=redis, min_gain=settings.retune_min_gain,
-                                            batch_timeout_s=settings.batch_timeout_s, clock=time.time)
+                                            batch_timeout_s=settings.batch_timeout_s, clock=time.time,
+                                            grid=Grid(adaptive_wait=settings.batch_adaptive_wait))
             finally:
                 await redis.aclose()
             return [asdict(outcome) for outcome in outcomes]

@@ -13,7 +13,8 @@ Items are grouped by ``(priority, job priority, tenant, length bucket)``
 (tenant is ``None`` when tenants are not isolated). A group closes
 
 * by **size** as soon as it holds ``max_batch_size`` items,
-* by **age** when its oldest item has waited ``max_wait_ms``,
+* by **age** when its oldest item has waited ``max_wait_ms`` (with ``adaptive_wait``, only as
+  much of it as another arrival of its lane is expected within: sluice/batch_window.py),
 * by **drain** when the caller shuts down.
 
 Two ways to drive it:
@@ -72,6 +73,7 @@ from typing import Any, Generic, cast
 
 from typing_extensions import TypeVar
 
+from sluice.batch_window import ArrivalGaps, waited_window_s
 from sluice.fair_share import DEFAULT_AGEING_S, DEFAULT_PRIORITY, DeficitRoundRobin, effective_priority
 from sluice.vocabulary import CloseReason
 
@@ -144,6 +146,7 @@ class MicroBatcher(Generic[P]):
     __slots__ = (
         "_ageing_s",
         "_bounds",
+        "_gaps",
         "_groups",
         "_isolate",
         "_max_batch_size",
@@ -151,6 +154,7 @@ class MicroBatcher(Generic[P]):
         "_next_seq",
         "_top_up_enabled",
         "_turns",
+        "_waits",
         "_where",
     )
 
@@ -164,6 +168,7 @@ class MicroBatcher(Generic[P]):
         top_up: bool = True,
         ageing_s: float = DEFAULT_AGEING_S,
         turns: DeficitRoundRobin[str] | None = None,
+        adaptive_wait: bool = False,
     ) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
             raise ValueError(f"max_batch_size must be an int, got {max_batch_size!r}")
@@ -195,6 +200,9 @@ class MicroBatcher(Generic[P]):
         self._groups: dict[_TenantKey, dict[int, list[_Entry[P]]]] = {}
         self._where: dict[str, tuple[_TenantKey, int]] = {}
         self._next_seq = 0
+        # Per priority (lane): its arrivals' gaps and the window they leave (sluice/batch_window.py).
+        self._gaps: dict[int, ArrivalGaps] | None = {} if adaptive_wait else None
+        self._waits: dict[int, float] = {}
 
     @property
     def max_batch_size(self) -> int:
@@ -207,6 +215,11 @@ class MicroBatcher(Generic[P]):
     def bucket_of(self, cost: int) -> int:
         """Index of the first bound >= cost, or len(bucket_bounds) for overflow."""
         return bisect_left(self._bounds, cost)
+
+    def window_s(self, priority: int) -> float:
+        """How long a batch of this priority (lane) waits for more items now: ``max_wait_ms``, or
+        with ``adaptive_wait`` what the lane's arrival gap leaves of it."""
+        return self._waits.get(priority, self._max_wait_s)
 
     def __len__(self) -> int:
         return len(self._where)
@@ -231,6 +244,10 @@ class MicroBatcher(Generic[P]):
         # Arrivals are nearly in order, so this is almost always an append.
         insort(group, entry)
         self._where[item.id] = (tenant, bucket)
+        if self._gaps is not None:
+            gaps = self._gaps.setdefault(item.priority, ArrivalGaps())
+            gaps.add(item.enqueued_at)
+            self._waits[item.priority] = waited_window_s(self._max_wait_s, gaps.mean_gap_s())
 
     def poll(self, now: float) -> list[Batch[P]]:
         """Close every batch that is ready at ``now``, most urgent first."""
@@ -241,10 +258,10 @@ class MicroBatcher(Generic[P]):
             for bucket, group in list(buckets.items()):
                 while len(group) >= self._max_batch_size:
                     batches.append(self._close(tenant, bucket, "size", now))
-        while (key := self._oldest_group()) is not None:
-            tenant, bucket = key
-            if self._groups[tenant][bucket][0][0] + self._max_wait_s > now:
-                break
+        # Lanes may wait windows of their own, so the oldest group is not always the first due.
+        while ready := [(group[0][:2], tenant, bucket) for tenant, buckets in self._groups.items()
+                        for bucket, group in buckets.items() if group[0][0] + self.window_s(tenant[0]) <= now]:
+            _, tenant, bucket = min(ready)
             batches.append(self._close(tenant, bucket, "age", now))
         batches.sort(key=lambda b: b.oldest_enqueued_at)
         return batches
@@ -278,7 +295,7 @@ class MicroBatcher(Generic[P]):
                 head = group[0]
                 if len(group) >= size:
                     reason: CloseReason = "size"
-                elif head[0] + self._max_wait_s <= now or limit is not None:
+                elif head[0] + self.window_s(tenant[0]) <= now or limit is not None:
                     reason = "age"
                 else:
                     continue
@@ -312,7 +329,7 @@ class MicroBatcher(Generic[P]):
         if key is None:
             return None
         tenant, bucket = key
-        return self._groups[tenant][bucket][0][0] + self._max_wait_s
+        return self._groups[tenant][bucket][0][0] + self.window_s(tenant[0])
 
     def drain(self, now: float) -> list[Batch[P]]:
         """Close everything held, oldest first, with the same top-up rule."""

@@ -42,6 +42,9 @@ BATCH_SIZE = Histogram("sluice_batch_size", "Jobs per batch", ["model", "version
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 BATCH_FILL = Histogram("sluice_batch_fill_seconds", "From a batch's first job reaching the batcher to its close",
                        ["model", "version", "lane"], buckets=_LATENCY_BUCKETS)
+BATCH_WINDOW = Gauge("sluice_batch_window_seconds", "How long the lane's batches wait for more jobs, as of its last "
+                     "batch: max_wait_ms less the lane's recent arrival gap (sluice/batch_window.py)",
+                     ["model", "version", "lane"])
 BATCH_CLOSED = Counter("sluice_batches_total", "Batches by close reason (size, age, drain)",
                        ["model", "version", "lane", "reason"])
 INPUT_COST = Histogram("sluice_input_cost", "Cost of each input a worker ran (tokens for text kinds, the "

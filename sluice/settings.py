@@ -82,6 +82,9 @@ class Settings(BaseSettings):
     durable_accept_timeout_ms: int = Field(default=1000, ge=1, le=60_000)
 
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # A batch waits for more jobs only while another of its lane is expected within the version's
+    # `max_wait_ms` (sluice/batch_window.py); off, it always waits the whole `max_wait_ms`.
+    batch_adaptive_wait: bool = True
     worker_prefetch_batches: int = Field(default=4, ge=1)
     # `?precision=auto` versions (workers/models/precision.py): the fastest precision that stays
     # within the quality bound against fp32 and reaches `precision_min_speedup` times its speed at

@@ -229,6 +229,7 @@ class WorkerHost:
                 batch_timeout_s=self.settings.batch_timeout_s, slots=self.slots, tier=loaded.tier,
                 group=self.group, resident_bytes=loaded.model.resident_bytes, woke=woke,
                 fair_share=self.settings.fair_share, ageing_s=self.settings.priority_ageing_s,
+                adaptive_wait=self.settings.batch_adaptive_wait,
                 latency_budget_ms=loaded.row.latency_budget_ms,
                 cores=self._cores, gpus=self._gpus,
                 references=References(root=self.settings.batch_root, objects=self.objects,

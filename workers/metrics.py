@@ -15,6 +15,7 @@ from sluice.metrics import (
     BATCH_CLOSED,
     BATCH_FILL,
     BATCH_SIZE,
+    BATCH_WINDOW,
     CORE_SECONDS,
     GPU_SECONDS,
     INPUT_COST,
@@ -39,6 +40,7 @@ class _LaneSeries:
         self.closed = {reason: BATCH_CLOSED.labels(model, version, lane, reason) for reason in CLOSE_REASONS}
         self.size = BATCH_SIZE.labels(model, version, lane)
         self.fill = BATCH_FILL.labels(model, version, lane)
+        self.window = BATCH_WINDOW.labels(model, version, lane)
         self.model_time = MODEL_TIME.labels(model, version, lane)
         self.padding = PADDING_RATIO.labels(model, version, lane)
         self.queue_wait = QUEUE_WAIT.labels(model, version, lane)
@@ -66,7 +68,7 @@ class BatchMetrics:
 
     def batch(
         self, batch: Batch[Delivery], outcomes: Sequence[Outcome], won: Sequence[bool], *, started: float,
-        model_s: float, finished: float, usage: PassUsage | None = None,
+        model_s: float, finished: float, window_s: float, usage: PassUsage | None = None,
     ) -> None:
         """A stored batch (one forward pass). Per-job series count only the writes that made a job
         final, as its sample does, so they agree with the stats resource. Without `usage` (jobs
@@ -78,6 +80,7 @@ class BatchMetrics:
         series.closed[batch.close_reason].inc()
         series.model_time.observe(model_s)
         series.fill.observe(max(0.0, batch.closed_at - min(item.payload.arrived_at for item in batch.items)))
+        series.window.set(window_s)
         if usage is not None:
             series.padding.observe(usage.padded_tokens / usage.real_tokens if usage.real_tokens else 1.0)
             series.padded_tokens.inc(usage.padded_tokens)

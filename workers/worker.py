@@ -131,6 +131,7 @@ class Worker:
         woke: bool = False,
         fair_share: bool = True,
         ageing_s: float = DEFAULT_AGEING_S,
+        adaptive_wait: bool = True,
         latency_budget_ms: float = 2000.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -170,7 +171,7 @@ class Worker:
         self.batcher: MicroBatcher[Delivery] = MicroBatcher(
             max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, isolate_tenants=isolate_tenants, top_up=top_up,
             bucket_bounds=DEFAULT_BUCKET_BOUNDS if handler.length_buckets else (), ageing_s=ageing_s,
-            turns=self._turns.model if fair_share else None)
+            turns=self._turns.model if fair_share else None, adaptive_wait=adaptive_wait)
         self.streams = StreamConsumer(redis=redis, model=model, version=version, name=self.name,
                                       claim_after_s=claim_after_s, max_deliveries=max_deliveries,
                                       result_ttl_s=result_ttl_s)
@@ -568,7 +569,8 @@ class Worker:
         self.processed += size
         self.last_batch_size = size
         self.rates.stored(size, model_s)
-        self._metrics.batch(batch, outcomes, won, started=started, model_s=model_s, finished=finished, usage=usage)
+        self._metrics.batch(batch, outcomes, won, started=started, model_s=model_s, finished=finished,
+                            window_s=self.batcher.window_s(batch.items[0].priority), usage=usage)
         self._tally.served(at=finished, lane=batch.items[0].payload.lane,
                            costs=[item.cost for item, first in zip(batch.items, won, strict=True) if first])
         self._log_batch(batch, outcomes, won, model_ms)

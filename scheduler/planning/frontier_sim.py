@@ -43,7 +43,7 @@ class SimOutcome:
 
 
 def run_replica(jobs: Sequence[SimJob], *, max_batch_size: int, max_wait_ms: float, cost: CostModel,
-                passes: PassPlan | None = None, prefetch_batches: int = 4) -> SimOutcome:
+                passes: PassPlan | None = None, prefetch_batches: int = 4, adaptive_wait: bool = False) -> SimOutcome:
     """Every job of `jobs` (sorted by arrival) through one replica; when each finished.
 
     `passes` None: the handler pads a batch to its longest job, so jobs are grouped by length
@@ -51,7 +51,7 @@ def run_replica(jobs: Sequence[SimJob], *, max_batch_size: int, max_wait_ms: flo
     """
     batcher: MicroBatcher[int] = MicroBatcher(
         max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, isolate_tenants=False, top_up=False,
-        bucket_bounds=DEFAULT_BUCKET_BOUNDS if passes is None else ())
+        bucket_bounds=DEFAULT_BUCKET_BOUNDS if passes is None else (), adaptive_wait=adaptive_wait)
     limit = prefetch_batches * max_batch_size
     outcome = SimOutcome(finished=[math.nan] * len(jobs))
     stream: deque[int] = deque()

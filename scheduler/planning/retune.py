@@ -53,12 +53,14 @@ class Grid:
     phase_s: float = 10.0
     min_ratio: float = 0.95
     seed: int = 0
+    adaptive_wait: bool = True  # as the workers batch (`batch_adaptive_wait`)
 
     def with_setting(self, max_batch_size: int, max_wait_ms: float) -> Grid:
         """This grid, holding the given setting too."""
         return Grid(batch_sizes=tuple(sorted({*self.batch_sizes, max_batch_size})),
                     waits_ms=tuple(sorted({*self.waits_ms, max_wait_ms})), fractions=self.fractions,
-                    phase_s=self.phase_s, min_ratio=self.min_ratio, seed=self.seed)
+                    phase_s=self.phase_s, min_ratio=self.min_ratio, seed=self.seed,
+                    adaptive_wait=self.adaptive_wait)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,12 +120,14 @@ class _Replica:
     def probe(self, max_batch_size: int) -> float:
         n = max(PROBE_MIN_JOBS, PROBE_BATCHES * max_batch_size)
         jobs = self._jobs([0.0] * n, self.grid.seed)
-        return drain_rate(run_replica(jobs, max_batch_size=max_batch_size, max_wait_ms=0.0, cost=self.cost).finished)
+        return drain_rate(run_replica(jobs, max_batch_size=max_batch_size, max_wait_ms=0.0, cost=self.cost,
+                                      adaptive_wait=self.grid.adaptive_wait).finished)
 
     def rung(self, max_batch_size: int, max_wait_ms: float, rate: float, seed: int) -> Rung:
         offsets = poisson_arrivals(rate, self.grid.phase_s, seed)
         jobs = self._jobs(offsets, seed)
-        outcome = run_replica(jobs, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, cost=self.cost)
+        outcome = run_replica(jobs, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, cost=self.cost,
+                              adaptive_wait=self.grid.adaptive_wait)
         return measure_rung(offered_rps=rate, duration_s=self.grid.phase_s, arrivals=offsets,
                             finishes=outcome.finished,
                             latencies_ms=[(done - job.at) * 1000 for done, job in zip(outcome.finished, jobs,

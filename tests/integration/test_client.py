@@ -137,6 +137,34 @@ async def test_async_client_many_concurrent_submits_and_waits(
     assert [job["output"]["echo"]["text"] for job in jobs] == texts
 
 
+async def test_async_client_calls_past_max_connections_wait_their_turn_then_time_out(
+    client: Callable[..., AsyncClient],
+    register_synthetic: Callable[..., str],
+) -> None:
+    """Long-polls on a job no worker runs hold their connection for their whole wait: with one
+    connection, three of 0.4 s run one after another, and a call that finds none free within the
+    client's timeout fails as httpx's own pool would."""
+    model = register_synthetic("aclient-cap")  # no worker: its jobs stay queued
+    async with client(max_connections=1, timeout_s=5) as sluice:
+        job = await sluice.submit(model, {"text": "never runs"})
+        started = time.monotonic()
+        polls = await asyncio.gather(*(sluice.job(job["id"], wait_s=0.4) for _ in range(3)))
+        assert [poll["status"] for poll in polls] == ["queued"] * 3
+        assert time.monotonic() - started >= 1.2
+    # Twenty places are twenty at once, however the client splits them over its pools.
+    async with client(max_connections=20, timeout_s=5) as sluice:
+        started = time.monotonic()
+        polls = await asyncio.gather(*(sluice.job(job["id"], wait_s=1.0) for _ in range(20)))
+        assert [poll["status"] for poll in polls] == ["queued"] * 20
+        assert time.monotonic() - started < 1.9
+    async with client(max_connections=1, timeout_s=0.3) as sluice:
+        holding = asyncio.create_task(sluice.job(job["id"], wait_s=1.0))
+        await asyncio.sleep(0.05)
+        with pytest.raises(httpx.PoolTimeout):
+            await sluice.job(job["id"])
+        assert (await holding)["status"] == "queued"
+
+
 # --- many jobs, one long-poll ----------------------------------------------------------------------
 
 

@@ -50,11 +50,14 @@ def _worker_metrics(rds: redis.Redis, model: str) -> tuple[str, dict[str, list[A
     return found[0]
 
 
+MAX_WAIT_MS = 20
+
+
 def test_stats_and_worker_histograms_agree_after_a_known_load(
     demo: httpx.Client, admin: httpx.Client, rds: redis.Redis, register_synthetic: Callable[..., str],
     start_worker: Callable[..., WorkerProcess], wait_jobs: Callable[..., list[dict[str, Any]]],
 ) -> None:
-    model = register_synthetic("observed", max_batch_size=8, max_wait_ms=20)
+    model = register_synthetic("observed", max_batch_size=8, max_wait_ms=MAX_WAIT_MS)
     worker = start_worker(model)
 
     traced = demo.post(f"/v1/models/{model}/jobs", json={"input": {"text": "traced"}},
@@ -97,6 +100,8 @@ def test_stats_and_worker_histograms_agree_after_a_known_load(
     assert _value(metrics["sluice_batch_size"], "sluice_batch_size_count", **version) == batches
     assert _value(metrics["sluice_batch_size"], "sluice_batch_size_sum", **version) == JOBS
     assert _value(metrics["sluice_batch_fill_seconds"], "sluice_batch_fill_seconds_count", **version) == batches
+    assert 0 <= _value(metrics["sluice_batch_window_seconds"], "sluice_batch_window_seconds", lane="online",
+                       **version) <= MAX_WAIT_MS / 1000
     for reason, count in stats["close_reasons"].items():
         assert _value(metrics["sluice_batches"], "sluice_batches_total", reason=reason, **version) == count, reason
     # The histograms' own view of the median agrees with the exact one within a bucket.

@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 from sqlalchemy import select
 
-from bench.fairness import measure
+from bench.fairness import WAIT_MS, measure
 from sluice.registry.store import Registry
 from sluice.registry.tables import AuditEntry
 from sluice.wire import keys
@@ -27,8 +27,9 @@ pytestmark = pytest.mark.slow
 
 # The bench's target is 1.5x at p99 (bench/README.md). Here looser bounds, for a busy 2-core runner
 # where one stalled job sets a p99 of 100, as does the trickle's first job, which waits for the
-# flood's whole batch under way (50 ms): the median within twice the idle one, and the p99 within
-# 250 ms, where without the rule the trickle waits for the whole flood (about 9 s).
+# flood's whole batch under way (50 ms): the median within twice the idle one, or twice a batching
+# window where the idle trickle ran at once (a lone job waits no window: sluice/batch_window.py),
+# and the p99 within 250 ms, where without the rule the trickle waits for the whole flood (about 9 s).
 MEDIAN_RATIO = 2.0
 P99_BOUND_MS = 250.0
 
@@ -36,7 +37,7 @@ P99_BOUND_MS = 250.0
 async def test_a_flood_from_one_tenant_does_not_set_anothers_wait(redis_url: str) -> None:
     idle = await measure(redis_url, flood=0, trickle_jobs=100)
     fair = await measure(redis_url, flood=2500, trickle_jobs=100)
-    assert fair.p50_ms <= MEDIAN_RATIO * idle.p50_ms, (idle, fair)
+    assert fair.p50_ms <= MEDIAN_RATIO * max(idle.p50_ms, WAIT_MS), (idle, fair)
     assert fair.p99_ms <= P99_BOUND_MS, (idle, fair)
     # The flood progressed beside the trickle: sharing, not starving it.
     assert fair.flood_done > 100, fair

@@ -170,3 +170,31 @@ def test_a_worker_whose_model_is_busy_leaves_a_new_job_to_an_idle_one(
     assert rds.hget(keys.job(first), "worker") != rds.hget(keys.job(second), "worker")
     started = datetime.fromisoformat(jobs[1]["timings"]["started_at"])
     assert started < datetime.fromisoformat(jobs[0]["timings"]["finished_at"]), jobs
+
+
+def _queue_wait_s(job: dict[str, Any]) -> float:
+    timings = job["timings"]
+    return (datetime.fromisoformat(timings["started_at"]) - datetime.fromisoformat(timings["enqueued_at"])
+            ).total_seconds()
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_a_lone_job_waits_for_company_only_when_more_are_expected(
+    demo: httpx.Client, register_synthetic: Callable[..., str], start_worker: Callable[..., Any],
+    wait_jobs: Callable[..., Jobs], adaptive: bool,
+) -> None:
+    """With the adaptive window (the default) a job arriving alone starts at once, while jobs
+    arriving together still wait out `max_wait_ms` for more; with it off, both wait it out."""
+    model = register_synthetic("window", max_batch_size=32, max_wait_ms=1500)
+    start_worker(model, env={"SLUICE_BATCH_ADAPTIVE_WAIT": str(adaptive).lower()})
+    time.sleep(1.2)  # past the arrival gaps' horizon: nothing recent to wait for
+    [lone] = bulk(demo, model, [{"text": "alone"}], lane="online")
+    [lone_job] = wait_jobs(demo, [lone])
+    together = bulk(demo, model, [{"text": f"together {i}"} for i in range(5)], lane="online")
+    jobs = wait_jobs(demo, together)
+    assert {job["batch"]["size"] for job in jobs} == {5}
+    assert min(_queue_wait_s(job) for job in jobs) >= 1.4, jobs
+    if adaptive:
+        assert _queue_wait_s(lone_job) < 0.75, lone_job
+    else:
+        assert _queue_wait_s(lone_job) >= 1.4, lone_job

@@ -92,7 +92,7 @@ def test_a_worker_counts_the_jobs_over_its_versions_own_budget() -> None:
                   for i, waited in enumerate((0.1, 0.29, 0.31, 2.0)))
     batch = Batch(items=items, close_reason="size", bucket=0, tenant="t", closed_at=finished - 0.01)
     metrics.batch(batch, [Outcome(output={}) for _ in items], [True, True, True, False], started=finished - 0.01,
-                  model_s=0.01, finished=finished)
+                  model_s=0.01, finished=finished, window_s=0.01)
     # The fourth job's outcome was another delivery's: it counts there, not here.
     assert JOBS_OVER_BUDGET.labels(model, "v1", "online")._value.get() == 1
     assert JOB_SECONDS.labels(model, "v1", "online")._sum.get() == pytest.approx(0.1 + 0.29 + 0.31)

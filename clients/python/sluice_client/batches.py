@@ -119,8 +119,6 @@ class BatchCalls(ABC):
 
 
 class AsyncBatchCalls(ABC):
-    _http: httpx.AsyncClient
-
     @abstractmethod
     async def _call(self, method: str, path: str, **kwargs: Any) -> Any: ...
 

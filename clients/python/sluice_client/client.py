@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -28,6 +29,8 @@ from sluice_client.webhooks import retry_after_s
 
 # The longest single long-poll a client asks for; the API may cap it lower (`max_wait_s`).
 POLL_S = 20.0
+# Connections per httpx pool of the AsyncClient (`_Pools`).
+POOL_CONNECTIONS = 8
 
 
 class SluiceError(Exception):
@@ -279,12 +282,58 @@ class SluiceClient(AdminCalls, BatchCalls):
                     yield job
 
 
+class _Pools:
+    """`max_connections` split over httpx clients of at most POOL_CONNECTIONS each, a call taking
+    a place in the first with one free.
+
+    httpx's pool scans its connections for every request it holds, and for each idle one counts
+    them all, each time a request starts or ends: with 128 connections that bookkeeping was 60 %
+    of the client's CPU once they were busy (py-spy, `bench.slo_throughput` at 190 jobs/s), and its
+    CPU per job grew from 2 to 8-11 ms, taking the cores the server needed (bench/README.md). Small pools keep each scan
+    short; filling the first ones first lets the others' connections expire when traffic is light.
+    """
+
+    def __init__(self, make: Callable[[int], httpx.AsyncClient], *, max_connections: int, timeout_s: float) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        sizes = [min(POOL_CONNECTIONS, max_connections - start)
+                 for start in range(0, max_connections, POOL_CONNECTIONS)]
+        self._clients = [make(size) for size in sizes]
+        self._free = sizes
+        self._places = asyncio.Semaphore(max_connections)
+        self._timeout_s = timeout_s
+
+    @asynccontextmanager
+    async def place(self) -> AsyncIterator[httpx.AsyncClient]:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._places.acquire()
+        except TimeoutError:
+            raise httpx.PoolTimeout(f"no connection free within {self._timeout_s:g} s") from None
+        # A place was free, so some pool has one.
+        index = next(i for i, free in enumerate(self._free) if free)
+        self._free[index] -= 1
+        try:
+            yield self._clients[index]
+        finally:
+            self._free[index] += 1
+            self._places.release()
+
+    async def aclose(self) -> None:
+        for http in self._clients:
+            await http.aclose()
+
+
 class AsyncClient(AsyncAdminCalls, AsyncBatchCalls):
     """The asyncio client: one connection pool shared by every call, so many jobs can be in
     flight from one event loop. Use it as an async context manager (or call `aclose`).
 
     `wait` raises WaitTimeout when the job is not final in time (the sync `wait` answers the
     last resource instead). A long-poll's own HTTP timeout is `timeout_s` plus its wait.
+
+    The connections are split over small httpx pools (`_Pools`), and calls beyond
+    `max_connections` in flight wait for a place in arrival order (httpx.PoolTimeout after
+    `timeout_s`, as httpx's own pool would).
     """
 
     def __init__(self, *, base_url: str, api_key: str, timeout_s: float = 30.0, retries: int = 3,
@@ -292,10 +341,10 @@ class AsyncClient(AsyncAdminCalls, AsyncBatchCalls):
         self._timeout_s = timeout_s
         self._retries = retries
         self._max_retry_wait_s = max_retry_wait_s
-        self._http = httpx.AsyncClient(
+        self._pools = _Pools(lambda size: httpx.AsyncClient(
             base_url=base_url, timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"},
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
+            limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
+        ), max_connections=max_connections, timeout_s=timeout_s)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -304,14 +353,16 @@ class AsyncClient(AsyncAdminCalls, AsyncBatchCalls):
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._pools.aclose()
 
     async def _call(self, method: str, path: str, *, wait_s: float = 0, **kwargs: Any) -> Any:
         timeout = self._timeout_s + wait_s
         attempt = 0
         while True:
             try:
-                return _decode(await self._http.request(method, path, timeout=timeout, **kwargs))
+                async with self._pools.place() as http:
+                    response = await http.request(method, path, timeout=timeout, **kwargs)
+                return _decode(response)
             except ClientError as error:
                 wait = _retry_wait(error, attempt, retries=self._retries, cap_s=self._max_retry_wait_s)
                 if wait is None:
@@ -384,7 +435,7 @@ class AsyncClient(AsyncAdminCalls, AsyncBatchCalls):
     async def events(self, job_id: str) -> AsyncIterator[dict[str, Any]]:
         """The job resource at each of its state changes (server-sent events), the current state
         first, until it is final; the stream's keep-alives are skipped."""
-        async with self._http.stream("GET", f"/v1/jobs/{job_id}/events") as response:
+        async with self._pools.place() as http, http.stream("GET", f"/v1/jobs/{job_id}/events") as response:
             if response.status_code >= 400:
                 await response.aread()
                 _decode(response)
