@@ -53,15 +53,17 @@ class _LaneSeries:
 
 class BatchMetrics:
     """`latency_budget_s`: the version's latency budget, against which each stored job counts as
-    over or not."""
+    over or not; `max_wait_s`: the window a lane waits before its first arrivals."""
 
-    def __init__(self, *, model: str, version: str, latency_budget_s: float = 2.0) -> None:
+    def __init__(self, *, model: str, version: str, latency_budget_s: float = 2.0, max_wait_s: float = 0.0) -> None:
         self.latency_budget_s = latency_budget_s
         self.finished = {
             status: JOBS_FINISHED.labels(model, version, status.value)
             for status in (JobStatus.succeeded, JobStatus.failed, JobStatus.expired)
         }
         self._lanes = {lane: _LaneSeries(model, version, lane) for lane in LANES}
+        for series in self._lanes.values():
+            series.window.set(max_wait_s)
         self._idle = SLOT_IDLE.labels(model, version)
         self._core_s = CORE_SECONDS.labels(model, version)
         self._gpu_s = GPU_SECONDS.labels(model, version)

@@ -197,7 +197,8 @@ class Worker:
         self.processed = 0
         self.last_batch_size = 0
         self.rates = ServiceRates()
-        self._metrics = BatchMetrics(model=model, version=version, latency_budget_s=latency_budget_ms / 1000.0)
+        self._metrics = BatchMetrics(model=model, version=version, latency_budget_s=latency_budget_ms / 1000.0,
+                                     max_wait_s=max_wait_ms / 1000.0)
         # The served mix and the forward passes, flushed with the heartbeat (sluice/wire/mix.py).
         self._tally = Tally()
 
