@@ -353,9 +353,11 @@ def fuzz_and_judge(
         tally.failures[:20]
     )
     assert tally.server_errors == 0 and tally.resets == 0
-    # The check itself ran: many bodies were refused as JSON, and some got past it.
+    # The check itself ran: many bodies were refused as JSON, and some got past it and past the
+    # schema to a handler: accepted, or a 404 for a path naming nothing (a tenant's fuzzed bodies
+    # are accepted about 3 times in 3,750, too rarely to count on).
     assert tally.statuses.get(422, 0) > tally.cases // 4, tally.statuses
-    assert sum(n for status, n in tally.statuses.items() if status < 300) > 0, tally.statuses
+    assert sum(n for status, n in tally.statuses.items() if status < 300 or status == 404) > 0, tally.statuses
 
 
 def test_raw_json_on_every_body_route_as_a_tenant_gets_no_5xx_and_keeps_the_connection(

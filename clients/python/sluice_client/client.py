@@ -289,8 +289,9 @@ class _Pools:
     httpx's pool scans its connections for every request it holds, and for each idle one counts
     them all, each time a request starts or ends: with 128 connections that bookkeeping was 60 %
     of the client's CPU once they were busy (py-spy, `bench.slo_throughput` at 190 jobs/s), and its
-    CPU per job grew from 2 to 8-11 ms, taking the cores the server needed (bench/README.md). Small pools keep each scan
-    short; filling the first ones first lets the others' connections expire when traffic is light.
+    CPU per job grew from 2 to 8-11 ms, taking the cores the server needed (bench/README.md).
+    Small pools keep each scan short; filling the first ones first lets the others' connections
+    expire when traffic is light.
     """
 
     def __init__(self, make: Callable[[int], httpx.AsyncClient], *, max_connections: int, timeout_s: float) -> None:
@@ -325,8 +326,8 @@ class _Pools:
 
 
 class AsyncClient(AsyncAdminCalls, AsyncBatchCalls):
-    """The asyncio client: one connection pool shared by every call, so many jobs can be in
-    flight from one event loop. Use it as an async context manager (or call `aclose`).
+    """The asyncio client: one set of `max_connections` shared by every call, so many jobs can be
+    in flight from one event loop. Use it as an async context manager (or call `aclose`).
 
     `wait` raises WaitTimeout when the job is not final in time (the sync `wait` answers the
     last resource instead). A long-poll's own HTTP timeout is `timeout_s` plus its wait.
