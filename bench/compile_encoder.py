@@ -9,11 +9,14 @@ one process on 1 torch thread (``--threads``):
 * ``jit-freeze``: ``torch.jit.trace`` then ``torch.jit.freeze`` (TorchScript's frozen
   optimisations, no fuser);
 * ``onednn``: the same traced and frozen graph run with ``torch.jit.enable_onednn_fusion(True)``
-  (oneDNN Graph fuses the matmuls with their neighbours).
+  (oneDNN Graph fuses the matmuls with their neighbours);
+* ``packed`` (bf16 only): the layers the worker runs in bf16 on the CPU
+  (``workers/models/packed.py``: weights reordered once, query, key and value in one product, the
+  GELU fused), where ``eager`` is the same module unpacked (``MiniLMEncoder(packed=False)``);
 
 each in fp32 and, where the CPU has avx512_bf16 or amx_bf16, in bf16 (the module cast, as
-``MiniLMEncoder(dtype=torch.bfloat16)`` does). The texts are the skewed mix, handed over in
-arrival-order batches of 32 and one at a time: ``encode`` splits each batch into the passes
+``MiniLMEncoder(dtype=torch.bfloat16, packed=False)`` does). The texts are the skewed mix, handed over in
+arrival-order batches of 32 and 8 and one at a time: ``encode`` splits each batch into the passes
 ``MiniLMEncoder.passes`` plans, so the shapes are the ones a worker runs.
 
 The first run of a configuration over both plans is its compile run (every distinct pass shape
@@ -45,8 +48,8 @@ from bench.output import command_line, table, write_json
 from bench.quantized import encode_plan
 from scheduler.planning.text_mix import SKEWED, skewed_texts
 
-KINDS = ("eager", "inductor", "jit-freeze", "onednn")
-BATCH_SIZES = (32, 1)
+KINDS = ("eager", "inductor", "jit-freeze", "onednn", "packed")
+BATCH_SIZES = (32, 8, 1)
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -100,6 +103,10 @@ def build(kind: str, encoder: Any, eager: Any) -> Any:
 
     if kind == "eager":
         return eager
+    if kind == "packed":
+        from workers.models.minilm import MiniLMEncoder
+
+        return MiniLMEncoder(model_dir=encoder.model_dir, dtype=encoder.dtype).model
     if kind == "inductor":
         return torch.compile(eager, dynamic=True)
     module = traced(encoder)
@@ -151,14 +158,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtypes = {"fp32": torch.float32}
     if bf16_flags() and not args.fp32_only:
         dtypes["bf16"] = torch.bfloat16
-    configs = [(kind, name) for name in dtypes for kind in KINDS if kind in args.kinds]
+    configs = [(kind, name) for name in dtypes for kind in KINDS
+               if kind in args.kinds and (kind != "packed" or name == "bf16")]
     texts = skewed_texts(args.texts, seed=args.seed)
     encoders: dict[tuple[str, str], Any] = {}
     eager: dict[str, Any] = {}
     for name, dtype in dtypes.items():
-        eager[name] = MiniLMEncoder(model_dir=model_dir, dtype=dtype).model
+        eager[name] = MiniLMEncoder(model_dir=model_dir, dtype=dtype, packed=False).model
     for kind, name in configs:
-        encoder = MiniLMEncoder(model_dir=model_dir, dtype=dtypes[name])
+        encoder = MiniLMEncoder(model_dir=model_dir, dtype=dtypes[name], packed=False)
         encoder.model = eager[name]
         encoders[kind, name] = encoder
     reference = encoders["eager", "fp32"]

@@ -21,6 +21,7 @@ from torch import nn
 from sluice.errors import ArtifactError, ModelError
 from workers.models.bert import WEIGHTS_FILE, BertConfig, BertEncoder, load_bert_weights, read_json
 from workers.models.int8 import CALIBRATION_TEXTS, activation_maxima, quantize_int8
+from workers.models.packed import pack_layers, packs
 
 DEFAULT_MAX_SEQ_LENGTH = 256
 # How the encoder splits a batch into forward passes (see MiniLMEncoder.passes). On one CPU
@@ -96,7 +97,8 @@ class MiniLMEncoder:
     ``encode`` pads each batch only to its own longest text, so callers that batch by length
     pay for no padding beyond that; it returns float32 vectors on the CPU. ``quantize="int8"``
     runs the projections as dynamic int8 (CPU and float32 only; see :func:`quantize_int8`),
-    smoothed with activation maxima measured at load on :data:`CALIBRATION_TEXTS`.
+    smoothed with activation maxima measured at load on :data:`CALIBRATION_TEXTS`. In bf16 on the
+    CPU its layers run packed (:mod:`workers.models.packed`) unless ``packed=False``.
 
     A batch of any mix of lengths is split into the forward passes that cost least (see
     :meth:`passes`), so the caller may hand over whatever it has: a long text never pads a
@@ -112,6 +114,7 @@ class MiniLMEncoder:
         quantize: str | None = None,
         max_batch_tokens: int | None = None,
         pass_overhead_tokens: int | None = None,
+        packed: bool = True,
     ) -> None:
         self.device = resolve_device(device)
         gpu = self.device.type == "cuda"
@@ -143,6 +146,9 @@ class MiniLMEncoder:
         model = BertEncoder(self.config)
         load_bert_weights(model, model_dir / WEIGHTS_FILE)
         model = model.to(device=self.device, dtype=dtype).eval()
+        self.packed = packed and packs(self.device, dtype)
+        if self.packed:
+            pack_layers(model)
         self.model: nn.Module = model
         if quantize:
             quantize_int8(model, activation_max=self.activation_maxima())
@@ -177,8 +183,8 @@ class MiniLMEncoder:
     def activation_maxima(self, texts: Sequence[str] = CALIBRATION_TEXTS) -> dict[str, torch.Tensor]:
         """What :func:`quantize_int8` smooths with: each projection's input channel maxima over
         ``texts``, encoded in the passes ``encode`` would run. Call it while still in float."""
-        if not isinstance(self.model, BertEncoder):
-            raise ModelError("activation maxima are measured on the float BertEncoder")
+        if not isinstance(self.model, BertEncoder) or self.packed:
+            raise ModelError("activation maxima are measured on the float BertEncoder, unpacked")
         encs = self._tokenizer.encode_batch(list(texts))
         batches = [self._padded([encs[i].ids for i in chunk], [encs[i].type_ids for i in chunk])
                    for chunk in self.passes([len(e.ids) for e in encs])]

@@ -1,0 +1,90 @@
+"""BERT layers in bf16 on the CPU, run the way oneDNN runs them fastest.
+
+An ``nn.Linear`` in bf16 hands oneDNN its weight in torch's plain layout, and oneDNN reorders it
+into its blocked AMX layout on every call: at the small passes a worker runs between arrivals,
+that reorder and the call's fixed cost outweigh the product itself. :class:`PackedBertLayer` does
+what inductor's frozen graphs do, without their compile time:
+
+* every weight is reordered once, at load (:class:`PackedLinear`);
+* query, key and value are one product over their concatenated weights, so a layer makes four
+  calls where it made six;
+* the intermediate GELU (BERT's exact erf form) runs inside its projection's kernel as a post-op,
+  on the product before it is rounded to bf16.
+
+The layers keep the checkpoint's weights; only their layout and grouping change, so the outputs
+agree with the plain bf16 layers within bf16's rounding (docs/ARCHITECTURE.md, "Precision per
+host"). fp32 gains nothing measurable this way (MKL already packs per call), so only bf16 is
+packed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.models.bert import BertEncoder, BertLayer
+
+
+def packs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether layers of this device and dtype are packed: bf16 on a CPU whose oneDNN runs it."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    return bool(torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ weight.T + bias``, then GELU when ``gelu``, with ``weight`` reordered once into
+    oneDNN's blocked layout. The packed weight is an opaque oneDNN tensor: it has no storage to
+    save, copy or move, so a packed module is built where it runs and never leaves it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, gelu: bool = False) -> None:
+        super().__init__()
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.bias = None if bias is None else bias.detach()
+        # "none" names the exact erf GELU among oneDNN's algorithms; a plain product takes "".
+        self.post_op, self.algorithm = ("gelu", "none") if gelu else ("none", "")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, self.post_op, [],
+                                                               self.algorithm)
+        return out
+
+    def extra_repr(self) -> str:
+        gelu = ", gelu" if self.post_op == "gelu" else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}{gelu}"
+
+
+class PackedBertLayer(nn.Module):
+    """A :class:`BertLayer` with packed projections, one product for query, key and value, and the
+    GELU fused into its projection; the same outputs within bf16's rounding."""
+
+    def __init__(self, layer: BertLayer) -> None:
+        super().__init__()
+        self.heads = layer.heads
+        self.qkv = PackedLinear(torch.cat([layer.query.weight, layer.key.weight, layer.value.weight]),
+                                torch.cat([layer.query.bias, layer.key.bias, layer.value.bias]))
+        self.attn_out = PackedLinear(layer.attn_out.weight, layer.attn_out.bias)
+        self.attn_norm = layer.attn_norm
+        self.ffn_in = PackedLinear(layer.ffn_in.weight, layer.ffn_in.bias, gelu=True)
+        self.ffn_out = PackedLinear(layer.ffn_out.weight, layer.ffn_out.bias)
+        self.ffn_norm = layer.ffn_norm
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        b, n, h = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        ctx = ctx.transpose(1, 2).reshape(b, n, h)
+        x = self.attn_norm(x + self.attn_out(ctx))
+        out: torch.Tensor = self.ffn_norm(x + self.ffn_out(self.ffn_in(x)))
+        return out
+
+
+def pack_layers(model: BertEncoder) -> None:
+    """Swap ``model``'s layers for packed ones, in place; the plain layers' weights are freed."""
+    model.layers = nn.ModuleList(
+        PackedBertLayer(layer) if isinstance(layer, BertLayer) else layer for layer in model.layers
+    )
