@@ -1,21 +1,26 @@
-"""bf16 MiniLM layers packed for oneDNN (workers/models/packed.py): the worker's bf16 encoder runs
-them, and they answer what the plain bf16 layers answer, within bf16's rounding, on texts of every
-length and in padded passes."""
+"""bf16 layers packed for oneDNN (workers/models/packed.py): the worker's bf16 MiniLM and Hugging
+Face models run them, and they answer what the plain bf16 layers answer, within bf16's rounding,
+on texts of every length and in padded passes."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from scheduler.planning.text_mix import skewed_texts
 from sluice.artifacts import MINILM_URI, artifact_sha256, resolve_artifact
 from sluice.errors import ModelError
+from tests.hf_models import build_tiny_classifier
 from workers.models.bert import BertLayer
-from workers.models.calibration import embedding_quality
+from workers.models.calibration import QUALITY_TEXTS, embedding_quality
+from workers.models.hf import HfClassifierHandler, HfEmbeddingHandler
 from workers.models.loading import EmbeddingHandler, load_handler
 from workers.models.minilm import MiniLMEncoder
-from workers.models.packed import PackedBertLayer, PackedLinear, packs
+from workers.models.packed import PackedBertLayer, PackedLinear, pack_linears, packs
 from workers.models.precision import PrecisionPolicy, QualityBound
 
 pytestmark = [
@@ -89,3 +94,41 @@ def test_a_packed_linear_is_the_linear_with_its_weight_reordered(gelu: bool, sha
 def test_activation_maxima_are_refused_on_a_packed_encoder(packed: MiniLMEncoder) -> None:
     with pytest.raises(ModelError, match="unpacked"):
         packed.activation_maxima()
+
+
+def test_a_hugging_face_classifier_in_bf16_runs_packed_projections_with_the_same_probabilities(
+    tmp_path: Path,
+) -> None:
+    directory = build_tiny_classifier(tmp_path / "clf")
+    handler = load_handler(kind="hf-classifier", artifact=f"file://{directory}?precision=bf16",
+                           sha256=artifact_sha256(directory), precision=PrecisionPolicy(rounds=1))
+    assert isinstance(handler, HfClassifierHandler)
+    linears = [m for m in handler.model.modules() if isinstance(m, torch.nn.Linear | PackedLinear)]
+    assert linears and all(isinstance(m, PackedLinear) for m in linears)
+    plain = AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.bfloat16).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    texts = list(QUALITY_TEXTS[:6])
+    with torch.inference_mode():
+        batch = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
+        expected = plain(**batch).logits.float().softmax(dim=-1)
+    got = handler.probabilities(texts)
+    assert torch.allclose(got, expected, atol=0.01), (got - expected).abs().max().item()
+
+
+def test_hf_embedding_in_bf16_is_packed_and_within_the_bound(texts: list[str]) -> None:
+    model_dir = resolve_artifact(MINILM_URI)
+    handler = load_handler(kind="hf-embedding", artifact=f"file://{model_dir}?precision=bf16",
+                           sha256=artifact_sha256(model_dir), precision=PrecisionPolicy(rounds=1))
+    assert isinstance(handler, HfEmbeddingHandler)
+    assert any(isinstance(m, PackedLinear) for m in handler.model.modules())
+    fp32 = MiniLMEncoder(model_dir=model_dir)
+    assert embedding_quality(fp32.encode(texts[:16]), handler.vectors(texts[:16])).within(QualityBound())
+
+
+def test_pack_linears_swaps_only_bf16_linears() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8).to(torch.bfloat16), torch.nn.ReLU(),
+                                torch.nn.Sequential(torch.nn.Linear(8, 4).to(torch.bfloat16)), torch.nn.Linear(4, 2))
+    assert pack_linears(model) == 2
+    assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
+    assert type(model[3]) is torch.nn.Linear
+    assert model[0].weight.dtype == torch.bfloat16 and tuple(model[0].weight.shape) == (8, 8)

@@ -37,19 +37,21 @@ def packs(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """``y = x @ weight.T + bias``, then GELU when ``gelu``, with ``weight`` reordered once into
     oneDNN's blocked layout. The packed weight is an opaque oneDNN tensor: it has no storage to
-    save, copy or move, so a packed module is built where it runs and never leaves it."""
+    save, copy or move, so a packed module is built where it runs and never leaves it. It keeps
+    ``nn.Linear``'s attribute names, and its ``weight`` answers ``dtype``, ``shape`` and
+    ``device``, which is what model code reads of a projection it does not call."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, gelu: bool = False) -> None:
         super().__init__()
         self.in_features = weight.shape[1]
         self.out_features = weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         self.bias = None if bias is None else bias.detach()
         # "none" names the exact erf GELU among oneDNN's algorithms; a plain product takes "".
         self.post_op, self.algorithm = ("gelu", "none") if gelu else ("none", "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, self.post_op, [],
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, self.post_op, [],
                                                                self.algorithm)
         return out
 
@@ -88,3 +90,16 @@ def pack_layers(model: BertEncoder) -> None:
     model.layers = nn.ModuleList(
         PackedBertLayer(layer) if isinstance(layer, BertLayer) else layer for layer in model.layers
     )
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap every bf16 ``nn.Linear`` of ``model`` (a Hugging Face model, say) for a
+    :class:`PackedLinear`, in place, and answer how many. Only the weights' layout changes; the
+    grouping and fusions of :class:`PackedBertLayer` need a known architecture."""
+    swapped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16:
+                setattr(module, name, PackedLinear(child.weight, child.bias))
+                swapped += 1
+    return swapped
