@@ -1,11 +1,11 @@
-"""BERT layers in bf16 on the CPU, run the way oneDNN runs them fastest.
+"""bf16 layers on the CPU, run the way oneDNN runs them fastest.
 
-An ``nn.Linear`` in bf16 hands oneDNN its weight in torch's plain layout, and oneDNN reorders it
-into its blocked AMX layout on every call: at the small passes a worker runs between arrivals,
-that reorder and the call's fixed cost outweigh the product itself. :class:`PackedBertLayer` does
-what inductor's frozen graphs do, without their compile time:
+A bf16 ``nn.Linear`` hands oneDNN its weight in torch's plain layout on every call, and at the
+small passes a worker runs between arrivals each call's fixed cost outweighs its arithmetic
+(bench/README.md, "bench.packed_layers"). :class:`PackedBertLayer` does what inductor's frozen
+graphs do, without their compile time:
 
-* every weight is reordered once, at load (:class:`PackedLinear`);
+* every weight is reordered into oneDNN's blocked layout once, at load (:class:`PackedLinear`);
 * query, key and value are one product over their concatenated weights, so a layer makes four
   calls where it made six;
 * the intermediate GELU (BERT's exact erf form) runs inside its projection's kernel as a post-op,
@@ -13,8 +13,8 @@ what inductor's frozen graphs do, without their compile time:
 
 The layers keep the checkpoint's weights; only their layout and grouping change, so the outputs
 agree with the plain bf16 layers within bf16's rounding (docs/ARCHITECTURE.md, "Precision per
-host"). fp32 gains nothing measurable this way (MKL already packs per call), so only bf16 is
-packed.
+host"). A model whose architecture is not known here gets :func:`pack_linears`, the layout alone.
+fp32 measured no clear gain this way, so only bf16 is packed.
 """
 
 from __future__ import annotations
