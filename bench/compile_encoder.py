@@ -11,8 +11,8 @@ one process on 1 torch thread (``--threads``):
 * ``onednn``: the same traced and frozen graph run with ``torch.jit.enable_onednn_fusion(True)``
   (oneDNN Graph fuses the matmuls with their neighbours);
 * ``packed`` (bf16 only): the layers the worker runs in bf16 on the CPU
-  (``workers/models/packed.py``: weights reordered once, query, key and value in one product, the
-  GELU fused), where ``eager`` is the same module unpacked (``MiniLMEncoder(packed=False)``);
+  (``workers/models/packed.py``: weights reordered once, the GELU fused), where ``eager`` is the
+  same module unpacked (``MiniLMEncoder(packed=False)``);
 
 each in fp32 and, where the CPU has avx512_bf16 or amx_bf16, in bf16 (the module cast, as
 ``MiniLMEncoder(dtype=torch.bfloat16, packed=False)`` does). The texts are the skewed mix, handed over in

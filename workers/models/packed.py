@@ -6,12 +6,15 @@ small passes a worker runs between arrivals each call's fixed cost outweighs its
 graphs do, without their compile time:
 
 * every weight is reordered into oneDNN's blocked layout once, at load (:class:`PackedLinear`);
-* query, key and value are one product over their concatenated weights, so a layer makes four
-  calls where it made six;
 * the intermediate GELU (BERT's exact erf form) runs inside its projection's kernel as a post-op,
   on the product before it is rounded to bf16.
 
-The layers keep the checkpoint's weights; only their layout and grouping change, so the outputs
+Query, key and value stay three products. One product over their concatenated weights saved
+a few per cent more CPU, but it is a fourth weight shape, and oneDNN caches a kernel per weight
+shape and pass shape: a process that had seen 200 texts in batches of 1-32 held 85 MB more
+(bench/README.md, "bench.packed_layers").
+
+The layers keep the checkpoint's weights; only their layout changes, so the outputs
 agree with the plain bf16 layers within bf16's rounding (docs/ARCHITECTURE.md, "Precision per
 host"). A model whose architecture is not known here gets :func:`pack_linears`, the layout alone.
 fp32 measured no clear gain this way, so only bf16 is packed.
@@ -61,23 +64,27 @@ class PackedLinear(nn.Module):
 
 
 class PackedBertLayer(nn.Module):
-    """A :class:`BertLayer` with packed projections, one product for query, key and value, and the
-    GELU fused into its projection; the same outputs within bf16's rounding."""
+    """A :class:`BertLayer` with packed projections and the GELU fused into its projection; the
+    same outputs within bf16's rounding."""
 
     def __init__(self, layer: BertLayer) -> None:
         super().__init__()
         self.heads = layer.heads
-        self.qkv = PackedLinear(torch.cat([layer.query.weight, layer.key.weight, layer.value.weight]),
-                                torch.cat([layer.query.bias, layer.key.bias, layer.value.bias]))
-        self.attn_out = PackedLinear(layer.attn_out.weight, layer.attn_out.bias)
+        self.query, self.key, self.value, self.attn_out = (
+            PackedLinear(linear.weight, linear.bias)
+            for linear in (layer.query, layer.key, layer.value, layer.attn_out))
         self.attn_norm = layer.attn_norm
         self.ffn_in = PackedLinear(layer.ffn_in.weight, layer.ffn_in.bias, gelu=True)
         self.ffn_out = PackedLinear(layer.ffn_out.weight, layer.ffn_out.bias)
         self.ffn_norm = layer.ffn_norm
 
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, h = x.shape
+        return x.view(b, n, self.heads, h // self.heads).transpose(1, 2)
+
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
         b, n, h = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = self._split(self.query(x)), self._split(self.key(x)), self._split(self.value(x))
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         ctx = ctx.transpose(1, 2).reshape(b, n, h)
         x = self.attn_norm(x + self.attn_out(ctx))
