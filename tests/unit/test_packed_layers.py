@@ -15,12 +15,12 @@ from scheduler.planning.text_mix import skewed_texts
 from sluice.artifacts import MINILM_URI, artifact_sha256, resolve_artifact
 from sluice.errors import ModelError
 from tests.hf_models import build_tiny_classifier
-from workers.models.bert import BertLayer
+from workers.models.bert import LINEAR_NAMES, BertLayer
 from workers.models.calibration import QUALITY_TEXTS, embedding_quality
 from workers.models.hf import HfClassifierHandler, HfEmbeddingHandler
 from workers.models.loading import EmbeddingHandler, load_handler
 from workers.models.minilm import MiniLMEncoder
-from workers.models.packed import PackedBertLayer, PackedLinear, pack_linears, packs
+from workers.models.packed import PackedLinear, pack_linears, packs
 from workers.models.precision import PrecisionPolicy, QualityBound
 
 pytestmark = [
@@ -48,10 +48,14 @@ def packed() -> MiniLMEncoder:
 def test_a_bf16_cpu_encoder_is_packed_unless_asked_not_to_and_fp32_never_is(
     plain: MiniLMEncoder, packed: MiniLMEncoder,
 ) -> None:
-    assert packed.packed and all(isinstance(layer, PackedBertLayer) for layer in packed.model.layers)
-    assert not plain.packed and all(isinstance(layer, BertLayer) for layer in plain.model.layers)
+    for layer in packed.model.layers:
+        assert isinstance(layer, BertLayer) and isinstance(layer.ffn_in, PackedLinear)
+        assert all(isinstance(getattr(layer, name), PackedLinear) for name in LINEAR_NAMES)
+        assert isinstance(layer.ffn_act, torch.nn.Identity)  # the GELU runs inside ffn_in
+    assert packed.packed and not plain.packed
     fp32 = MiniLMEncoder(model_dir=resolve_artifact(MINILM_URI))
-    assert not fp32.packed and all(isinstance(layer, BertLayer) for layer in fp32.model.layers)
+    for encoder in (plain, fp32):
+        assert not any(isinstance(module, PackedLinear) for module in encoder.model.modules())
     assert not packs(torch.device("cpu"), torch.float32)
 
 

@@ -121,6 +121,9 @@ class BertLayer(nn.Module):
         self.attn_out = nn.Linear(h, h)
         self.attn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.ffn_in = nn.Linear(h, cfg.intermediate_size)
+        # BERT's "gelu" is the exact erf form, nn.GELU's default. A module of its own, so that
+        # packing can run it inside ffn_in's kernel (`workers/models/packed.py`).
+        self.ffn_act: nn.Module = nn.GELU()
         self.ffn_out = nn.Linear(cfg.intermediate_size, h)
         self.ffn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
 
@@ -134,8 +137,7 @@ class BertLayer(nn.Module):
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         ctx = ctx.transpose(1, 2).reshape(b, n, h)
         x = self.attn_norm(x + self.attn_out(ctx))
-        # BERT's "gelu" is the exact erf form, which is F.gelu's default.
-        out: torch.Tensor = self.ffn_norm(x + self.ffn_out(F.gelu(self.ffn_in(x))))
+        out: torch.Tensor = self.ffn_norm(x + self.ffn_out(self.ffn_act(self.ffn_in(x))))
         return out
 
 

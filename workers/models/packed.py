@@ -2,8 +2,8 @@
 
 A bf16 ``nn.Linear`` hands oneDNN its weight in torch's plain layout on every call, and at the
 small passes a worker runs between arrivals each call's fixed cost outweighs its arithmetic
-(bench/README.md, "bench.packed_layers"). :class:`PackedBertLayer` does what inductor's frozen
-graphs do, without their compile time:
+(bench/README.md, "bench.packed_layers"). :func:`pack_layers` does what inductor's frozen graphs
+do to a :class:`BertLayer`, without their compile time:
 
 * every weight is reordered into oneDNN's blocked layout once, at load (:class:`PackedLinear`);
 * the intermediate GELU (BERT's exact erf form) runs inside its projection's kernel as a post-op,
@@ -23,7 +23,6 @@ fp32 measured no clear gain this way, so only bf16 is packed.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workers.models.bert import BertEncoder, BertLayer
@@ -63,46 +62,24 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}{gelu}"
 
 
-class PackedBertLayer(nn.Module):
-    """A :class:`BertLayer` with packed projections and the GELU fused into its projection; the
-    same outputs within bf16's rounding."""
-
-    def __init__(self, layer: BertLayer) -> None:
-        super().__init__()
-        self.heads = layer.heads
-        self.query, self.key, self.value, self.attn_out = (
-            PackedLinear(linear.weight, linear.bias)
-            for linear in (layer.query, layer.key, layer.value, layer.attn_out))
-        self.attn_norm = layer.attn_norm
-        self.ffn_in = PackedLinear(layer.ffn_in.weight, layer.ffn_in.bias, gelu=True)
-        self.ffn_out = PackedLinear(layer.ffn_out.weight, layer.ffn_out.bias)
-        self.ffn_norm = layer.ffn_norm
-
-    def _split(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, h = x.shape
-        return x.view(b, n, self.heads, h // self.heads).transpose(1, 2)
-
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
-        b, n, h = x.shape
-        q, k, v = self._split(self.query(x)), self._split(self.key(x)), self._split(self.value(x))
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        ctx = ctx.transpose(1, 2).reshape(b, n, h)
-        x = self.attn_norm(x + self.attn_out(ctx))
-        out: torch.Tensor = self.ffn_norm(x + self.ffn_out(self.ffn_in(x)))
-        return out
-
-
 def pack_layers(model: BertEncoder) -> None:
-    """Swap ``model``'s layers for packed ones, in place; the plain layers' weights are freed."""
-    model.layers = nn.ModuleList(
-        PackedBertLayer(layer) if isinstance(layer, BertLayer) else layer for layer in model.layers
-    )
+    """Pack ``model``'s layers in place: their projections become :class:`PackedLinear`, the GELU
+    moves into ``ffn_in``'s kernel, and the plain weights are freed."""
+    for layer in model.layers:
+        if not isinstance(layer, BertLayer) or isinstance(layer.ffn_in, PackedLinear):
+            continue
+        for name in ("query", "key", "value", "attn_out", "ffn_out"):
+            linear = getattr(layer, name)
+            setattr(layer, name, PackedLinear(linear.weight, linear.bias))
+        # Plain Linear attributes of BertLayer, swapped for modules with the same call.
+        setattr(layer, "ffn_in", PackedLinear(layer.ffn_in.weight, layer.ffn_in.bias, gelu=True))  # noqa: B010
+        layer.ffn_act = nn.Identity()
 
 
 def pack_linears(model: nn.Module) -> int:
     """Swap every bf16 ``nn.Linear`` of ``model`` (a Hugging Face model, say) for a
-    :class:`PackedLinear`, in place, and answer how many. Only the weights' layout changes; the
-    grouping and fusions of :class:`PackedBertLayer` need a known architecture."""
+    :class:`PackedLinear`, in place, and answer how many. Only the weights' layout changes: fusing
+    an activation, as :func:`pack_layers` does, needs a known architecture."""
     swapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
