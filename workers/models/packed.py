@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.models.bert import BertEncoder, BertLayer
+from workers.models.bert import LINEAR_NAMES, BertEncoder, BertLayer
 
 
 def packs(device: torch.device, dtype: torch.dtype) -> bool:
@@ -68,11 +68,9 @@ def pack_layers(model: BertEncoder) -> None:
     for layer in model.layers:
         if not isinstance(layer, BertLayer) or isinstance(layer.ffn_in, PackedLinear):
             continue
-        for name in ("query", "key", "value", "attn_out", "ffn_out"):
+        for name in LINEAR_NAMES:
             linear = getattr(layer, name)
-            setattr(layer, name, PackedLinear(linear.weight, linear.bias))
-        # Plain Linear attributes of BertLayer, swapped for modules with the same call.
-        setattr(layer, "ffn_in", PackedLinear(layer.ffn_in.weight, layer.ffn_in.bias, gelu=True))  # noqa: B010
+            setattr(layer, name, PackedLinear(linear.weight, linear.bias, gelu=name == "ffn_in"))
         layer.ffn_act = nn.Identity()
 
 
