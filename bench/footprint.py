@@ -6,7 +6,8 @@ DIR's code (PYTHONPATH=DIR, on a fresh home and free ports, SLUICE_CPU_CORES=2 w
 has), waits until it is ready, optionally registers ten more versions (`EXTRA_VERSIONS`: clones of
 the demo artifacts and one int8 variant) and has each answer a job, leaves it idle, then reads
 VmRSS (and PSS, which splits pages shared between processes, so its sum is not inflated by
-Postgres's shared buffers or forked workers) of the launcher and every descendant from /proc.
+Postgres's shared buffers or forked workers) of the launcher and every descendant from /proc, and
+what they hold: the anonymous and shared-memory part of PSS, without the mapped files.
 Running it for an older checkout and this one gives the before and after of a change.
 """
 
@@ -50,6 +51,11 @@ class Resident:
     name: str
     rss_bytes: int
     pss_bytes: int
+    # Anonymous and shared memory (PSS): what the process allocated, without the library and binary
+    # files it maps. Those are page cache, and how much of a file a process maps depends on how the
+    # kernel holds it: files just written (a fresh virtualenv) sit in large folios, each mapped
+    # whole, which on one host put 200 MB more RSS on the same tree than after the cache was dropped.
+    held_bytes: int
 
 
 def process_tree(pid: int) -> list[int]:
@@ -75,14 +81,17 @@ def process_name(pid: int) -> str:
     return " ".join(words)
 
 
-def _status_kb(path: str, field: str) -> int:
+def _status_kb(path: str, *fields: str) -> int:
+    """The sum of `fields` (kB) in a /proc file of "Name: value kB" lines; 0 where it cannot be read."""
+    total = 0
     try:
         for line in Path(path).read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
+            name, _, value = line.partition(":")
+            if name in fields:
+                total += int(value.split()[0])
     except (OSError, ValueError):
-        pass
-    return 0
+        return 0
+    return total
 
 
 def resident(pids: Sequence[int]) -> list[Resident]:
@@ -91,17 +100,24 @@ def resident(pids: Sequence[int]) -> list[Resident]:
     for pid in pids:
         rss = _status_kb(f"/proc/{pid}/status", "VmRSS")
         if rss:
+            rollup = f"/proc/{pid}/smaps_rollup"
             rows.append(Resident(pid=pid, name=process_name(pid), rss_bytes=rss * 1024,
-                                 pss_bytes=_status_kb(f"/proc/{pid}/smaps_rollup", "Pss") * 1024))
+                                 pss_bytes=_status_kb(rollup, "Pss") * 1024,
+                                 held_bytes=_status_kb(rollup, "Pss_Anon", "Pss_Shmem") * 1024))
     return rows
 
 
 def footprint_table(rows: Sequence[Resident]) -> str:
     body: list[tuple[object, ...]] = [(row.pid, row.name, round(row.rss_bytes / MB, 1),
-                                       round(row.pss_bytes / MB, 1)) for row in rows]
+                                       round(row.pss_bytes / MB, 1), round(row.held_bytes / MB, 1)) for row in rows]
     body.append(("", "total", round(sum(r.rss_bytes for r in rows) / MB, 1),
-                 round(sum(r.pss_bytes for r in rows) / MB, 1)))
-    return table(["pid", "process", "RSS MB", "PSS MB"], body, max_width=80)
+                 round(sum(r.pss_bytes for r in rows) / MB, 1), round(held(rows) / MB, 1)))
+    return table(["pid", "process", "RSS MB", "PSS MB", "held MB"], body, max_width=80)
+
+
+def held(rows: Sequence[Resident]) -> int:
+    """The bytes the processes hold together, each page once: their anonymous and shared memory."""
+    return sum(row.held_bytes for row in rows)
 
 
 def role(name: str) -> str:
@@ -118,19 +134,19 @@ def role(name: str) -> str:
     return " ".join(words[:2]) if words[0] == "sluice" and words[1:2] != ["worker"] else name
 
 
-def by_role(rows: Sequence[Resident]) -> dict[str, tuple[int, int, int]]:
-    """(processes, RSS bytes, PSS bytes) per role, in the order the roles first appear."""
-    found: dict[str, tuple[int, int, int]] = {}
+def by_role(rows: Sequence[Resident]) -> dict[str, tuple[int, int, int, int]]:
+    """(processes, RSS bytes, PSS bytes, held bytes) per role, in the order the roles first appear."""
+    found: dict[str, tuple[int, int, int, int]] = {}
     for row in rows:
-        count, rss, pss = found.get(role(row.name), (0, 0, 0))
-        found[role(row.name)] = (count + 1, rss + row.rss_bytes, pss + row.pss_bytes)
+        count, rss, pss, kept = found.get(role(row.name), (0, 0, 0, 0))
+        found[role(row.name)] = (count + 1, rss + row.rss_bytes, pss + row.pss_bytes, kept + row.held_bytes)
     return found
 
 
 def role_table(rows: Sequence[Resident]) -> str:
-    body: list[tuple[object, ...]] = [(name, count, round(rss / MB, 1), round(pss / MB, 1))
-                                      for name, (count, rss, pss) in by_role(rows).items()]
-    return table(["role", "processes", "RSS MB", "PSS MB"], body, max_width=80)
+    body: list[tuple[object, ...]] = [(name, count, round(rss / MB, 1), round(pss / MB, 1), round(kept / MB, 1))
+                                      for name, (count, rss, pss, kept) in by_role(rows).items()]
+    return table(["role", "processes", "RSS MB", "PSS MB", "held MB"], body, max_width=80)
 
 
 @dataclass
@@ -240,9 +256,10 @@ def _measure(checkout: Path, workdir: Path, *, extra: bool, cores: int, idle_s: 
             raise RuntimeError(f"sluice up exited with {up.proc.returncode}:\n{up.log.read_text()[-3000:]}")
         rows = resident(process_tree(up.proc.pid))
     return {"versions": versions, "answered": answered, "processes": [asdict(row) for row in rows],
-            "roles": {name: {"processes": count, "rss_bytes": rss, "pss_bytes": pss}
-                      for name, (count, rss, pss) in by_role(rows).items()},
+            "roles": {name: {"processes": count, "rss_bytes": rss, "pss_bytes": pss, "held_bytes": kept}
+                      for name, (count, rss, pss, kept) in by_role(rows).items()},
             "total_rss_bytes": sum(r.rss_bytes for r in rows), "total_pss_bytes": sum(r.pss_bytes for r in rows),
+            "total_held_bytes": held(rows),
             "tables": f"{footprint_table(rows)}\n{role_table(rows)}"}
 
 
