@@ -10,14 +10,19 @@ pass that ends an idle spell is charged with it (sluice/cost.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from itertools import count
+from typing import Any, TypeVar
 
 from sluice.fair_turns import FairTurns, Rank
 
 TIER_RANK = {"latency": 0, "batch": 1}
+
+Result = TypeVar("Result")
 
 
 class Turn:
@@ -38,6 +43,15 @@ class ExecutionSlots:
         self._tickets = count()
         # When each free slot last went free (a stack: the turn granted next takes the latest).
         self._free_since = [clock()] * slots
+        # The passes run on threads of their own, one a slot, rather than on asyncio's default pool
+        # (six threads on 2 cores): PyTorch keeps some CPU kernels per thread and per pass shape
+        # (the bf16 attention's), so passes spread over six threads built each shape's kernels up
+        # to six times (docs/ARCHITECTURE.md, "Packed worker processes").
+        self._model_threads = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="sluice-model")
+
+    async def run(self, call: Callable[..., Result], *args: Any) -> Result:
+        """`call(*args)` on a model thread; the caller holds a turn."""
+        return await asyncio.get_running_loop().run_in_executor(self._model_threads, functools.partial(call, *args))
 
     @asynccontextmanager
     async def turn(self, *, version: Hashable, rank: Rank) -> AsyncIterator[Turn]:

@@ -474,7 +474,7 @@ class Worker:
         answers.
         """
         # Jobs by reference are read before the pass and written after it (workers/references.py).
-        work = asyncio.ensure_future(asyncio.to_thread(self.references.run, self.handler, batch.items))
+        work = asyncio.ensure_future(self.slots.run(self.references.run, self.handler, batch.items))
         left = list(batch.items)
         while True:
             limit = min([self.batch_timeout_s, *(item.payload.run_timeout_s for item in left
