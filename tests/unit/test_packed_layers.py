@@ -79,9 +79,11 @@ def test_the_worker_loads_bf16_packed_and_within_the_quality_bound(texts: list[s
     assert embedding_quality(fp32.encode(texts), handler.encoder.encode(texts)).within(QualityBound())
 
 
+@pytest.mark.parametrize("exact_rows", [False, True])
 @pytest.mark.parametrize("gelu", [False, True])
-@pytest.mark.parametrize("shape", [(5, 384), (3, 11, 384)])
-def test_a_packed_linear_is_the_linear_with_its_weight_reordered(gelu: bool, shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("shape", [(5, 384), (3, 11, 384), (16, 384), (7, 89, 384)])
+def test_a_packed_linear_is_the_linear_with_its_weight_reordered(gelu: bool, shape: tuple[int, ...],
+                                                                 exact_rows: bool) -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(384, 96).to(torch.bfloat16)
     x = torch.randn(*shape).to(torch.bfloat16)
@@ -89,7 +91,7 @@ def test_a_packed_linear_is_the_linear_with_its_weight_reordered(gelu: bool, sha
         expected = linear(x).float()
         if gelu:
             expected = F.gelu(expected)
-        got = PackedLinear(linear.weight, linear.bias, gelu=gelu)(x)
+        got = PackedLinear(linear.weight, linear.bias, gelu=gelu, exact_rows=exact_rows)(x)
     assert got.shape == (*shape[:-1], 96) and got.dtype == torch.bfloat16
     # Both round to bf16 once at the end; the sums inside may differ in order.
     assert torch.allclose(got.float(), expected, atol=0.05, rtol=0.02)
