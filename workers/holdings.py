@@ -41,6 +41,14 @@ def held_limit(*, prefetch: int, max_batch_size: int, items_per_s: float, claim_
     return min(prefetch, max(2 * max_batch_size, math.floor(items_per_s * claim_after_s / 2)))
 
 
+def releasable(room: int, reserve: int) -> int:
+    """How many held jobs of a lane a worker with `room` places may release into its stream: the
+    room less the `reserve` it keeps for jobs written to the stream directly, but never nothing
+    while it has a place. A version whose batches hold one job has room for one bulk job, and
+    keeping that place back for arrivals released none of its backlog, ever."""
+    return room - reserve if room > reserve else min(room, 1)
+
+
 class Holdings:
     def __init__(self, *, streams: StreamConsumer, name: str, claim_after_s: float) -> None:
         self.streams = streams

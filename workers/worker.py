@@ -47,7 +47,7 @@ from sluice.wire.mix import Pass, Tally
 from sluice.wire.streams import StreamConsumer
 from workers.batch_log import BatchLog
 from workers.execution import Outcome, run_timed_out, timed_out
-from workers.holdings import Holdings, held_limit
+from workers.holdings import Holdings, held_limit, releasable
 from workers.metrics import BatchMetrics
 from workers.models.protocol import ModelHandler
 from workers.references import References
@@ -309,8 +309,8 @@ class Worker:
         entries: list[Delivered] = []
         blocked = False
         if room > 0:
-            await self._release_held("online", room - reserve)
-            await self._release_held("bulk", bulk_room - reserve)
+            await self._release_held("online", releasable(room, reserve))
+            await self._release_held("bulk", releasable(bulk_room, reserve))
             entries = await self._reclaim(room) if self._claim_due() else []
             # After a read that came back short, an idle model's blocking read below answers at once
             # with whatever arrived since: the non-blocking reads would add two empty round trips

@@ -99,6 +99,20 @@ def test_batches_never_exceed_max_batch_size(
     assert max(int(fields["b"]) for _, fields in samples) == 8  # type: ignore[union-attr]
 
 
+def test_a_version_whose_batches_hold_one_job_drains_a_bulk_backlog(
+    demo: httpx.Client, register_synthetic: Callable[..., str], start_worker: Callable[..., Any],
+    wait_jobs: Callable[..., Jobs],
+) -> None:
+    model = register_synthetic("one-at-a-time", max_batch_size=1, max_wait_ms=0)
+    start_worker(model)
+    # A running worker: the bulk jobs past the first are held (queue.lua) for the worker to release.
+    ids = bulk(demo, model, [{"text": f"job number {i}"} for i in range(40)])
+
+    jobs = wait_jobs(demo, ids)
+    assert {job["status"] for job in jobs} == {"succeeded"}
+    assert {job["batch"]["size"] for job in jobs} == {1}
+
+
 def test_sigterm_drains_what_the_worker_read_and_leaves_nothing_pending(
     demo: httpx.Client, register_synthetic: Callable[..., str], start_worker: Callable[..., Any],
     pending: Callable[[str, str], int], rds: redis.Redis,

@@ -11,7 +11,7 @@ import pytest
 from sluice.errors import InferenceError
 from sluice.kinds import ModelKind
 from workers.execution import fault_message, run_isolating
-from workers.holdings import held_limit
+from workers.holdings import held_limit, releasable
 from workers.models.protocol import ModelHandler
 
 
@@ -85,3 +85,18 @@ def test_a_fault_message_leaves_the_input_out() -> None:
 )
 def test_a_worker_holds_what_it_can_start_within_half_the_claim_threshold(items_per_s: float, expected: int) -> None:
     assert held_limit(prefetch=128, max_batch_size=32, items_per_s=items_per_s, claim_after_s=2.0) == expected
+
+
+@pytest.mark.parametrize(
+    ("room", "reserve", "expected"),
+    [
+        (32, 8, 24),  # the reserve is kept for jobs written to the stream directly
+        (1, 1, 1),  # a version whose batches hold one job: its one place still releases a job
+        (3, 8, 1),
+        (0, 1, 0),  # no room, no release
+        (-2, 1, -2),
+    ],
+)
+def test_a_lane_releases_its_room_less_the_reserve_but_one_job_at_least(room: int, reserve: int,
+                                                                          expected: int) -> None:
+    assert releasable(room, reserve) == expected
