@@ -67,9 +67,16 @@ class TwoStageServer(uvicorn.Server):
             state.hub.wake_all()
 
 
+# How long an idle keep-alive connection stays open. The shipped client lets its own idle
+# connections go sooner (`sluice_client.client.KEEPALIVE_EXPIRY_S`), so that it never sends a
+# request on a connection this server is closing.
+KEEP_ALIVE_S = 5
+
+
 def serve(app: FastAPI, *, host: str, port: int, grace_s: float) -> None:
     # Named, not "auto": without uvloop or httptools uvicorn silently falls back to pure-Python
     # equivalents that cost each request more CPU; a missing one should fail at start-up instead.
     config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, loop="uvloop",
-                            http="httptools", timeout_graceful_shutdown=int(grace_s))
+                            http="httptools", timeout_graceful_shutdown=int(grace_s),
+                            timeout_keep_alive=KEEP_ALIVE_S)
     TwoStageServer(config, app=app).run()

@@ -31,6 +31,10 @@ from sluice_client.webhooks import retry_after_s
 POLL_S = 20.0
 # Connections per httpx pool of the AsyncClient (`_Pools`).
 POOL_CONNECTIONS = 8
+# A connection idle this long is closed here rather than reused: the API closes one idle for 5 s,
+# and a request sent on a connection as the server closes it fails (httpx.ReadError), which a
+# submission cannot retry blindly. httpx's own default equals the server's 5 s.
+KEEPALIVE_EXPIRY_S = 3.0
 
 
 class SluiceError(Exception):
@@ -189,7 +193,8 @@ class SluiceClient(AdminCalls, BatchCalls):
         self._retries = retries
         self._max_retry_wait_s = max_retry_wait_s
         self._http = httpx.Client(base_url=base_url, timeout=timeout_s, transport=transport,
-                                  headers={"Authorization": f"Bearer {api_key}"})
+                                  headers={"Authorization": f"Bearer {api_key}"},
+                                  limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S))
 
     def __enter__(self) -> SluiceClient:
         return self
@@ -344,7 +349,8 @@ class AsyncClient(AsyncAdminCalls, AsyncBatchCalls):
         self._max_retry_wait_s = max_retry_wait_s
         self._pools = _Pools(lambda size: httpx.AsyncClient(
             base_url=base_url, timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"},
-            limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
+            limits=httpx.Limits(max_connections=size, max_keepalive_connections=size,
+                                keepalive_expiry=KEEPALIVE_EXPIRY_S),
         ), max_connections=max_connections, timeout_s=timeout_s)
 
     async def __aenter__(self) -> AsyncClient:
