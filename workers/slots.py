@@ -2,9 +2,10 @@
 
 `sluice.fair_turns.FairTurns` decides whose batch runs next; this wraps it for one asyncio loop:
 a Worker with a batch ready enters `turn(...)`, waits there until granted, runs the batch on the
-model and says how long it took. A waiter cancelled (a Worker stopping) gives its place or its
-slot back, so no slot leaks. A turn learns how long its slot had sat with no batch before it: the
-pass that ends an idle spell is charged with it (sluice/cost.py).
+model, on a model thread of the slots' own (`run`), and says how long it took. A waiter cancelled
+(a Worker stopping) gives its place or its slot back, so no slot leaks. A turn learns how long its
+slot had sat with no batch before it: the pass that ends an idle spell is charged with it
+(sluice/cost.py).
 """
 
 from __future__ import annotations
