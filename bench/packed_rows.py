@@ -32,6 +32,7 @@ from scheduler.planning.text_mix import SKEWED, skewed_texts
 # Batch sizes as a worker at moderate load forms them: mostly a few texts, now and then a full batch.
 BATCH_SIZES = (1, 1, 1, 2, 2, 3, 4, 5, 6, 8, 11, 16, 24, 32)
 WARM_BATCHES = 4
+MB = 2**20
 MODES = ("padded", "exact")
 
 
@@ -46,11 +47,6 @@ def plan(batches: int, seed: int) -> list[list[str]]:
     return out
 
 
-def resident_mb() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4096 / 2**20
-
-
 def child(mode: str, batches: int, seed: int) -> dict[str, Any]:
     configure_torch(1)
     import torch
@@ -58,6 +54,7 @@ def child(mode: str, batches: int, seed: int) -> dict[str, Any]:
     from sluice.artifacts import MINILM_URI, resolve_artifact
     from workers.models.minilm import MiniLMEncoder
     from workers.models.packed import pack_layers, packs
+    from workers.models.shared import resident_bytes
 
     if not packs(torch.device("cpu"), torch.bfloat16):
         raise SystemExit("this CPU's oneDNN runs no bf16: nothing is packed here")
@@ -66,13 +63,14 @@ def child(mode: str, batches: int, seed: int) -> dict[str, Any]:
     work = plan(batches, seed)
     for batch in work[:WARM_BATCHES]:
         encoder.encode(batch)
-    before = resident_mb()
+    before = resident_bytes()
     started = time.process_time()
     for batch in work:
         encoder.encode(batch)
     spent = time.process_time() - started
+    after = resident_bytes()
     return {"mode": mode, "cpu_ms_per_text": 1000 * spent / sum(len(b) for b in work),
-            "resident_grew_mb": resident_mb() - before, "resident_end_mb": resident_mb()}
+            "resident_grew_mb": (after - before) / MB, "resident_end_mb": after / MB}
 
 
 def repeat(batches: int, seed: int) -> dict[str, dict[str, Any]]:
