@@ -334,7 +334,18 @@ class Worker:
         if entries:
             await self._accept(entries)
             self._wake_runner.set()
+            if self._drained and not any(self.streams.held_count.values()):
+                await self._nap_while_busy()
         elif not blocked and (room <= 0 or not self._runner_idle or self._storing()):
+            await _wait(self._wake_reader, READ_BLOCK_MS / 1000)
+
+    async def _nap_while_busy(self) -> None:
+        """After a read that emptied the streams: once the runner has taken what was just handed
+        over, a busy model means the next read waits for the pass to end. Read again at once and
+        the streams are as empty as a moment ago (two round trips a job at single-job rates);
+        block on them and a busy model takes in arrivals an idle worker could start now."""
+        await asyncio.sleep(0)  # the runner's turn: it takes the batch, or waits on its window
+        if not self._runner_idle:
             await _wait(self._wake_reader, READ_BLOCK_MS / 1000)
 
     def _busy_block_ms(self) -> int:

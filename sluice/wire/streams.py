@@ -14,7 +14,8 @@ Transitions run in small scripts so that a cancel racing a worker, or a job deli
 ends with exactly one final record: a final state is never overwritten. Each script touches the
 keys of one version's slot only (its streams, its outbox, its jobs' records: `sluice.wire.keys`), so
 they run unchanged on a Redis Cluster; what spans slots (a tenant's quota places, shadow copies to
-another version) is written beside them, in a second round trip (see ARCHITECTURE, "Redis Cluster").
+another version) is written beside them, in a second round trip (see ARCHITECTURE, "Redis Cluster"); on
+one server a claim's quota places go in the same pipeline as its script.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from sluice.errors import BrokerError
 from sluice.fair_share import HeldQueue
 from sluice.vocabulary import LANES, Lane
 from sluice.wire import events, heartbeats, keys, scripts
-from sluice.wire.connections import reply_text, translate_redis_errors
+from sluice.wire.connections import is_cluster, reply_text, translate_redis_errors
 from sluice.wire.entries import Delivered, StreamEntry
 from sluice.wire.jobs import SHADOW_TENANT, JobRecord
 from sluice.wire.script_calls import Claim, Finished, claim_call, finish_call, parse_claims
@@ -70,20 +72,31 @@ async def free_places(redis: aioredis.Redis, jobs: Sequence[tuple[str, str]], *,
     its score (`sluice.wire.quota`). `read`: a version's `keys.queue_read` and, per lane stream,
     the highest job number just read, noted in the same round trip; `held`: lanes' held indexes
     (`keys.held_index`), whose counts of held jobs it answers, in the same round trip."""
+    pipe = redis.pipeline(transaction=False)
+    if not _queue_free_places(pipe, jobs, read=read, held=held):
+        return []
+    return _held_counts(await pipe.execute(), held)
+
+
+def _queue_free_places(pipe: Any, jobs: Sequence[tuple[str, str]], *, read: tuple[str, Mapping[str, int]] | None,
+                       held: Sequence[str]) -> bool:
+    """Add `free_places`' commands to a pipeline, the held counts' first; whether there were any."""
     by_tenant: dict[str, list[str]] = {}
     for tenant, job_id in jobs:
         if tenant != SHADOW_TENANT:
             by_tenant.setdefault(tenant, []).append(job_id)
     if not by_tenant and not (read and read[1]) and not held:
-        return []
-    pipe = redis.pipeline(transaction=False)
+        return False
     for index in held:
         pipe.hget(index, "*")
     for tenant, job_ids in by_tenant.items():
         pipe.zrem(keys.queued_jobs(tenant), *job_ids)
     if read and read[1]:
         pipe.zadd(read[0], dict(read[1]), gt=True)
-    replies = await pipe.execute()
+    return True
+
+
+def _held_counts(replies: Sequence[Any], held: Sequence[str]) -> list[int]:
     return [int(count or 0) for count in replies[:len(held)]]
 
 
@@ -135,6 +148,7 @@ class StreamConsumer:
         self._finish = redis.register_script(scripts.FINISH)
         self._refresh = redis.register_script(scripts.REFRESH)
         self._release = redis.register_script(scripts.RELEASE)
+        self._one_node = not is_cluster(redis)
         self._held_keys = {lane: keys.held_index(model, version, lane) for lane in LANES}
         # Per lane, how many jobs are held (queue.lua) as last seen, and its held queues as the
         # last release saw them: the worker releases while there are some.
@@ -177,19 +191,44 @@ class StreamConsumer:
         return found
 
     async def claim(self, delivered: Sequence[Delivered], *, now: float) -> list[Claim]:
-        """Claim each entry's job and settle the entries whose jobs will not run, in one round
-        trip; see claim.lua."""
+        """Claim each entry's job and settle the entries whose jobs will not run (claim.lua), then
+        free their quota places (`free_places`): one round trip on one server, two on a cluster."""
         script_keys, args = claim_call(self.model, self.version, delivered, now=now, worker=self.name,
                                        max_deliveries=self.max_deliveries, channel=self._events)
-        # Called on the client, not queued on a pipeline: a pipeline holding a script first asks
-        # the server whether it knows it (SCRIPT EXISTS), one more round trip every time.
+        jobs = [(item.entry.tenant, item.entry.job_id) for item in delivered]
+        read = (self._read_key, _highest_seq(self.streams, delivered))
+        held_keys = list(self._held_keys.values())
         with translate_redis_errors():
-            reply = await self._claim(keys=script_keys, args=args)
-            held = await free_places(self.redis, [(item.entry.tenant, item.entry.job_id) for item in delivered],
-                                     read=(self._read_key, _highest_seq(self.streams, delivered)),
-                                     held=list(self._held_keys.values()))
+            if self._one_node:
+                reply, held = await self._claim_and_free(script_keys, args, jobs, read=read, held=held_keys)
+            else:
+                # Called on the client, not queued on a pipeline: a pipeline holding a script object
+                # first asks the server whether it knows it (SCRIPT EXISTS), one more round trip.
+                reply = await self._claim(keys=script_keys, args=args)
+                held = await free_places(self.redis, jobs, read=read, held=held_keys)
         self.held_count.update(zip(self._held_keys, held, strict=True))
         return parse_claims(reply)
+
+    async def _claim_and_free(self, script_keys: Sequence[str], args: Sequence[Any], jobs: Sequence[tuple[str, str]],
+                              *, read: tuple[str, Mapping[str, int]], held: Sequence[str]) -> tuple[Any, list[int]]:
+        """The claim script and `free_places`' commands in one pipeline: one server runs them in
+        that order, so a place is still freed after its job's claim. The script goes by its
+        digest; a server that does not know it (restarted) runs the rest all the same, and the
+        claim runs again once the script is loaded: freeing those places early takes none that
+        their jobs hold, since the worker has read them and is claiming them."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.evalsha(self._claim.sha, len(script_keys), *script_keys, *args)
+        _queue_free_places(pipe, jobs, read=read, held=held)
+        replies = await pipe.execute(raise_on_error=False)
+        reply = replies[0]
+        if isinstance(reply, NoScriptError):
+            reply = await self._claim(keys=script_keys, args=args)
+        elif isinstance(reply, Exception):
+            raise reply
+        for failed in replies[1:]:
+            if isinstance(failed, Exception):
+                raise failed
+        return reply, _held_counts(replies[1:], held)
 
     async def release(self, lane: Lane, plan: Sequence[tuple[HeldQueue, int]]) -> None:
         """Move held jobs of `lane` into its stream as `plan` says (`sluice.fair_share.plan_release`),

@@ -2,8 +2,9 @@
 
 Each round trip costs the worker a send, a wait and a parse; on small batches they are most of its
 CPU outside the model (bench/worker_cost.py). Claiming a read (with settling the entries that will
-not run) is two: the claim script in the version's slot, then the quota places freed in the
-tenants' slots. Storing a batch (outcomes, samples, events, faults, acks) is one, and one more
+not run) is one on one server: the claim script in the version's slot and, in the same pipeline,
+the quota places freed in the tenants' slots (two round trips on a cluster, where this module
+skips). Storing a batch (outcomes, samples, events, faults, acks) is one, and one more
 when it queues shadow copies (another version's slot). On a single server a submission, admitted
 or refused, is one (`admit_queue.lua`).
 """
@@ -83,7 +84,7 @@ async def test_claiming_a_read_and_storing_its_batch_are_one_round_trip_each(cou
     delivered = await streams.read(["online"], count=100, block_ms=None)
 
     claims, trips = await round_trips(streams.claim(delivered, now=time.time()))
-    assert trips == 2
+    assert trips == 1
     verdicts = {d.entry.job_id: c.verdict for d, c in zip(delivered, claims, strict=True)}
     assert verdicts == {**{job_id: "run" for job_id in plain + copied}, cancelled: "cancelled"}
     run = [(d, c) for d, c in zip(delivered, claims, strict=True) if c.verdict == "run"]
@@ -159,3 +160,30 @@ async def test_on_one_server_a_submission_is_admitted_and_written_in_one_round_t
     assert not rds.exists(keys.job(refused.id))
     stream = [fields["id"] for _, fields in rds.xrange(keys.stream(model, "v1", "online"))]
     assert queued.id in stream and refused.id not in stream
+
+
+async def test_a_claim_on_a_server_that_lost_its_scripts_claims_and_frees_the_places(
+    counted: aioredis.Redis,
+) -> None:
+    """The claim goes by the script's digest in the pipeline that frees the places: after a
+    restart (or SCRIPT FLUSH) the server answers NOSCRIPT to it alone, and the claim runs again."""
+    model, tenant = unique("noscript"), unique("acme")
+    streams = StreamConsumer(redis=counted, model=model, version="v1", name="flushed", claim_after_s=30.0,
+                             max_deliveries=3, result_ttl_s=3600)
+    await streams.ensure_groups()
+    job_ids = await queue_in_redis(counted, model, [{"text": f"job {i}"} for i in range(3)], tenant=tenant)
+    await counted.zadd(keys.queued_jobs(tenant), dict.fromkeys(job_ids, time.time() + 3600))
+    delivered = await streams.read(["online"], count=10, block_ms=None)
+    await counted.script_flush()
+
+    claims = await streams.claim(delivered, now=time.time())
+
+    assert [claim.verdict for claim in claims] == ["run", "run", "run"]
+    assert [await counted.hget(keys.job(job_id), "status") for job_id in job_ids] == [b"running"] * 3
+    assert await counted.zcard(keys.queued_jobs(tenant)) == 0
+    # Known again from then on: the next claim is one round trip.
+    more = await queue_in_redis(counted, model, [{"text": "one more"}], tenant=tenant)
+    delivered = await streams.read(["online"], count=10, block_ms=None)
+    claims, trips = await round_trips(streams.claim(delivered, now=time.time()))
+    assert [claim.verdict for claim in claims] == ["run"] and trips == 1
+    assert await counted.hget(keys.job(more[0]), "status") == b"running"

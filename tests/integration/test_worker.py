@@ -8,6 +8,7 @@ the batches it forms do not depend on how fast this test submits.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -184,6 +185,66 @@ def test_a_worker_whose_model_is_busy_leaves_a_new_job_to_an_idle_one(
     assert rds.hget(keys.job(first), "worker") != rds.hget(keys.job(second), "worker")
     started = datetime.fromisoformat(jobs[1]["timings"]["started_at"])
     assert started < datetime.fromisoformat(jobs[0]["timings"]["finished_at"]), jobs
+
+
+class _StreamReads:
+    """The XREADGROUP calls on a model's online stream, with their server times (MONITOR)."""
+
+    def __init__(self, rds: redis.Redis, model: str) -> None:
+        self.stream = keys.stream(model, "v1", "online")
+        self.times: list[float] = []
+        self._stop = threading.Event()
+        self._monitor = rds.monitor().__enter__()
+        self._thread = threading.Thread(target=self._listen, daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        for command in self._monitor.listen():
+            if self._stop.is_set():
+                return
+            if command["command"].startswith("XREADGROUP") and self.stream in command["command"]:
+                self.times.append(float(command["time"]))
+
+    def stop(self, rds: redis.Redis) -> None:
+        self._stop.set()
+        rds.ping()  # one more command, so that the listener sees the flag
+        self._thread.join(timeout=10)
+        self._monitor.__exit__()
+
+
+def test_a_worker_whose_model_is_busy_reads_again_only_when_its_pass_ends(
+    demo: httpx.Client, register_synthetic: Callable[..., str], start_worker: Callable[..., Any],
+    wait_jobs: Callable[..., Jobs], rds: redis.Redis,
+) -> None:
+    """A read that emptied the streams is not repeated while the model runs: the second job,
+    arriving during the first one's pass, is read once that pass ends, by the read that would
+    have waited for it anyway. The worker read beside its busy model and at once again after each
+    claim, up to five reads a job where one does."""
+    if is_cluster(rds):
+        pytest.skip("MONITOR answers one node's commands")
+    # Passes shorter than the reader's 250 ms nap, so that no nap times out during one.
+    model = register_synthetic("reads", cost="fixed_s=0.15&per_item_s=0&per_token_s=0", max_batch_size=4,
+                               max_wait_ms=0)
+    start_worker(model)
+    # Past the first blocking read of a worker just started: the runner's first idle signal may
+    # still be set until that read times out, and would end the first nap at once.
+    time.sleep(0.6)
+    reads = _StreamReads(rds, model)
+    try:
+        [first] = bulk(demo, model, [{"text": "first"}], lane="online")
+        wait_until(lambda: rds.hget(keys.job(first), "status") == "running", timeout_s=10,
+                   what="the first job's pass", interval_s=0.005)
+        [second] = bulk(demo, model, [{"text": "second"}], lane="online")
+        jobs = wait_jobs(demo, [first, second])
+    finally:
+        reads.stop(rds)
+    assert [job["status"] for job in jobs] == ["succeeded", "succeeded"]
+    started, first_done, second_done = (datetime.fromisoformat(jobs[i]["timings"][field]).timestamp()
+                                        for i, field in ((0, "started_at"), (0, "finished_at"), (1, "finished_at")))
+    # None while the first job's pass ran; after it, the read that took the second job (and at most
+    # one more, should the second arrive only after that read's 250 ms had run out).
+    assert [t for t in reads.times if started < t < first_done] == [], reads.times
+    assert len([t for t in reads.times if started < t < second_done]) <= 2, reads.times
 
 
 def _queue_wait_s(job: dict[str, Any]) -> float:
