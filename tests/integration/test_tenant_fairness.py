@@ -27,10 +27,13 @@ pytestmark = pytest.mark.slow
 
 # The bench's target is 1.5x at p99 (bench/README.md). Here looser bounds, for a busy 2-core runner
 # where one stalled job sets a p99 of 100, as does the trickle's first job, which waits for the
-# flood's whole batch under way (50 ms): the median within twice the idle one, or twice a batching
-# window where the idle trickle ran at once (a lone job waits no window: sluice/batch_window.py),
-# and the p99 within 250 ms, where without the rule the trickle waits for the whole flood (about 9 s).
-MEDIAN_RATIO = 2.0
+# flood's whole batch under way (50 ms): the median within three times the idle one, or three
+# batching windows where the idle trickle ran at once (a lone job waits no window:
+# sluice/batch_window.py), and the p99 within 250 ms, where without the rule the trickle waits for
+# the whole flood (about 9 s). A trickle job that arrives during a flood batch waits for what is left
+# of it: medians of 19-25 ms on a 2-vCPU model-167 Xeon, before and after the worker's last change
+# to its reads, where twice the window allowed 20.
+MEDIAN_RATIO = 3.0
 P99_BOUND_MS = 250.0
 
 
