@@ -221,7 +221,7 @@ def test_a_worker_whose_model_is_busy_reads_again_only_when_its_pass_ends(
     have waited for it anyway. The worker read beside its busy model and at once again after each
     claim, up to five reads a job where one does."""
     if is_cluster(rds):
-        pytest.skip("MONITOR answers one node's commands")
+        pytest.skip("counts reads with MONITOR, which shows the commands of one node")
     # Passes shorter than the reader's 250 ms nap, so that no nap times out during one.
     model = register_synthetic("reads", cost="fixed_s=0.15&per_item_s=0&per_token_s=0", max_batch_size=4,
                                max_wait_ms=0)
