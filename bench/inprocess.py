@@ -139,6 +139,32 @@ def time_plan(encoder: Any, texts: Sequence[str], plan: str, batch_size: int) ->
     }
 
 
+def time_replay(encoder: Any, texts: Sequence[str], batches: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Run the given batches (indices into `texts`) in their order, each split into the passes the
+    encoder plans, as the worker's handler does: the platform's own batch plan, replayed."""
+    from workers.models.minilm import DEFAULT_MAX_BATCH_TOKENS
+
+    encoder.max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
+    window = CpuWindow()
+    cpu0 = time.process_time()
+    started = time.perf_counter()
+    for batch in batches:
+        encoder.encode([texts[i] for i in batch])
+    elapsed = time.perf_counter() - started
+    own_cpu = time.process_time() - cpu0
+    window.stop()
+    lengths = encoder.token_lengths(texts)
+    passes = plan_passes(encoder, "chunked", batches, lengths)
+    count = sum(len(batch) for batch in batches)
+    return {
+        "plan": "replay", "texts": count, "batches": len(batches), "passes": len(passes),
+        "seconds": elapsed, "texts_per_s": count / elapsed,
+        "padding_ratio": padding_ratio(lengths, passes), "own_cpu_s": own_cpu,
+        "cpu_ms_per_text": 1000 * own_cpu / count, "system_busy_s": window.busy,
+        "foreign_cores": window.foreign_cores(own_cpu),
+    }
+
+
 def run_plans(texts: Sequence[str], plans: Sequence[str], *, threads: int, batch_size: int,
               repeats: int = 1, quiet_s: float = 0.0) -> dict[str, dict[str, Any]]:
     """Every plan `repeats` times (interleaved), keeping the median-throughput run of each."""
@@ -185,13 +211,14 @@ def run_plans_isolated(texts: Sequence[str], plans: Sequence[str], *, threads: i
 
 
 def _parallel_child(texts: Sequence[str], plan: str, threads: int, batch_size: int, precision: str,
-                    barrier: Any, queue: Any) -> None:
+                    barrier: Any, queue: Any, batches: Sequence[Sequence[int]] | None = None) -> None:
     try:
         encoder = load_encoder(threads, precision)
         warmup(encoder)
         barrier.wait(timeout=300)
         started = time.time()
-        result = time_plan(encoder, texts, plan, batch_size)
+        result = (time_plan(encoder, texts, plan, batch_size) if batches is None
+                  else time_replay(encoder, texts, batches))
         result["started_at"] = started
         result["finished_at"] = time.time()
         queue.put(("ok", result))
@@ -201,14 +228,21 @@ def _parallel_child(texts: Sequence[str], plan: str, threads: int, batch_size: i
 
 
 def run_parallel(texts: Sequence[str], plan: str, *, procs: int, threads: int, batch_size: int,
-                 precision: str = "fp32") -> dict[str, Any]:
+                 precision: str = "fp32", replay: Sequence[Sequence[Sequence[int]]] | None = None) -> dict[str, Any]:
     """`procs` processes of `threads` threads each, text i going to process i % procs, started
-    together on a barrier. Answers the sum of their throughputs and the wall-clock aggregate."""
+    together on a barrier. Answers the sum of their throughputs and the wall-clock aggregate.
+    With `replay` (one list of batches of text indices per process; `plan` is then "replay"), each
+    process runs its own batches of the whole `texts` instead (`time_replay`)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
+    if replay is not None:
+        procs = len(replay)
     barrier = ctx.Barrier(procs)
     children = [ctx.Process(target=_parallel_child,
-                            args=(list(texts[i::procs]), plan, threads, batch_size, precision, barrier, queue))
+                            args=((list(texts[i::procs]), plan, threads, batch_size, precision, barrier, queue)
+                                  if replay is None else
+                                  (list(texts), plan, threads, batch_size, precision, barrier, queue,
+                                   [list(batch) for batch in replay[i]])))
                 for i in range(procs)]
     for child in children:
         child.start()
@@ -217,17 +251,18 @@ def run_parallel(texts: Sequence[str], plan: str, *, procs: int, threads: int, b
     if errors:
         raise RuntimeError(f"parallel in-process bench failed: {errors}")
     parts = [payload for _, payload in results]
+    texts_done = sum(p["texts"] for p in parts)
     wall = max(p["finished_at"] for p in parts) - min(p["started_at"] for p in parts)
     # Each child saw the whole machine: what was busy beyond all the children's own CPU.
     busy = statistics.fmean(p["system_busy_s"] for p in parts)
     elapsed = statistics.fmean(p["seconds"] for p in parts)
     foreign = max(0.0, busy - sum(p["own_cpu_s"] for p in parts)) / elapsed
     return {
-        "plan": plan, "procs": procs, "threads": threads, "texts": len(texts), "precision": precision,
+        "plan": plan, "procs": procs, "threads": threads, "texts": texts_done, "precision": precision,
         "texts_per_s_sum": sum(p["texts_per_s"] for p in parts),
-        "texts_per_s_wall": len(texts) / wall,
+        "texts_per_s_wall": texts_done / wall,
         "padding_ratio": [p["padding_ratio"] for p in parts], "foreign_cores": foreign,
-        "cpu_ms_per_text": 1000 * sum(p["own_cpu_s"] for p in parts) / len(texts),
+        "cpu_ms_per_text": 1000 * sum(p["own_cpu_s"] for p in parts) / texts_done,
         "per_process": parts,
     }
 

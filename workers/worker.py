@@ -86,10 +86,10 @@ def consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
 
 
-# The batcher runs online items before any bulk one (sluice/batcher.py).
 # How long a stopping worker waits for its cancelled loops.
 LOOP_STOP_S = 2.0
 
+# The batcher runs online items before any bulk one (sluice/batcher.py).
 LANE_PRIORITY: dict[Lane, int] = {"online": 0, "bulk": 1}
 
 
