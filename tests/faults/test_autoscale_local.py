@@ -121,8 +121,11 @@ def test_with_too_few_processes_the_latency_tier_gets_the_spare_and_the_batch_ti
             scheduler(database_url, redis_url, tmp_path, slots=3) as log_path:
         wait_for(lambda: live_workers(client, chat) == 1 and live_workers(client, nightly) == 1, 60,
                  "the scheduler never started each model's floor")
-        nightly_ids = queue(client, nightly, JOBS)
+        # Chat's backlog first: a scheduler pass that falls between the two writes then sees chat's
+        # alone and gives it the spare, as a pass that sees both does. The other way round, such a
+        # pass rightly gives the spare to nightly, the only model then asking for more.
         chat_ids = queue(client, chat, JOBS)
+        nightly_ids = queue(client, nightly, JOBS)
         # Both want 3 processes, 3 in all and tiers apart: chat gets its own and the spare one,
         # nightly keeps the one its floor holds, never none.
         wait_for(lambda: live_workers(client, chat) == 2, 30, "the latency tier did not get the spare process")
