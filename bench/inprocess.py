@@ -130,11 +130,17 @@ def time_plan(encoder: Any, texts: Sequence[str], plan: str, batch_size: int) ->
     window.stop()
     real_lengths = lengths or encoder.token_lengths(texts)  # outside the timing when not needed
     passes = plan_passes(encoder, plan, batches, real_lengths)
+    return {**_timed(plan, len(texts), batches, passes, real_lengths, elapsed, own_cpu, window),
+            "mean_batch_ms": 1000 * statistics.fmean(batch_s)}
+
+
+def _timed(plan: str, count: int, batches: Sequence[Sequence[int]], passes: Sequence[Sequence[int]],
+           lengths: Sequence[int], elapsed: float, own_cpu: float, window: CpuWindow) -> dict[str, Any]:
+    """What a timed run of `count` texts in `batches` (run as `passes`) answers."""
     return {
-        "plan": plan, "texts": len(texts), "batches": len(batches), "seconds": elapsed,
-        "texts_per_s": len(texts) / elapsed, "padding_ratio": padding_ratio(real_lengths, passes),
-        "mean_batch_ms": 1000 * statistics.fmean(batch_s),
-        "own_cpu_s": own_cpu, "cpu_ms_per_text": 1000 * own_cpu / len(texts), "system_busy_s": window.busy,
+        "plan": plan, "texts": count, "batches": len(batches), "passes": len(passes), "seconds": elapsed,
+        "texts_per_s": count / elapsed, "padding_ratio": padding_ratio(lengths, passes),
+        "own_cpu_s": own_cpu, "cpu_ms_per_text": 1000 * own_cpu / count, "system_busy_s": window.busy,
         "foreign_cores": window.foreign_cores(own_cpu),
     }
 
@@ -155,14 +161,8 @@ def time_replay(encoder: Any, texts: Sequence[str], batches: Sequence[Sequence[i
     window.stop()
     lengths = encoder.token_lengths(texts)
     passes = plan_passes(encoder, "chunked", batches, lengths)
-    count = sum(len(batch) for batch in batches)
-    return {
-        "plan": "replay", "texts": count, "batches": len(batches), "passes": len(passes),
-        "seconds": elapsed, "texts_per_s": count / elapsed,
-        "padding_ratio": padding_ratio(lengths, passes), "own_cpu_s": own_cpu,
-        "cpu_ms_per_text": 1000 * own_cpu / count, "system_busy_s": window.busy,
-        "foreign_cores": window.foreign_cores(own_cpu),
-    }
+    return _timed("replay", sum(len(batch) for batch in batches), batches, passes, lengths, elapsed, own_cpu,
+                  window)
 
 
 def run_plans(texts: Sequence[str], plans: Sequence[str], *, threads: int, batch_size: int,
@@ -235,15 +235,15 @@ def run_parallel(texts: Sequence[str], plan: str, *, procs: int, threads: int, b
     process runs its own batches of the whole `texts` instead (`time_replay`)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    if replay is not None:
-        procs = len(replay)
+    # Each child's texts, and the batches it replays (None: it plans its own share).
+    shares: list[tuple[list[str], list[list[int]] | None]] = (
+        [(list(texts[i::procs]), None) for i in range(procs)] if replay is None
+        else [(list(texts), [list(batch) for batch in own]) for own in replay])
+    procs = len(shares)
     barrier = ctx.Barrier(procs)
     children = [ctx.Process(target=_parallel_child,
-                            args=((list(texts[i::procs]), plan, threads, batch_size, precision, barrier, queue)
-                                  if replay is None else
-                                  (list(texts), plan, threads, batch_size, precision, barrier, queue,
-                                   [list(batch) for batch in replay[i]])))
-                for i in range(procs)]
+                            args=(share, plan, threads, batch_size, precision, barrier, queue, batches))
+                for share, batches in shares]
     for child in children:
         child.start()
     results = _gather(queue, children)

@@ -140,10 +140,7 @@ def read_jobs(platform: BenchPlatform, ids: Sequence[str]) -> list[dict[str, Any
 def batch_report(jobs: Sequence[dict[str, Any]], lengths: dict[str, int], t0: float) -> dict[str, Any]:
     """Batches (jobs sharing a worker and a start time), their sizes, close reasons and padding,
     and each worker's busy / idle time between t0 (first submit) and its last completion."""
-    batches: dict[tuple[str, float], list[dict[str, Any]]] = defaultdict(list)
-    for job in jobs:
-        if job["status"] == "succeeded":
-            batches[(job["worker"], job["started_at"])].append(job)
+    batches = passes_run(jobs)
     sizes = [members[0]["batch_size"] for members in batches.values()]
     reasons = Counter(members[0]["close_reason"] for members in batches.values())
     complete = [m for m in batches.values() if len(m) == m[0]["batch_size"]]  # no foreign job inside
@@ -178,18 +175,23 @@ def batch_report(jobs: Sequence[dict[str, Any]], lengths: dict[str, int], t0: fl
     }
 
 
-def replay_batches(jobs: Sequence[dict[str, Any]], ids: Sequence[str]) -> list[list[list[int]]]:
-    """The passes each worker ran (jobs that succeeded, sharing a worker and a start time), in the
-    order it ran them, as indices into `ids`: one list per worker, for the in-process baseline of the
-    same batch plan (bench.inprocess.time_replay)."""
-    index = {job_id: i for i, job_id in enumerate(ids)}
-    passes: dict[tuple[str, float], list[int]] = defaultdict(list)
+def passes_run(jobs: Sequence[dict[str, Any]]) -> dict[tuple[str, float], list[dict[str, Any]]]:
+    """The jobs that succeeded, by the pass that ran them: a worker stores each pass with its own
+    start time, so (worker, started_at) names one."""
+    passes: dict[tuple[str, float], list[dict[str, Any]]] = defaultdict(list)
     for job in jobs:
         if job["status"] == "succeeded":
-            passes[(job["worker"], job["started_at"])].append(index[job["id"]])
+            passes[(job["worker"], job["started_at"])].append(job)
+    return passes
+
+
+def replay_batches(jobs: Sequence[dict[str, Any]], ids: Sequence[str]) -> list[list[list[int]]]:
+    """The passes each worker ran, in the order it ran them, as indices into `ids`: one list per
+    worker, for the in-process baseline of the same batch plan (bench.inprocess.time_replay)."""
+    index = {job_id: i for i, job_id in enumerate(ids)}
     by_worker: dict[str, list[list[int]]] = defaultdict(list)
-    for (worker, _), members in sorted(passes.items(), key=lambda kv: kv[0][1]):
-        by_worker[worker].append(sorted(members))
+    for (worker, _), members in sorted(passes_run(jobs).items(), key=lambda kv: kv[0][1]):
+        by_worker[worker].append(sorted(index[job["id"]] for job in members))
     return [by_worker[worker] for worker in sorted(by_worker)]
 
 
