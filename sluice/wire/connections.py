@@ -64,6 +64,37 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, (aioredis.RedisCluster, redis.RedisCluster))
 
 
+def _handshake_checked(connection_class: type[Any]) -> type[Any]:
+    """`connection_class` whose handshake turns a malformed reply into a ConnectionError.
+
+    redis-py opens every connection with HELLO and reads the reply as a map. A node that is
+    restarting has been seen to answer it with something else, and redis-py then raises an
+    AttributeError from inside the handshake, which no caller can tell from a bug of its own. As
+    a ConnectionError it takes redis-py's reconnect path, and `translate_redis_errors` makes it
+    BrokerUnavailable like any other moment without Redis.
+    """
+    async def on_connect_check_health(self: aioredis.Connection, check_health: bool = True) -> None:
+        try:
+            await connection_class.on_connect_check_health(self, check_health=check_health)
+        except (AttributeError, TypeError) as exc:  # the caller disconnects on a RedisError
+            raise redis_errors.ConnectionError(f"malformed reply to the connection handshake: {exc}") from exc
+
+    return type(f"HandshakeChecked{connection_class.__name__}", (connection_class,),
+                {"on_connect_check_health": on_connect_check_health})
+
+
+def _handshake_checked_sync(connection_class: type[Any]) -> type[Any]:
+    """`_handshake_checked` for the synchronous client."""
+    def on_connect_check_health(self: redis.Connection, check_health: bool = True) -> None:
+        try:
+            connection_class.on_connect_check_health(self, check_health=check_health)
+        except (AttributeError, TypeError) as exc:
+            raise redis_errors.ConnectionError(f"malformed reply to the connection handshake: {exc}") from exc
+
+    return type(f"HandshakeChecked{connection_class.__name__}", (connection_class,),
+                {"on_connect_check_health": on_connect_check_health})
+
+
 def connect(url: str, *, max_connections: int = 64, socket_timeout_s: float = 5.0) -> aioredis.Redis:
     node_url = cluster_url(url)
     if node_url is not None:
@@ -71,6 +102,13 @@ def connect(url: str, *, max_connections: int = 64, socket_timeout_s: float = 5.
         # would turn a busy moment into 503s; its pool grows with the requests in flight instead.
         cluster = aioredis.RedisCluster.from_url(
             node_url, socket_timeout=socket_timeout_s, socket_connect_timeout=2.0, health_check_interval=15)
+        # The cluster client takes no connection class of its own: each node it finds is built
+        # from the nodes manager's kwargs, and the start-up nodes are built already.
+        nodes = cluster.nodes_manager
+        checked = _handshake_checked(nodes.connection_kwargs.get("connection_class", aioredis.Connection))
+        nodes.connection_kwargs["connection_class"] = checked
+        for node in nodes.startup_nodes.values():
+            node.connection_class = checked
         return cast(aioredis.Redis, cluster)
     # A blocking pool makes a burst of requests wait for a free connection; the default pool
     # raises "Too many connections", which would turn a busy moment into 503s.
@@ -83,6 +121,7 @@ def connect(url: str, *, max_connections: int = 64, socket_timeout_s: float = 5.
         health_check_interval=15,
         retry_on_timeout=False,
     )
+    pool.connection_class = _handshake_checked(pool.connection_class)
     return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() disconnects it
 
 
@@ -90,10 +129,14 @@ def connect_sync(url: str, *, socket_timeout_s: float | None = 5.0, **options: A
     """The synchronous client of `url` (Celery tasks, the scheduler), a cluster client likewise."""
     node_url = cluster_url(url)
     if node_url is not None:
-        cluster = redis.RedisCluster.from_url(node_url, socket_timeout=socket_timeout_s,
-                                              socket_connect_timeout=2.0, **options)
+        plain_class = redis.SSLConnection if node_url.startswith("rediss:") else redis.Connection
+        cluster = redis.RedisCluster.from_url(node_url, socket_timeout=socket_timeout_s, socket_connect_timeout=2.0,
+                                              connection_class=_handshake_checked_sync(plain_class), **options)
         return cast(redis.Redis, cluster)
-    return redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=2.0, **options)
+    client = redis.Redis.from_url(url, socket_timeout=socket_timeout_s, socket_connect_timeout=2.0, **options)
+    pool = client.connection_pool
+    pool.connection_class = _handshake_checked_sync(pool.connection_class)
+    return client
 
 
 def stop_if_cancelled(exc: BrokerError | None = None) -> None:
