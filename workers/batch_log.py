@@ -7,7 +7,7 @@ fill time), so the log keeps what only it can give: the batches that hold a job 
 the caller chose (`X-Request-Id`, or a batch's rows under the batch's id), at INFO with their
 `job_ids` and `request_ids`; every other batch at DEBUG with the same fields; and at INFO, at most
 once per `summary_every_s`, how many batches and jobs were stored since the last summary and why
-their batches closed. Never inputs or outputs.
+their batches closed. A failed job gets a warning of its own. Never inputs or outputs.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from sluice.logs import is_generated_request_id
+from workers.results import Delivery
 
 log = logging.getLogger("workers.worker")
 
@@ -35,6 +37,12 @@ class BatchLog:
         self._batches = 0
         self._jobs = 0
         self._reasons: Counter[str] = Counter()
+
+    def failed(self, jobs: Sequence[tuple[Delivery, Mapping[str, Any]]]) -> None:
+        """A warning per job that failed, with its error (already scrubbed of the input)."""
+        for job, error in jobs:
+            log.warning("job %s failed: %s", job.job_id, error.get("message", ""), extra={
+                "job_id": job.job_id, "request_id": job.request_id, "error_code": error.get("code")})
 
     def stored(self, *, lane: str, close_reason: str, model_ms: float, job_ids: Sequence[str],
                request_ids: Sequence[str | None]) -> None:

@@ -28,9 +28,10 @@ from sluice.retry import RetryPolicy
 from sluice.vocabulary import Lane
 from sluice.wire import keys
 from sluice.wire.connections import translate_redis_errors
+from sluice.wire.entries import Delivered
 from sluice.wire.jobs import OUTPUT_FIELD, SHADOW_TENANT, JobRecord, JobStatus
 from sluice.wire.samples import Sample
-from sluice.wire.script_calls import Finished
+from sluice.wire.script_calls import Claim, Finished
 from sluice.wire.streams import StreamConsumer
 from workers.execution import Outcome
 
@@ -53,6 +54,15 @@ class Delivery:
     output_ref: OutputRef | None = None
     run_timeout_s: float | None = None  # the job's own limit on its batch's run
     retry: RetryPolicy | None = None
+
+    @classmethod
+    def claimed(cls, delivered: Delivered, claim: Claim, *, arrived_at: float) -> Delivery:
+        """The job of a stream entry that its claim lets run here."""
+        entry = delivered.entry
+        return cls(job_id=entry.job_id, lane=delivered.lane, input=claim.input, attempts=claim.attempts,
+                   shadow=entry.shadow, shadow_of=entry.shadow_of, arrived_at=arrived_at,
+                   request_id=entry.request_id, input_ref=claim.input_ref, output_ref=claim.output_ref,
+                   run_timeout_s=entry.run_timeout_s, retry=RetryPolicy.parse(entry.retry))
 
 
 def _json(value: dict[str, Any] | None) -> bytes:

@@ -35,9 +35,8 @@ import redis.asyncio as aioredis
 from sluice.backoff import Backoff
 from sluice.batcher import DEFAULT_BUCKET_BOUNDS, Batch, Item, MicroBatcher
 from sluice.cost import PassUsage
-from sluice.errors import BrokerError, HandlerHung, InferenceError, WorkerFailed
+from sluice.errors import BrokerError, HandlerHung, WorkerFailed
 from sluice.fair_share import DEFAULT_AGEING_S
-from sluice.retry import RetryPolicy
 from sluice.vocabulary import ClaimVerdict, Lane
 from sluice.wire.connections import stop_if_cancelled
 from sluice.wire.entries import Delivered
@@ -50,6 +49,7 @@ from workers.execution import Outcome, run_timed_out, timed_out
 from workers.holdings import Holdings, held_limit, releasable
 from workers.metrics import BatchMetrics
 from workers.models.protocol import ModelHandler
+from workers.passes import forward_passes, part
 from workers.references import References
 from workers.results import Delivery, ResultWriter
 from workers.service_rates import ServiceRates
@@ -91,12 +91,6 @@ LOOP_STOP_S = 2.0
 
 # The batcher runs online items before any bulk one (sluice/batcher.py).
 LANE_PRIORITY: dict[Lane, int] = {"online": 0, "bulk": 1}
-
-
-def _part(batch: Batch[Delivery], items: Sequence[Item[Delivery]]) -> Batch[Delivery]:
-    """Some of a batch's items, as a batch of their own (stored apart from the rest)."""
-    return Batch(items=tuple(items), close_reason=batch.close_reason, bucket=batch.bucket, tenant=batch.tenant,
-                 closed_at=batch.closed_at)
 
 
 class Worker:
@@ -236,7 +230,8 @@ class Worker:
                         None if loop.cancelled() else loop.exception())
             await reader
             # Reading has stopped: everything held is flushed and finished within the grace period.
-            self._ready.extend(part for batch in self.batcher.drain(self.clock()) for part in self._passes(batch))
+            self._ready.extend(one for batch in self.batcher.drain(self.clock())
+                               for one in forward_passes(self.handler, batch))
             self._reading_done = True
             self._wake_runner.set()
             await asyncio.wait_for(runner, timeout=self.shutdown_grace_s)
@@ -404,16 +399,9 @@ class Worker:
         for delivered, claim in zip(entries, claims, strict=True):
             entry = delivered.entry
             if claim.verdict == ClaimVerdict.run:
-                item = Item(
-                    id=delivered.entry_id, tenant=entry.tenant, cost=self._cost(claim.input, entry.cost),
-                    enqueued_at=entry.enqueued_at,
-                    priority=LANE_PRIORITY[delivered.lane], job_priority=entry.priority,
-                    payload=Delivery(job_id=entry.job_id, lane=delivered.lane, input=claim.input,
-                                     attempts=claim.attempts, shadow=entry.shadow, shadow_of=entry.shadow_of,
-                                     arrived_at=now, request_id=entry.request_id, input_ref=claim.input_ref,
-                                     output_ref=claim.output_ref, run_timeout_s=entry.run_timeout_s,
-                                     retry=RetryPolicy.parse(entry.retry)),
-                )
+                item = Item(id=delivered.entry_id, tenant=entry.tenant, cost=self._cost(claim.input, entry.cost),
+                            enqueued_at=entry.enqueued_at, priority=LANE_PRIORITY[delivered.lane],
+                            job_priority=entry.priority, payload=Delivery.claimed(delivered, claim, arrived_at=now))
                 self._turns.saw(entry.tenant, entry.share, now)
                 self.batcher.add(item)
                 self.holdings.hold(item.id, delivered.lane)
@@ -468,7 +456,7 @@ class Worker:
             if left:
                 usage = pass_usage(self.handler, batch.items, model_s=model_s, idle_s=turn.idle_s, cores=self.cores,
                                    gpus=self.gpus)
-                self._store(_part(batch, left), outcomes, started, model_s, usage)
+                self._store(part(batch, left), outcomes, started, model_s, usage)
 
     def _limit(self, now: float) -> Callable[[str], int | None] | None:
         return self._turns.limit(now, items_per_s=self.rates.items_per_s())
@@ -500,13 +488,13 @@ class Worker:
                               self.batch_timeout_s)
                     turn.used(self.batch_timeout_s)
                     if left:
-                        await self._complete(_part(batch, left), timed_out(len(left), self.batch_timeout_s),
+                        await self._complete(part(batch, left), timed_out(len(left), self.batch_timeout_s),
                                              started, self.batch_timeout_s)
                     raise HandlerHung(f"a batch ran past the {self.batch_timeout_s:g} s per-batch timeout") from None
                 over = [item for item in left if (item.payload.run_timeout_s or math.inf) <= limit]
                 log.warning("worker %s: %d jobs ran past their run_timeout_s of %g s; they fail (run_timeout) "
                             "while the pass runs on", self.name, len(over), limit)
-                self._store(_part(batch, over), [run_timed_out(limit) for _ in over], started, limit)
+                self._store(part(batch, over), [run_timed_out(limit) for _ in over], started, limit)
                 failed = {item.id for item in over}
                 left = [item for item in left if item.id not in failed]
                 continue
@@ -536,23 +524,9 @@ class Worker:
             batch = self.batcher.take(now, limit=self._limit(now))
         if batch is None:
             return None
-        first, *rest = self._passes(batch)
+        first, *rest = forward_passes(self.handler, batch)
         self._ready.extendleft(reversed(rest))
         return first
-
-    def _passes(self, batch: Batch[Delivery]) -> list[Batch[Delivery]]:
-        """A batch as the forward passes its handler plans, each stored as soon as it is done (a
-        short job does not wait for the long ones that shared its batch), the pass holding the
-        oldest job first: the tail is made of the jobs that have waited longest."""
-        if self.handler.length_buckets or len(batch.items) == 1 or any(
-                item.payload.input_ref is not None for item in batch.items):
-            return [batch]
-        try:
-            plan = self.handler.passes([item.payload.input for item in batch.items])
-        except InferenceError:
-            return [batch]  # a malformed input: run_isolating fails it alone
-        parts = [_part(batch, [batch.items[i] for i in sorted(part)]) for part in plan]
-        return sorted(parts, key=lambda part: part.oldest_enqueued_at)
 
     async def _complete(self, batch: Batch[Delivery], outcomes: list[Outcome], started: float, model_s: float,
                         usage: PassUsage | None = None) -> None:
@@ -585,16 +559,8 @@ class Worker:
                             window_s=self.batcher.window_s(batch.items[0].priority), usage=usage)
         self._tally.served(at=finished, lane=batch.items[0].payload.lane,
                            costs=[item.cost for item, first in zip(batch.items, won, strict=True) if first])
-        self._log_batch(batch, outcomes, won, model_ms)
-
-    def _log_batch(self, batch: Batch[Delivery], outcomes: list[Outcome], won: list[bool], model_ms: float) -> None:
-        """A line per failed job, and the batch to the batch log (workers/batch_log.py); never
-        inputs or outputs."""
-        for item, outcome, first in zip(batch.items, outcomes, won, strict=True):
-            if first and outcome.error is not None:
-                log.warning("job %s failed: %s", item.payload.job_id, outcome.error.get("message", ""), extra={
-                    "job_id": item.payload.job_id, "request_id": item.payload.request_id,
-                    "error_code": outcome.error.get("code")})
+        self._batch_log.failed([(item.payload, outcome.error) for item, outcome, first
+                                in zip(batch.items, outcomes, won, strict=True) if first and outcome.error is not None])
         self._batch_log.stored(lane=batch.items[0].payload.lane, close_reason=batch.close_reason, model_ms=model_ms,
                                job_ids=[item.payload.job_id for item in batch.items],
                                request_ids=[item.payload.request_id for item in batch.items])
