@@ -64,6 +64,10 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, (aioredis.RedisCluster, redis.RedisCluster))
 
 
+# Built once per redis-py connection class: some callers connect once per task or pass.
+_HANDSHAKE_CHECKED: dict[type[Any], type[Any]] = {}
+
+
 def _handshake_checked(connection_class: type[Any]) -> type[Any]:
     """`connection_class` whose handshake turns a malformed reply into a ConnectionError.
 
@@ -79,8 +83,7 @@ def _handshake_checked(connection_class: type[Any]) -> type[Any]:
         except (AttributeError, TypeError) as exc:  # the caller disconnects on a RedisError
             raise redis_errors.ConnectionError(f"malformed reply to the connection handshake: {exc}") from exc
 
-    return type(f"HandshakeChecked{connection_class.__name__}", (connection_class,),
-                {"on_connect_check_health": on_connect_check_health})
+    return _subclass(connection_class, on_connect_check_health)
 
 
 def _handshake_checked_sync(connection_class: type[Any]) -> type[Any]:
@@ -91,8 +94,14 @@ def _handshake_checked_sync(connection_class: type[Any]) -> type[Any]:
         except (AttributeError, TypeError) as exc:
             raise redis_errors.ConnectionError(f"malformed reply to the connection handshake: {exc}") from exc
 
-    return type(f"HandshakeChecked{connection_class.__name__}", (connection_class,),
-                {"on_connect_check_health": on_connect_check_health})
+    return _subclass(connection_class, on_connect_check_health)
+
+
+def _subclass(connection_class: type[Any], on_connect_check_health: Any) -> type[Any]:
+    if connection_class not in _HANDSHAKE_CHECKED:
+        _HANDSHAKE_CHECKED[connection_class] = type(f"HandshakeChecked{connection_class.__name__}", (connection_class,),
+                                                    {"on_connect_check_health": on_connect_check_health})
+    return _HANDSHAKE_CHECKED[connection_class]
 
 
 def connect(url: str, *, max_connections: int = 64, socket_timeout_s: float = 5.0) -> aioredis.Redis:
